@@ -1,0 +1,213 @@
+/**
+ * @file comm.hpp
+ * @brief `wm::communicator`: a fixed group of ranks, one process per GPU.
+ *
+ * - `wm::unique_id`: created by one rank, carried to all by any launcher.
+ * - `wm::communicator`: NCCL for everything that crosses GPUs; a host-side all-gather of small
+ *   byte buffers; barriers; node-local rank and size; `split`; device all-to-all-v.
+ * - `wm::node_channel`: passes POSIX file descriptors between the ranks of one node.
+ *
+ * Every collective member function must be called by all ranks in the same order. The host-side
+ * collectives (construction, `barrier`, `all_gather`, `split`, `expect_same`) exchange a small
+ * descriptor first, so ranks that call different collectives, or the same one with different
+ * arguments, get a `wm::comm_error` on every rank instead of a hang. Waits for peers end with a
+ * `wm::comm_error` after the communicator's timeout (a dead peer does not hang the others).
+ *
+ * Host code only: this header compiles with a plain C++20 compiler as well as with nvcc.
+ */
+#pragma once
+
+#include <wm/detail/comm/node_channel.hpp>
+#include <wm/detail/comm/posix.hpp>
+#include <wm/detail/comm/unique_id.hpp>
+#include <wm/error.hpp>
+
+#include <cuda/stream_ref>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace wm {
+
+/** @brief Settings of a communicator. */
+struct communicator_options {
+  /// How long any wait for peers may take before it fails with `wm::comm_error`.
+  /// The environment variable `WM_TIMEOUT_S` overrides the default of 300 s.
+  std::chrono::milliseconds timeout{default_timeout()};
+
+  [[nodiscard]] static std::chrono::milliseconds default_timeout()
+  {
+    if (char const* s = std::getenv("WM_TIMEOUT_S"); s != nullptr && *s != '\0') {
+      return std::chrono::milliseconds{static_cast<long long>(std::atof(s) * 1000.0)};
+    }
+    return std::chrono::seconds{300};
+  }
+};
+
+/**
+ * @brief A group of ranks, one process per GPU, with NCCL collectives and host-side exchange.
+ *
+ * Construction is collective: every rank calls it with the same id and size and its own rank,
+ * after selecting its GPU with `cudaSetDevice`. Move-only.
+ */
+class communicator {
+ public:
+  /// An empty communicator (`valid() == false`), e.g. what `split` gives a rank with color < 0.
+  communicator() = default;
+
+  /**
+   * @brief Joins the group (collective).
+   * @param id the id that one rank created with `unique_id::create()`
+   * @param rank this process's rank, in [0, size)
+   * @param size the number of ranks
+   * @param options timeouts
+   * @throw wm::logic_error on a bad rank or size or an invalid id
+   * @throw wm::comm_error if the group cannot be formed within the timeout
+   */
+  communicator(unique_id const& id, int rank, int size, communicator_options options = {});
+
+  communicator(communicator&&) noexcept            = default;
+  communicator& operator=(communicator&&) noexcept = default;
+  communicator(communicator const&)                = delete;
+  communicator& operator=(communicator const&)     = delete;
+  ~communicator() = default;  ///< not collective; a failed group is aborted, not waited on
+
+  [[nodiscard]] bool valid() const noexcept { return s_ != nullptr; }
+  [[nodiscard]] int rank() const noexcept { return s_->rank; }   ///< this rank
+  [[nodiscard]] int size() const noexcept { return s_->size; }   ///< number of ranks
+  [[nodiscard]] int device() const noexcept { return s_->device; }  ///< this rank's GPU
+  /// Rank among the ranks on this host (same hostname and boot id), ordered by rank.
+  [[nodiscard]] int local_rank() const noexcept { return s_->local_rank; }
+  /// Number of ranks on this host.
+  [[nodiscard]] int local_size() const noexcept
+  {
+    return static_cast<int>(s_->node_ranks.size());
+  }
+  /// The ranks on this host, ascending.
+  [[nodiscard]] std::vector<int> const& node_ranks() const noexcept { return s_->node_ranks; }
+  /// True if every rank of the group is on this host.
+  [[nodiscard]] bool single_node() const noexcept { return local_size() == size(); }
+  /// The NCCL communicator, for users who issue their own NCCL calls.
+  [[nodiscard]] ncclComm_t nccl() const noexcept { return s_->comm; }
+  /// The node-local descriptor channel (collective use: see `node_channel::all_gather`).
+  [[nodiscard]] node_channel& channel() noexcept { return s_->channel; }
+  /// The group token (unique per communicator; names node-local resources).
+  [[nodiscard]] std::uint64_t token() const noexcept { return s_->token; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return s_->timeout; }
+
+  /** @brief Waits until every rank has called `barrier` (collective). */
+  void barrier() { (void)exchange("barrier", 0, {}); }
+
+  /**
+   * @brief Host-side all-gather of small byte buffers (collective); sizes may differ by rank.
+   * @return one buffer per rank, in rank order
+   */
+  [[nodiscard]] std::vector<std::vector<std::byte>> all_gather_bytes(
+    std::span<std::byte const> mine)
+  {
+    return exchange("all_gather", 0, mine);
+  }
+
+  /** @brief Host-side all-gather of one trivially copyable value per rank (collective). */
+  template <class T>
+    requires std::is_trivially_copyable_v<T>
+  [[nodiscard]] std::vector<T> all_gather(T const& mine)
+  {
+    auto const parts = exchange("all_gather", sizeof(T), std::as_bytes(std::span{&mine, 1}));
+    std::vector<T> out(parts.size());
+    for (std::size_t r = 0; r < parts.size(); ++r) {
+      std::memcpy(&out[r], parts[r].data(), sizeof(T));
+    }
+    return out;
+  }
+
+  /**
+   * @brief Checks that every rank called the same collective @p what with the same @p args
+   * (collective). Higher modules call it at the start of their collective entry points.
+   * @throw wm::comm_error on every rank if any rank differs
+   */
+  void expect_same(std::string_view what, std::uint64_t args) { (void)exchange(what, args, {}); }
+
+  /**
+   * @brief Device all-to-all with per-peer counts (collective), grouped `ncclSend`/`ncclRecv`.
+   *
+   * Rank r sends `send_counts[p]` elements starting at `send + sum(send_counts[0..p))` to rank p
+   * and receives `recv_counts[p]` elements from p into `recv + sum(recv_counts[0..p))`. Counts are
+   * host values; zero counts are allowed. Enqueued on @p stream; returns without synchronizing.
+   * Counts must agree pairwise (what p sends to r is what r receives from p); this hot-path
+   * call does not exchange descriptors, so a disagreement is not detected here.
+   */
+  template <class T>
+  void all_to_all_v(T const* send,
+                    std::span<std::size_t const> send_counts,
+                    T* recv,
+                    std::span<std::size_t const> recv_counts,
+                    cuda::stream_ref stream) const;
+
+  /**
+   * @brief Splits the group (collective): ranks with the same @p color form a new communicator,
+   * ordered by @p key and then by rank. A rank with a negative color gets an empty communicator.
+   */
+  [[nodiscard]] communicator split(int color, int key);
+
+  /**
+   * @brief Fails the communicator: aborts NCCL so that no rank waits on it. Use after an error
+   * from which the group cannot recover; any later call throws.
+   */
+  void abort() noexcept;
+
+ private:
+  // Shared state lives on the heap so that moving a communicator never moves what NCCL and
+  // the channel refer to.
+  struct state {
+    ncclComm_t comm{nullptr};
+    int rank{0};
+    int size{0};
+    int device{0};
+    int local_rank{0};
+    std::vector<int> node_ranks;
+    std::vector<std::uint64_t> node_of_rank;
+    std::uint64_t token{0};
+    std::chrono::milliseconds timeout{};
+    node_channel channel;
+    cudaStream_t stream{nullptr};     // internal stream for host-side collectives
+    std::byte* scratch{nullptr};      // device scratch for host-side collectives
+    std::size_t scratch_bytes{0};
+    std::byte* staging{nullptr};      // pinned host mirror of scratch
+    std::uint64_t seq{0};             // number of host-side collectives issued
+    std::uint64_t split_seq{0};
+    bool failed{false};
+
+    state() = default;
+    state(state const&)            = delete;
+    state& operator=(state const&) = delete;
+    ~state();  // frees the stream and buffers; finalizes (or aborts) NCCL; never throws
+  };
+
+  explicit communicator(std::unique_ptr<state> s) : s_{std::move(s)} {}
+
+  void finish_setup();
+  void wait_nccl(std::string_view what) const;
+  void wait_stream(std::string_view what) const;
+  void ensure_scratch(std::size_t bytes);
+  std::vector<std::vector<std::byte>> exchange(std::string_view what,
+                                               std::uint64_t args,
+                                               std::span<std::byte const> mine);
+  void check_usable() const;
+
+  std::unique_ptr<state> s_;
+};
+
+}  // namespace wm
+
+#include <wm/detail/comm/communicator.hpp>

@@ -1,0 +1,335 @@
+// Bodies of wm::communicator (declared in <wm/comm.hpp>). Host-only.
+#pragma once
+
+#include <wm/comm.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+#include <thread>
+
+#include <unistd.h>
+
+namespace wm {
+namespace detail {
+
+/// What every rank contributes to each host-side collective; compared across ranks.
+struct collective_descriptor {
+  std::uint64_t magic;
+  std::uint64_t seq;
+  std::uint64_t args;
+  std::uint64_t bytes;  // payload size of this rank (may differ; not compared)
+  char name[32];
+};
+static_assert(sizeof(collective_descriptor) == 64);
+
+inline constexpr std::uint64_t descriptor_magic = 0x31637365642d6d77ull;  // "wm-desc1"
+
+/// Identity of this host: hostname and boot id (containers on one host share the boot id).
+[[nodiscard]] inline std::uint64_t node_key()
+{
+  char host[256]{};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream{"/proc/sys/kernel/random/boot_id"} >> boot;
+  return fnv1a(boot, fnv1a(host));
+}
+
+[[nodiscard]] inline std::string describe(collective_descriptor const& d)
+{
+  if (d.magic != descriptor_magic) { return "<garbage>"; }
+  std::string name{d.name, strnlen(d.name, sizeof(d.name))};
+  char args[32];
+  std::snprintf(args, sizeof(args), "0x%llx", static_cast<unsigned long long>(d.args));
+  return name + "(" + args + ") as collective #" + std::to_string(d.seq);
+}
+
+}  // namespace detail
+
+inline communicator::state::~state()
+{
+  int previous{};
+  bool const restore = cudaGetDevice(&previous) == cudaSuccess;
+  (void)cudaSetDevice(device);
+  if (comm != nullptr) {
+    bool ok = !failed && ncclCommFinalize(comm) != ncclInternalError;
+    if (ok) {
+      auto const deadline = detail::clock_type::now() + timeout;
+      ncclResult_t r      = ncclInProgress;
+      while (ok) {
+        if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) { r = ncclSystemError; }
+        if (r != ncclInProgress) { break; }
+        if (detail::clock_type::now() >= deadline) { ok = false; }
+        std::this_thread::yield();
+      }
+      ok = ok && r == ncclSuccess;
+    }
+    if (ok) {
+      (void)ncclCommDestroy(comm);
+    } else {
+      (void)ncclCommAbort(comm);
+    }
+  }
+  if (stream != nullptr) { (void)cudaStreamDestroy(stream); }
+  if (scratch != nullptr) { (void)cudaFree(scratch); }
+  if (staging != nullptr) { (void)cudaFreeHost(staging); }
+  if (restore) { (void)cudaSetDevice(previous); }
+}
+
+inline communicator::communicator(unique_id const& id,
+                                  int rank,
+                                  int size,
+                                  communicator_options options)
+{
+  WM_EXPECTS(size >= 1, "a communicator needs at least one rank, got size " +
+                          std::to_string(size));
+  WM_EXPECTS(rank >= 0 && rank < size, "rank must be in [0, " + std::to_string(size) +
+                                         "), got " + std::to_string(rank));
+  WM_EXPECTS(id.valid(), "the unique id is invalid (default-constructed or corrupted)");
+  WM_EXPECTS(options.timeout.count() > 0, "the timeout must be positive");
+  auto s     = std::make_unique<state>();
+  s->rank    = rank;
+  s->size    = size;
+  s->token   = id.token();
+  s->timeout = options.timeout;
+  WM_CUDA_TRY(cudaGetDevice(&s->device));
+  WM_CUDA_TRY(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking     = 0;  // every wait is ours, with a deadline
+  WM_NCCL_TRY(ncclCommInitRankConfig(&s->comm, size, id.nccl_id(), rank, &config));
+  s_ = std::move(s);
+  wait_nccl("communicator construction");
+  finish_setup();
+}
+
+inline void communicator::finish_setup()
+{
+  expect_same("communicator", static_cast<std::uint64_t>(s_->size));
+  s_->node_of_rank = all_gather(detail::node_key());
+  s_->node_ranks.clear();
+  for (int r = 0; r < s_->size; ++r) {
+    if (s_->node_of_rank[static_cast<std::size_t>(r)] ==
+        s_->node_of_rank[static_cast<std::size_t>(s_->rank)]) {
+      if (r == s_->rank) { s_->local_rank = static_cast<int>(s_->node_ranks.size()); }
+      s_->node_ranks.push_back(r);
+    }
+  }
+  s_->channel = node_channel{s_->token, s_->rank, s_->node_ranks, s_->timeout};
+  barrier();  // every channel listens before anyone sends
+}
+
+inline void communicator::check_usable() const
+{
+  WM_EXPECTS(s_ != nullptr, "this communicator is empty (moved from, or not part of a split)");
+  if (s_->failed) {
+    throw comm_error{"wm: the communicator failed earlier (a peer died, timed out or an NCCL "
+                     "error occurred) and was aborted; create a new one"};
+  }
+}
+
+inline void communicator::abort() noexcept
+{
+  if (s_ != nullptr && s_->comm != nullptr && !s_->failed) {
+    s_->failed = true;
+    (void)ncclCommAbort(s_->comm);
+    s_->comm = nullptr;
+  }
+}
+
+inline void communicator::wait_nccl(std::string_view what) const
+{
+  auto const deadline = detail::clock_type::now() + s_->timeout;
+  while (true) {
+    ncclResult_t r{};
+    ncclResult_t const q = ncclCommGetAsyncError(s_->comm, &r);
+    if (q != ncclSuccess) { r = q; }
+    if (r == ncclSuccess) { return; }
+    if (r != ncclInProgress) {
+      const_cast<communicator*>(this)->abort();
+      throw comm_error{"wm: NCCL failed during " + std::string{what} + " on rank " +
+                       std::to_string(s_->rank) + ": " + ncclGetErrorString(r) +
+                       "; the communicator was aborted"};
+    }
+    if (detail::clock_type::now() >= deadline) {
+      const_cast<communicator*>(this)->abort();
+      throw comm_error{"wm: rank " + std::to_string(s_->rank) + " timed out after " +
+                       std::to_string(s_->timeout.count()) + " ms in " + std::string{what} +
+                       "; a peer may have died or not joined. The communicator was aborted"};
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds{50});
+  }
+}
+
+inline void communicator::wait_stream(std::string_view what) const
+{
+  auto const deadline = detail::clock_type::now() + s_->timeout;
+  while (true) {
+    cudaError_t const q = cudaStreamQuery(s_->stream);
+    if (q == cudaSuccess) { return; }
+    if (q != cudaErrorNotReady) { WM_CUDA_TRY(q); }
+    ncclResult_t r{};
+    if (ncclCommGetAsyncError(s_->comm, &r) != ncclSuccess) { r = ncclSystemError; }
+    bool const late = detail::clock_type::now() >= deadline;
+    if ((r != ncclSuccess && r != ncclInProgress) || late) {
+      const_cast<communicator*>(this)->abort();
+      (void)cudaStreamSynchronize(s_->stream);  // the abort ends the pending kernels
+      throw comm_error{"wm: rank " + std::to_string(s_->rank) +
+                       (late ? " timed out after " + std::to_string(s_->timeout.count()) +
+                                 " ms waiting for peers in "
+                             : " saw an NCCL error in ") +
+                       std::string{what} +
+                       "; a peer may have died or called a different collective. The "
+                       "communicator was aborted"};
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds{20});
+  }
+}
+
+inline void communicator::ensure_scratch(std::size_t bytes)
+{
+  if (bytes <= s_->scratch_bytes) { return; }
+  bytes = std::max<std::size_t>(bytes, 4096);
+  if (s_->scratch != nullptr) { WM_CUDA_TRY(cudaFree(s_->scratch)); }
+  if (s_->staging != nullptr) { WM_CUDA_TRY(cudaFreeHost(s_->staging)); }
+  s_->scratch       = nullptr;
+  s_->staging       = nullptr;
+  s_->scratch_bytes = 0;
+  WM_CUDA_TRY(cudaMalloc(&s_->scratch, bytes));
+  WM_CUDA_TRY(cudaMallocHost(&s_->staging, bytes));
+  s_->scratch_bytes = bytes;
+}
+
+inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_view what,
+                                                                  std::uint64_t args,
+                                                                  std::span<std::byte const> mine)
+{
+  check_usable();
+  auto const n        = static_cast<std::size_t>(s_->size);
+  auto const me       = static_cast<std::size_t>(s_->rank);
+  constexpr auto desc = sizeof(detail::collective_descriptor);
+  ensure_scratch(n * desc);
+
+  detail::collective_descriptor d{detail::descriptor_magic, s_->seq++, args, mine.size(), {}};
+  std::memcpy(d.name, what.data(), std::min(what.size(), sizeof(d.name) - 1));
+  std::memcpy(s_->staging + me * desc, &d, desc);
+  WM_CUDA_TRY(cudaMemcpyAsync(s_->scratch + me * desc, s_->staging + me * desc, desc,
+                              cudaMemcpyHostToDevice, s_->stream));
+  WM_NCCL_TRY(ncclAllGather(s_->scratch + me * desc, s_->scratch, desc, ncclUint8, s_->comm,
+                            s_->stream));
+  wait_nccl(what);
+  WM_CUDA_TRY(cudaMemcpyAsync(s_->staging, s_->scratch, n * desc, cudaMemcpyDeviceToHost,
+                              s_->stream));
+  wait_stream(what);
+
+  std::vector<detail::collective_descriptor> all(n);
+  std::memcpy(all.data(), s_->staging, n * desc);
+  std::size_t longest = 0;
+  bool same           = true;
+  for (auto const& x : all) {
+    same = same && x.magic == d.magic && x.seq == d.seq && x.args == d.args &&
+           std::memcmp(x.name, d.name, sizeof(d.name)) == 0;
+    longest = std::max<std::size_t>(longest, x.bytes);
+  }
+  if (!same) {
+    std::string msg = "wm: mismatched collective calls across ranks:";
+    for (std::size_t r = 0; r < n; ++r) {
+      msg += " rank " + std::to_string(r) + " called " + detail::describe(all[r]) + ";";
+    }
+    msg += " every rank must call the same collectives in the same order with the same arguments";
+    throw comm_error{msg};
+  }
+
+  std::vector<std::vector<std::byte>> out(n);
+  if (longest == 0) { return out; }
+  ensure_scratch(n * longest);
+  std::memcpy(s_->staging + me * longest, mine.data(), mine.size());
+  WM_CUDA_TRY(cudaMemcpyAsync(s_->scratch + me * longest, s_->staging + me * longest, longest,
+                              cudaMemcpyHostToDevice, s_->stream));
+  WM_NCCL_TRY(ncclAllGather(s_->scratch + me * longest, s_->scratch, longest, ncclUint8,
+                            s_->comm, s_->stream));
+  wait_nccl(what);
+  WM_CUDA_TRY(cudaMemcpyAsync(s_->staging, s_->scratch, n * longest, cudaMemcpyDeviceToHost,
+                              s_->stream));
+  wait_stream(what);
+  for (std::size_t r = 0; r < n; ++r) {
+    auto const* p = s_->staging + r * longest;
+    out[r].assign(p, p + all[r].bytes);
+  }
+  return out;
+}
+
+template <class T>
+void communicator::all_to_all_v(T const* send,
+                                std::span<std::size_t const> send_counts,
+                                T* recv,
+                                std::span<std::size_t const> recv_counts,
+                                cuda::stream_ref stream) const
+{
+  check_usable();
+  auto const n = static_cast<std::size_t>(s_->size);
+  WM_EXPECTS(send_counts.size() == n && recv_counts.size() == n,
+             "all_to_all_v needs one send and one receive count per rank (" + std::to_string(n) +
+               "), got " + std::to_string(send_counts.size()) + " and " +
+               std::to_string(recv_counts.size()));
+  std::size_t const total_send = std::accumulate(send_counts.begin(), send_counts.end(), std::size_t{0});
+  std::size_t const total_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0});
+  WM_EXPECTS(total_send == 0 || send != nullptr, "all_to_all_v: send buffer is null");
+  WM_EXPECTS(total_recv == 0 || recv != nullptr, "all_to_all_v: receive buffer is null");
+  std::size_t send_offset = 0;
+  std::size_t recv_offset = 0;
+  WM_NCCL_TRY(ncclGroupStart());
+  for (std::size_t p = 0; p < n; ++p) {
+    if (send_counts[p] > 0) {
+      WM_NCCL_TRY(ncclSend(send + send_offset, send_counts[p] * sizeof(T), ncclUint8,
+                           static_cast<int>(p), s_->comm, stream.get()));
+    }
+    if (recv_counts[p] > 0) {
+      WM_NCCL_TRY(ncclRecv(recv + recv_offset, recv_counts[p] * sizeof(T), ncclUint8,
+                           static_cast<int>(p), s_->comm, stream.get()));
+    }
+    send_offset += send_counts[p];
+    recv_offset += recv_counts[p];
+  }
+  WM_NCCL_TRY(ncclGroupEnd());
+  wait_nccl("all_to_all_v");
+}
+
+inline communicator communicator::split(int color, int key)
+{
+  check_usable();
+  struct choice {
+    int color;
+    int key;
+  };
+  auto const choices = all_gather(choice{color, key});
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking     = 0;
+  ncclComm_t sub      = nullptr;
+  WM_NCCL_TRY(ncclCommSplit(s_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &config));
+  wait_nccl("split");
+  std::uint64_t const seq = s_->split_seq++;
+  if (color < 0) { return communicator{}; }
+
+  std::vector<int> members;
+  for (int r = 0; r < s_->size; ++r) {
+    if (choices[static_cast<std::size_t>(r)].color == color) { members.push_back(r); }
+  }
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+    return choices[static_cast<std::size_t>(a)].key < choices[static_cast<std::size_t>(b)].key;
+  });
+  auto s     = std::make_unique<state>();
+  s->comm    = sub;
+  s->size    = static_cast<int>(members.size());
+  s->rank    = static_cast<int>(std::find(members.begin(), members.end(), s_->rank) - members.begin());
+  s->device  = s_->device;
+  s->timeout = s_->timeout;
+  s->token   = detail::mix64(s_->token, detail::mix64(seq, static_cast<std::uint64_t>(color)));
+  WM_CUDA_TRY(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+  communicator child{std::move(s)};
+  child.wait_nccl("split");  // the new communicator finishes its own setup
+  child.finish_setup();
+  return child;
+}
+
+}  // namespace wm

@@ -1,0 +1,9 @@
+/**
+ * @file wm.cuh
+ * @brief Umbrella header: includes every public wm module.
+ */
+#pragma once
+
+#include <wm/comm.hpp>
+#include <wm/error.hpp>
+#include <wm/launch.hpp>
