@@ -1,1 +1,356 @@
+// GPU tests of wm::communicator. [gpu]: one rank; [multi_gpu]: as many ranks as GPUs (>= 2).
+// Every rank is a forked process with its own GPU; checks inside ranks throw (RANK_REQUIRE) and
+// wm::launch turns that into a launch_error that fails the test in the parent.
 #include "catch.hpp"
+#include "rank_check.hpp"
+
+#include <wm/wm.cuh>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <sys/mman.h>
+
+using namespace std::chrono_literals;
+
+namespace {
+
+int ranks_for_multi() { return wm::local_device_count(); }
+
+// Value that rank `src` sends to rank `dst` at position i; distinct for every triple.
+__host__ __device__ inline long long payload(int src, int dst, std::size_t i, long long salt)
+{
+  return salt ^ ((static_cast<long long>(src) << 48) | (static_cast<long long>(dst) << 40) |
+                 static_cast<long long>(i));
+}
+
+__global__ void fill_sends(long long* out,
+                           std::size_t const* offsets,
+                           std::size_t const* counts,
+                           int src,
+                           int world,
+                           long long salt)
+{
+  for (int dst = 0; dst < world; ++dst) {
+    for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < counts[dst];
+         i += gridDim.x * blockDim.x) {
+      out[offsets[dst] + i] = payload(src, dst, i, salt);
+    }
+  }
+}
+
+// Count matrix shared by all ranks (same seed): counts[src][dst], with zeros and uneven sizes.
+std::vector<std::vector<std::size_t>> count_matrix(int world, std::uint64_t seed)
+{
+  std::mt19937_64 rng{seed};
+  std::vector<std::vector<std::size_t>> c(static_cast<std::size_t>(world),
+                                          std::vector<std::size_t>(static_cast<std::size_t>(world)));
+  for (auto& row : c) {
+    for (auto& x : row) {
+      auto const pick = rng() % 4;
+      x = pick == 0 ? 0 : pick == 1 ? 1 + rng() % 7 : pick == 2 ? 1000 + rng() % 5000 : rng() % 300000;
+    }
+  }
+  return c;
+}
+
+void check_all_to_all(wm::communicator& comm, std::uint64_t seed, bool all_zero)
+{
+  int const world = comm.size();
+  int const me    = comm.rank();
+  auto counts     = count_matrix(world, seed);
+  if (all_zero) {
+    for (auto& row : counts) { std::fill(row.begin(), row.end(), 0); }
+  }
+  long long const salt = static_cast<long long>(seed * 7919);
+  std::vector<std::size_t> send_counts = counts[static_cast<std::size_t>(me)];
+  std::vector<std::size_t> recv_counts(static_cast<std::size_t>(world));
+  for (int p = 0; p < world; ++p) {
+    recv_counts[static_cast<std::size_t>(p)] =
+      counts[static_cast<std::size_t>(p)][static_cast<std::size_t>(me)];
+  }
+  std::vector<std::size_t> send_off(static_cast<std::size_t>(world) + 1, 0);
+  std::vector<std::size_t> recv_off(static_cast<std::size_t>(world) + 1, 0);
+  std::partial_sum(send_counts.begin(), send_counts.end(), send_off.begin() + 1);
+  std::partial_sum(recv_counts.begin(), recv_counts.end(), recv_off.begin() + 1);
+  std::size_t const n_send = send_off.back();
+  std::size_t const n_recv = recv_off.back();
+
+  long long* send = nullptr;
+  long long* recv = nullptr;
+  std::size_t* meta = nullptr;
+  WM_CUDA_TRY(cudaMalloc(&send, std::max<std::size_t>(n_send, 1) * sizeof(long long)));
+  WM_CUDA_TRY(cudaMalloc(&recv, std::max<std::size_t>(n_recv, 1) * sizeof(long long)));
+  WM_CUDA_TRY(cudaMalloc(&meta, 2 * static_cast<std::size_t>(world) * sizeof(std::size_t)));
+  WM_CUDA_TRY(cudaMemcpy(meta, send_off.data(), world * sizeof(std::size_t), cudaMemcpyHostToDevice));
+  WM_CUDA_TRY(cudaMemcpy(meta + world, send_counts.data(), world * sizeof(std::size_t),
+                         cudaMemcpyHostToDevice));
+  WM_CUDA_TRY(cudaMemset(recv, 0xA5, std::max<std::size_t>(n_recv, 1) * sizeof(long long)));  // poison
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreate(&stream));
+  fill_sends<<<120, 256, 0, stream>>>(send, meta, meta + world, me, world, salt);
+  WM_CHECK_LAUNCH();
+  comm.all_to_all_v(send, std::span<std::size_t const>{send_counts}, recv,
+                    std::span<std::size_t const>{recv_counts}, cuda::stream_ref{stream});
+  WM_CUDA_TRY(cudaStreamSynchronize(stream));
+  std::vector<long long> got(n_recv);
+  WM_CUDA_TRY(cudaMemcpy(got.data(), recv, n_recv * sizeof(long long), cudaMemcpyDeviceToHost));
+  for (int src = 0; src < world; ++src) {
+    for (std::size_t i = 0; i < recv_counts[static_cast<std::size_t>(src)]; ++i) {
+      auto const v = got[recv_off[static_cast<std::size_t>(src)] + i];
+      RANK_REQUIRE_MSG(v == payload(src, me, i, salt),
+                       "rank " << me << " element " << i << " from rank " << src);
+    }
+  }
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  WM_CUDA_TRY(cudaFree(send));
+  WM_CUDA_TRY(cudaFree(recv));
+  WM_CUDA_TRY(cudaFree(meta));
+}
+
+void check_all_gather(wm::communicator& comm, std::uint64_t seed)
+{
+  int const me    = comm.rank();
+  int const world = comm.size();
+  auto const ranks = comm.all_gather(me * 10 + 3);
+  RANK_REQUIRE(ranks.size() == static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) { RANK_REQUIRE(ranks[static_cast<std::size_t>(r)] == r * 10 + 3); }
+  // Byte buffers of different sizes per rank, one of them empty.
+  auto bytes_of = [&](int r) {
+    std::mt19937_64 rng{seed + static_cast<std::uint64_t>(r)};
+    std::vector<std::byte> b(r == 1 ? 0 : 1 + static_cast<std::size_t>(rng() % 9000));
+    for (auto& x : b) { x = static_cast<std::byte>(rng()); }
+    return b;
+  };
+  auto const mine  = bytes_of(me);
+  auto const parts = comm.all_gather_bytes(mine);
+  RANK_REQUIRE(parts.size() == static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    RANK_REQUIRE_MSG(parts[static_cast<std::size_t>(r)] == bytes_of(r), "bytes of rank " << r);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("one rank: identity, all-gather, all-to-all-v to itself, split", "[gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(1, [&](wm::communicator& comm) {
+    RANK_REQUIRE(comm.rank() == 0 && comm.size() == 1);
+    RANK_REQUIRE(comm.local_rank() == 0 && comm.local_size() == 1 && comm.single_node());
+    int dev = -1;
+    WM_CUDA_TRY(cudaGetDevice(&dev));
+    RANK_REQUIRE(dev == comm.device());
+    check_all_gather(comm, seed);
+    check_all_to_all(comm, seed, false);
+    check_all_to_all(comm, seed + 1, true);
+    comm.barrier();
+    auto sub = comm.split(5, 0);
+    RANK_REQUIRE(sub.valid() && sub.size() == 1 && sub.rank() == 0);
+    RANK_REQUIRE(sub.token() != comm.token());
+    check_all_gather(sub, seed + 2);
+    auto none = comm.split(-1, 0);
+    RANK_REQUIRE(!none.valid());
+    // Wrong count vectors are an input error.
+    std::vector<std::size_t> two(2, 0);
+    std::vector<std::size_t> one(1, 0);
+    bool threw = false;
+    try {
+      comm.all_to_all_v<float>(nullptr, std::span<std::size_t const>{two}, nullptr,
+                               std::span<std::size_t const>{one}, cuda::stream_ref{cudaStream_t{}});
+    } catch (wm::logic_error const&) {
+      threw = true;
+    }
+    RANK_REQUIRE(threw);
+  });
+}
+
+TEST_CASE("ranks: all-gather and all-to-all-v with uneven and zero counts", "[multi_gpu]")
+{
+  int const n              = ranks_for_multi();
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(n, [&](wm::communicator& comm) {
+    RANK_REQUIRE(comm.size() == n);
+    RANK_REQUIRE(comm.local_size() == n);  // one host
+    RANK_REQUIRE(comm.local_rank() == comm.rank());
+    RANK_REQUIRE(comm.device() == comm.rank() % n);
+    check_all_gather(comm, seed);
+    for (std::uint64_t round = 0; round < 3; ++round) { check_all_to_all(comm, seed + round, false); }
+    check_all_to_all(comm, seed + 9, true);
+  });
+}
+
+TEST_CASE("ranks: split by color and key", "[multi_gpu]")
+{
+  int const n              = ranks_for_multi();
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(n, [&](wm::communicator& comm) {
+    int const me = comm.rank();
+    // Two colors; the key reverses the order inside each color.
+    auto sub = comm.split(me % 2, -me);
+    std::vector<int> members;
+    for (int r = 0; r < n; ++r) {
+      if (r % 2 == me % 2) { members.push_back(r); }
+    }
+    std::reverse(members.begin(), members.end());
+    RANK_REQUIRE(sub.size() == static_cast<int>(members.size()));
+    auto const pos = std::find(members.begin(), members.end(), me) - members.begin();
+    RANK_REQUIRE(sub.rank() == pos);
+    auto const seen = sub.all_gather(me);
+    for (std::size_t i = 0; i < members.size(); ++i) { RANK_REQUIRE(seen[i] == members[i]); }
+    check_all_to_all(sub, seed, false);
+    // Only rank 0 joins a color; the others opt out.
+    auto solo = comm.split(me == 0 ? 1 : -1, 0);
+    RANK_REQUIRE(solo.valid() == (me == 0));
+    if (me == 0) { RANK_REQUIRE(solo.size() == 1); }
+    comm.barrier();  // the parent communicator still works
+  });
+}
+
+TEST_CASE("ranks: barrier waits for the slowest rank", "[multi_gpu]")
+{
+  int const n = ranks_for_multi();
+  wm::launch(n, [&](wm::communicator& comm) {
+    comm.barrier();
+    auto const start = std::chrono::steady_clock::now();
+    if (comm.rank() == n - 1) { std::this_thread::sleep_for(400ms); }
+    comm.barrier();
+    auto const waited = std::chrono::steady_clock::now() - start;
+    RANK_REQUIRE_MSG(waited >= 350ms, "rank " << comm.rank() << " left the barrier early");
+  });
+}
+
+TEST_CASE("ranks: mismatched collectives are errors on every rank, not hangs", "[multi_gpu]")
+{
+  int const n = ranks_for_multi();
+  wm::launch(n, [&](wm::communicator& comm) {
+    bool threw = false;
+    try {
+      if (comm.rank() == 0) {
+        comm.barrier();
+      } else {
+        comm.expect_same("memory", 42);
+      }
+    } catch (wm::comm_error const& e) {
+      threw = std::string{e.what()}.find("mismatched collective") != std::string::npos;
+    }
+    RANK_REQUIRE(threw);
+    // Same call, different arguments.
+    threw = false;
+    try {
+      comm.expect_same("memory", static_cast<std::uint64_t>(comm.rank() == 0 ? 1 : 2));
+    } catch (wm::comm_error const&) {
+      threw = true;
+    }
+    RANK_REQUIRE(threw);
+    comm.barrier();  // the group is still in step
+    auto const all = comm.all_gather(comm.rank());
+    RANK_REQUIRE(all.back() == n - 1);
+  });
+}
+
+TEST_CASE("ranks: file descriptors travel over the node channel", "[multi_gpu]")
+{
+  int const n = ranks_for_multi();
+  wm::launch(n, [&](wm::communicator& comm) {
+    wm::detail::unique_fd fd{::memfd_create("wm-test", MFD_CLOEXEC)};
+    RANK_REQUIRE(fd.valid());
+    long long const mine = 1000 + comm.rank();
+    RANK_REQUIRE(::pwrite(fd.get(), &mine, sizeof(mine), 0) == sizeof(mine));
+    auto fds = comm.channel().all_gather(fd.get());
+    RANK_REQUIRE(fds.size() == static_cast<std::size_t>(comm.local_size()));
+    for (int r = 0; r < comm.local_size(); ++r) {
+      long long v = 0;
+      RANK_REQUIRE(::pread(fds[static_cast<std::size_t>(r)].get(), &v, sizeof(v), 0) == sizeof(v));
+      RANK_REQUIRE(v == 1000 + comm.node_ranks()[static_cast<std::size_t>(r)]);
+    }
+  });
+}
+
+TEST_CASE("ranks: a failing rank is named within seconds; the others do not hang", "[multi_gpu]")
+{
+  int const n = ranks_for_multi();
+  SECTION("a rank throws while the others wait in a barrier")
+  {
+    auto const start = std::chrono::steady_clock::now();
+    try {
+      wm::launch(n, [&](wm::communicator& comm) {
+        if (comm.rank() == 1) { throw std::runtime_error{"rank one gives up"}; }
+        comm.barrier();
+      });
+      FAIL("no launch_error");
+    } catch (wm::launch_error const& e) {
+      CHECK(std::chrono::steady_clock::now() - start < 30s);
+      REQUIRE_FALSE(e.failures().empty());
+      CHECK(e.failures().front().rank == 1);
+      CHECK(e.failures().front().reason.find("rank one gives up") != std::string::npos);
+    }
+  }
+  SECTION("a rank dies of a signal")
+  {
+    try {
+      wm::launch(n, [&](wm::communicator& comm) {
+        if (comm.rank() == n - 1) { std::raise(SIGKILL); }
+        comm.barrier();
+      });
+      FAIL("no launch_error");
+    } catch (wm::launch_error const& e) {
+      REQUIRE_FALSE(e.failures().empty());
+      CHECK(e.failures().front().rank == n - 1);
+      CHECK(e.failures().front().reason.find("signal 9") != std::string::npos);
+    }
+  }
+  SECTION("a peer that left: the waiting rank's own timeout ends the wait")
+  {
+    ::setenv("WM_TIMEOUT_S", "4", 1);
+    try {
+      wm::launch(
+        n,
+        [&](wm::communicator& comm) {
+          if (comm.rank() != 0) { return; }  // the peers leave without the barrier
+          bool timed_out = false;
+          try {
+            comm.barrier();
+          } catch (wm::comm_error const& e) {
+            timed_out = true;
+          }
+          RANK_REQUIRE(timed_out);
+        },
+        {std::chrono::seconds{60}, std::chrono::seconds{30}});
+    } catch (...) {
+      ::unsetenv("WM_TIMEOUT_S");
+      throw;
+    }
+    ::unsetenv("WM_TIMEOUT_S");
+  }
+}
+
+TEST_CASE("ranks: the environment entry point joins a group through an id file", "[multi_gpu]")
+{
+  int const n = ranks_for_multi();
+  std::mt19937_64 rng{std::random_device{}()};
+  auto const path = std::filesystem::temp_directory_path() /
+                    ("wm-env-test-" + std::to_string(rng()) + ".id");
+  wm::detail::fork_ranks(
+    n,
+    [&](wm::detail::rank_context& ctx) {
+      ::setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
+      ::setenv("WM_ID_FILE", path.c_str(), 1);
+      auto comm = wm::communicator_from_env();
+      RANK_REQUIRE(comm.rank() == ctx.rank() && comm.size() == n);
+      RANK_REQUIRE(comm.device() == ctx.rank() % n);
+      auto const seen = comm.all_gather(comm.rank());
+      RANK_REQUIRE(seen.back() == n - 1);
+      comm.barrier();
+      RANK_REQUIRE(!std::filesystem::exists(path));  // rank 0 removed it after everyone joined
+    },
+    {std::chrono::seconds{120}, std::chrono::seconds{5}});
+}
