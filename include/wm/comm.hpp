@@ -80,7 +80,10 @@ class communicator {
   communicator& operator=(communicator&&) noexcept = default;
   communicator(communicator const&)                = delete;
   communicator& operator=(communicator const&)     = delete;
-  ~communicator() = default;  ///< not collective; a failed group is aborted, not waited on
+  /// Finalizes NCCL (waiting at most the timeout). A failed communicator, or one destroyed by
+  /// stack unwinding (this rank is failing), is aborted instead, so that peers get errors
+  /// rather than waiting for this rank.
+  ~communicator() = default;
 
   [[nodiscard]] bool valid() const noexcept { return s_ != nullptr; }
   [[nodiscard]] int rank() const noexcept { return s_->rank; }   ///< this rank

@@ -4,6 +4,7 @@
 #include <wm/comm.hpp>
 
 #include <algorithm>
+#include <exception>
 #include <cstdio>
 #include <fstream>
 #include <numeric>
@@ -53,7 +54,13 @@ inline communicator::state::~state()
   bool const restore = cudaGetDevice(&previous) == cudaSuccess;
   (void)cudaSetDevice(device);
   if (comm != nullptr) {
-    bool ok = !failed && ncclCommFinalize(comm) != ncclInternalError;
+    // Destroyed by stack unwinding: this rank is failing, and its peers may be waiting in a
+    // collective it will never join. Abort instead of finalizing (which would wait for them).
+    bool ok = !failed && std::uncaught_exceptions() == 0;
+    if (ok) {
+      ncclResult_t const f = ncclCommFinalize(comm);
+      ok                   = f == ncclSuccess || f == ncclInProgress;
+    }
     if (ok) {
       auto const deadline = detail::clock_type::now() + timeout;
       ncclResult_t r      = ncclInProgress;
