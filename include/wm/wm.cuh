@@ -7,3 +7,5 @@
 #include <wm/comm.hpp>
 #include <wm/error.hpp>
 #include <wm/launch.hpp>
+#include <wm/memory.cuh>
+#include <wm/partition.hpp>

@@ -1,0 +1,132 @@
+/**
+ * @file partition.hpp
+ * @brief How a whole-memory allocation's entries are split over ranks.
+ *
+ * `wm::block_partition` is the plan of DESIGN.md §3: `per_rank = ceil(entries / world)`, rank r
+ * owns `[min(r·per_rank, entries), min((r+1)·per_rank, entries))`; 15 entries over 4 ranks give
+ * 4,4,4,3 and 9 over 8 give 2,2,2,2,1,0,0,0 (trailing ranks may own nothing). A user-given list
+ * of per-rank entry counts replaces the plan. `partition_ref` is its trivially copyable device
+ * form. Host and device code; compiles with a plain C++20 compiler too.
+ */
+#pragma once
+
+#include <wm/error.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#if defined(__CUDACC__)
+#define WM_HOST_DEVICE __host__ __device__
+#else
+#define WM_HOST_DEVICE
+#endif
+
+namespace wm {
+
+/**
+ * @brief Trivially copyable partition for kernels: entry count, rank count and either the
+ * uniform block size or a pointer to `world + 1` start offsets in memory the caller can read.
+ */
+struct partition_ref {
+  std::size_t entries{};            ///< total entries
+  std::size_t per_rank{};           ///< block size of the uniform plan; 0 for a user list
+  std::size_t const* starts{};      ///< world + 1 ascending starts (always set)
+  int world{};                      ///< number of ranks
+
+  /// First entry of @p rank.
+  [[nodiscard]] WM_HOST_DEVICE std::size_t begin(int rank) const noexcept { return starts[rank]; }
+  /// One past the last entry of @p rank.
+  [[nodiscard]] WM_HOST_DEVICE std::size_t end(int rank) const noexcept { return starts[rank + 1]; }
+  /// The rank that owns @p entry (entry < entries).
+  [[nodiscard]] WM_HOST_DEVICE int owner(std::size_t entry) const noexcept
+  {
+    if (per_rank != 0) { return static_cast<int>(entry / per_rank); }
+    int lo = 0;  // last rank whose start <= entry and that owns something
+    int hi = world - 1;
+    while (lo < hi) {
+      int const mid = (lo + hi + 1) / 2;
+      if (starts[mid] <= entry) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    while (lo > 0 && starts[lo] == starts[lo + 1]) { --lo; }  // skip ranks that own nothing
+    return lo;
+  }
+};
+
+/** @brief Block partition of `entries` over `world` ranks (owning host object). */
+class block_partition {
+ public:
+  block_partition() = default;
+
+  /**
+   * @brief The default plan: contiguous blocks of `ceil(entries / world)`.
+   * @throw wm::logic_error if world < 1
+   */
+  block_partition(std::size_t entries, int world) : entries_{entries}, world_{world}
+  {
+    WM_EXPECTS(world >= 1, "the rank count must be at least 1, got " + std::to_string(world));
+    per_rank_ = (entries + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world);
+    starts_.resize(static_cast<std::size_t>(world) + 1);
+    for (std::size_t r = 0; r <= static_cast<std::size_t>(world); ++r) {
+      starts_[r] = std::min(r * per_rank_, entries);
+    }
+    if (per_rank_ == 0) { per_rank_ = 1; }  // 0 entries: owner() is never asked; keep it uniform
+  }
+
+  /**
+   * @brief A user-given plan: rank r owns `counts[r]` entries, in rank order.
+   * @throw wm::logic_error unless there is one count per rank and they add up to @p entries
+   */
+  block_partition(std::size_t entries, int world, std::span<std::size_t const> counts)
+    : entries_{entries}, world_{world}
+  {
+    WM_EXPECTS(world >= 1, "the rank count must be at least 1, got " + std::to_string(world));
+    WM_EXPECTS(counts.size() == static_cast<std::size_t>(world),
+               "the entry list needs one count per rank (" + std::to_string(world) + "), got " +
+                 std::to_string(counts.size()));
+    std::size_t const sum = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+    WM_EXPECTS(sum == entries, "the per-rank entry counts add up to " + std::to_string(sum) +
+                                 ", expected " + std::to_string(entries));
+    starts_.resize(static_cast<std::size_t>(world) + 1, 0);
+    std::partial_sum(counts.begin(), counts.end(), starts_.begin() + 1);
+    per_rank_ = 0;  // not uniform: owner() searches
+  }
+
+  [[nodiscard]] std::size_t entries() const noexcept { return entries_; }
+  [[nodiscard]] int world() const noexcept { return world_; }
+  [[nodiscard]] std::size_t begin(int rank) const { return starts_.at(static_cast<std::size_t>(rank)); }
+  [[nodiscard]] std::size_t end(int rank) const { return starts_.at(static_cast<std::size_t>(rank) + 1); }
+  [[nodiscard]] std::size_t count(int rank) const { return end(rank) - begin(rank); }
+  [[nodiscard]] std::vector<std::size_t> const& starts() const noexcept { return starts_; }
+  /// Block size of the uniform plan, 0 for a user-given list.
+  [[nodiscard]] std::size_t per_rank() const noexcept { return per_rank_; }
+  /// The owner of @p entry. @throw wm::logic_error if entry >= entries()
+  [[nodiscard]] int owner(std::size_t entry) const
+  {
+    WM_EXPECTS(entry < entries_, "entry " + std::to_string(entry) + " is out of range [0, " +
+                                   std::to_string(entries_) + ")");
+    return ref(starts_.data()).owner(entry);
+  }
+  /// The device form, reading starts from @p starts (a device copy of `starts()`).
+  [[nodiscard]] partition_ref ref(std::size_t const* starts) const noexcept
+  {
+    return partition_ref{entries_, per_rank_, starts, world_};
+  }
+
+  friend bool operator==(block_partition const&, block_partition const&) = default;
+
+ private:
+  std::size_t entries_{};
+  int world_{1};
+  std::size_t per_rank_{};
+  std::vector<std::size_t> starts_{0, 0};
+};
+
+}  // namespace wm
