@@ -211,6 +211,8 @@ class memory {
   /// Every rank's part, one pointer per rank (continuous and chunked only).
   [[nodiscard]] wm::chunked_view chunked_view() const noexcept
     requires mapped_layout<Layout>;
+  /// The partition with its starts in device memory, for kernels (every layout).
+  [[nodiscard]] partition_ref device_partition() const noexcept;
   /// The whole memory at one pointer (continuous only).
   [[nodiscard]] wm::continuous_view continuous_view() const noexcept
     requires std::same_as<Layout, continuous>;

@@ -13,6 +13,7 @@
 #include <wm/error.hpp>
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <numeric>
 #include <span>
@@ -127,6 +128,83 @@ class block_partition {
   int world_{1};
   std::size_t per_rank_{};
   std::vector<std::size_t> starts_{0, 0};
+};
+
+// ---- Mapping strategies: which rank owns a row, and where it lives there -------------------
+
+/**
+ * @brief Mapping policy: contiguous row ranges per rank (the block plan). The default.
+ * Row k lives on `owner(k)` at local row `k - begin(owner(k))`.
+ */
+struct block {
+  static constexpr char const* name = "block";
+  /// Rows each rank owns under this mapping.
+  [[nodiscard]] static std::vector<std::size_t> counts(std::size_t rows, int world)
+  {
+    block_partition const p{rows, world};
+    std::vector<std::size_t> c(static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) { c[static_cast<std::size_t>(r)] = p.count(r); }
+    return c;
+  }
+};
+
+/**
+ * @brief Mapping policy: rows dealt round-robin, as in the model-parallel lookup of
+ * sok-dispatch: row k lives on rank `k % world` at local row `k / world`.
+ */
+struct cyclic {
+  static constexpr char const* name = "cyclic";
+  [[nodiscard]] static std::vector<std::size_t> counts(std::size_t rows, int world)
+  {
+    WM_EXPECTS(world >= 1, "the rank count must be at least 1");
+    std::vector<std::size_t> c(static_cast<std::size_t>(world));
+    auto const w = static_cast<std::size_t>(world);
+    for (std::size_t r = 0; r < w; ++r) { c[r] = rows / w + (r < rows % w ? 1 : 0); }
+    return c;
+  }
+};
+
+/** @brief A mapping strategy (`wm::block`, `wm::cyclic`). */
+template <class T>
+concept mapping = requires(std::size_t rows, int world) {
+  { T::name } -> std::convertible_to<char const*>;
+  { T::counts(rows, world) } -> std::same_as<std::vector<std::size_t>>;
+};
+
+/// Where a row lives: its owner rank and its row index inside the owner's part.
+struct row_location {
+  int rank;
+  std::size_t local;
+};
+
+/**
+ * @brief Trivially copyable form of a mapping for kernels. `rows` bounds valid indices;
+ * `starts` (device or host memory, world + 1 entries) is used by the block mapping.
+ */
+template <class Mapping>
+struct mapping_ref;
+
+template <>
+struct mapping_ref<block> {
+  partition_ref part;
+  [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept { return part.entries; }
+  [[nodiscard]] WM_HOST_DEVICE row_location locate(std::size_t k) const noexcept
+  {
+    int const r = part.owner(k);
+    return {r, k - part.begin(r)};
+  }
+};
+
+template <>
+struct mapping_ref<cyclic> {
+  std::size_t n_rows;
+  int world;
+  [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept { return n_rows; }
+  [[nodiscard]] WM_HOST_DEVICE row_location locate(std::size_t k) const noexcept
+  {
+    auto const w = static_cast<std::size_t>(world);
+    return {static_cast<int>(k % w), k / w};
+  }
 };
 
 }  // namespace wm

@@ -9,3 +9,4 @@
 #include <wm/launch.hpp>
 #include <wm/memory.cuh>
 #include <wm/partition.hpp>
+#include <wm/tensor.cuh>

@@ -547,6 +547,12 @@ wm::chunked_view memory<Location, Layout>::chunked_view() const noexcept
 }
 
 template <location Location, layout Layout>
+partition_ref memory<Location, Layout>::device_partition() const noexcept
+{
+  return r_->part.ref(r_->meta);
+}
+
+template <location Location, layout Layout>
 wm::continuous_view memory<Location, Layout>::continuous_view() const noexcept
   requires std::same_as<Layout, continuous>
 {

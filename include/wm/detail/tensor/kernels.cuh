@@ -1,0 +1,300 @@
+// Row gather/scatter kernels of wm::tensor. They move bytes: element types only set the row size.
+//
+// A group of G lanes (G = 1..32, a power of two) moves one row with vector accesses of
+// sizeof(Vec) bytes; each group keeps U rows in flight (U loads issued before the first store).
+#pragma once
+
+#include <wm/error.hpp>
+#include <wm/partition.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace wm::detail {
+
+/// Rows reached through per-rank chunk pointers (mapped layouts).
+template <class Mapping>
+struct mapped_rows {
+  std::byte* const* chunks;
+  mapping_ref<Mapping> map;
+  std::size_t stride_bytes;
+  [[nodiscard]] __device__ std::size_t rows() const { return map.rows(); }
+  [[nodiscard]] __device__ std::byte* row(std::size_t k) const
+  {
+    auto const at = map.locate(k);
+    return chunks[at.rank] + at.local * stride_bytes;
+  }
+};
+
+/// This rank's rows, by local index (distributed layout, owner side).
+struct local_rows {
+  std::byte* base;
+  std::size_t n_rows;
+  std::size_t stride_bytes;
+  [[nodiscard]] __device__ std::size_t rows() const { return n_rows; }
+  [[nodiscard]] __device__ std::byte* row(std::size_t k) const { return base + k * stride_bytes; }
+};
+
+/// Packed rows in a buffer (send/receive buffers, caller-provided values/out).
+struct packed_rows {
+  std::byte* base;
+  std::size_t stride_bytes;
+  [[nodiscard]] __device__ std::byte* row(std::size_t i) const { return base + i * stride_bytes; }
+};
+
+template <class Index>
+[[nodiscard]] __device__ inline bool valid_index(Index k, std::size_t rows)
+{
+  if constexpr (std::is_signed_v<Index>) {
+    if (k < 0) { return false; }
+  }
+  return static_cast<std::size_t>(k) < rows;
+}
+
+inline constexpr int unroll = 4;
+
+/**
+ * out.row(i) = rows.row(idx[i]) for i < n. Invalid indices set bit 1 of *err and produce a zero
+ * row. With `order` set, output row order[i] is written instead of row i (restoring order).
+ */
+template <class Vec, class Rows, class Index>
+__global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
+                                                          Index const* idx,
+                                                          std::size_t const* order,
+                                                          std::size_t n,
+                                                          packed_rows out,
+                                                          std::size_t row_vecs,
+                                                          int group,
+                                                          unsigned* err)
+{
+  std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
+  std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
+  std::size_t const g      = tid / static_cast<std::size_t>(group);
+  int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
+  for (std::size_t i0 = g; i0 < n; i0 += groups * unroll) {
+    Vec const* src[unroll];
+    Vec* dst[unroll];
+#pragma unroll
+    for (int u = 0; u < unroll; ++u) {
+      std::size_t const i = i0 + static_cast<std::size_t>(u) * groups;
+      src[u]              = nullptr;
+      dst[u]              = nullptr;
+      if (i < n) {
+        Index const k = idx != nullptr ? idx[i] : static_cast<Index>(i);  // null: identity
+        if (valid_index(k, rows.rows())) {
+          src[u] = reinterpret_cast<Vec const*>(rows.row(static_cast<std::size_t>(k)));
+        } else if (lane == 0) {
+          atomicOr(err, 1u);
+        }
+        dst[u] = reinterpret_cast<Vec*>(out.row(order != nullptr ? order[i] : i));
+      }
+    }
+    for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs; c += static_cast<std::size_t>(group)) {
+      Vec v[unroll];
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        if (src[u] != nullptr) { v[u] = src[u][c]; }
+      }
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        if (dst[u] != nullptr) { dst[u][c] = src[u] != nullptr ? v[u] : Vec{}; }
+      }
+    }
+  }
+}
+
+/**
+ * rows.row(keys[j]) = values.row(pos[j]) for the last j of each run of equal keys (keys sorted,
+ * stably, so the last occurrence in the caller's order wins). Invalid keys set bit 1 of *err.
+ */
+template <class Vec, class Rows, class Index>
+__global__ void __launch_bounds__(256) scatter_rows_kernel(Rows rows,
+                                                           Index const* keys,
+                                                           std::size_t const* pos,
+                                                           std::size_t n,
+                                                           packed_rows values,
+                                                           std::size_t row_vecs,
+                                                           int group,
+                                                           unsigned* err)
+{
+  std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
+  std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
+  std::size_t const g      = tid / static_cast<std::size_t>(group);
+  int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
+  for (std::size_t i0 = g; i0 < n; i0 += groups * unroll) {
+    Vec const* src[unroll];
+    Vec* dst[unroll];
+#pragma unroll
+    for (int u = 0; u < unroll; ++u) {
+      std::size_t const j = i0 + static_cast<std::size_t>(u) * groups;
+      src[u]              = nullptr;
+      dst[u]              = nullptr;
+      if (j < n) {
+        Index const k = keys[j];
+        if (!valid_index(k, rows.rows())) {
+          if (lane == 0) { atomicOr(err, 1u); }
+        } else if (j + 1 == n || keys[j + 1] != k) {
+          src[u] = reinterpret_cast<Vec const*>(values.row(pos[j]));
+          dst[u] = reinterpret_cast<Vec*>(rows.row(static_cast<std::size_t>(k)));
+        }
+      }
+    }
+    for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs; c += static_cast<std::size_t>(group)) {
+      Vec v[unroll];
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        if (src[u] != nullptr) { v[u] = src[u][c]; }
+      }
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        if (dst[u] != nullptr) { dst[u][c] = v[u]; }
+      }
+    }
+  }
+}
+
+/// How to launch a row kernel: vector width, lanes per row, grid.
+struct row_launch {
+  int vec_bytes;
+  std::size_t row_vecs;
+  int group;
+  int blocks;
+};
+
+/// Largest vector width in {16, 8, 4, 2, 1} dividing every size and address given.
+[[nodiscard]] inline int vector_width(std::initializer_list<std::uintptr_t> values)
+{
+  for (int v : {16, 8, 4, 2}) {
+    bool ok = true;
+    for (auto x : values) { ok = ok && x % static_cast<std::uintptr_t>(v) == 0; }
+    if (ok) { return v; }
+  }
+  return 1;
+}
+
+[[nodiscard]] inline int sm_count()
+{
+  int dev = 0;
+  int sms = 0;
+  WM_CUDA_TRY(cudaGetDevice(&dev));
+  WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+[[nodiscard]] inline row_launch plan_row_launch(std::size_t n,
+                                                std::size_t row_bytes,
+                                                std::initializer_list<std::uintptr_t> alignment)
+{
+  row_launch l{};
+  l.vec_bytes = vector_width(alignment);
+  l.row_vecs  = row_bytes / static_cast<std::size_t>(l.vec_bytes);
+  l.group     = 1;
+  while (l.group < 32 && static_cast<std::size_t>(l.group) < l.row_vecs) { l.group *= 2; }
+  static int const sms = sm_count();
+  std::size_t const rows_per_block = 256 / static_cast<std::size_t>(l.group) * unroll;
+  std::size_t const wanted         = (n + rows_per_block - 1) / rows_per_block;
+  l.blocks = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, static_cast<std::size_t>(sms) * 8)));
+  return l;
+}
+
+/// Calls f.template operator()<Vec>() with the vector type for @p vec_bytes.
+template <class F>
+void with_vector(int vec_bytes, F&& f)
+{
+  switch (vec_bytes) {
+    case 16: f.template operator()<uint4>(); break;
+    case 8: f.template operator()<uint2>(); break;
+    case 4: f.template operator()<unsigned>(); break;
+    case 2: f.template operator()<unsigned short>(); break;
+    default: f.template operator()<unsigned char>(); break;
+  }
+}
+
+template <class Rows, class Index>
+void launch_gather(Rows rows,
+                   Index const* idx,
+                   std::size_t const* order,
+                   std::size_t n,
+                   packed_rows out,
+                   std::size_t row_bytes,
+                   std::uintptr_t rows_alignment,
+                   unsigned* err,
+                   cudaStream_t stream)
+{
+  if (n == 0) { return; }
+  auto const l = plan_row_launch(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes});
+  with_vector(l.vec_bytes, [&]<class Vec>() {
+    gather_rows_kernel<Vec><<<l.blocks, 256, 0, stream>>>(rows, idx, order, n, out, l.row_vecs, l.group, err);
+  });
+  WM_CHECK_LAUNCH();
+}
+
+template <class Rows, class Index>
+void launch_scatter(Rows rows,
+                    Index const* keys,
+                    std::size_t const* pos,
+                    std::size_t n,
+                    packed_rows values,
+                    std::size_t row_bytes,
+                    std::uintptr_t rows_alignment,
+                    unsigned* err,
+                    cudaStream_t stream)
+{
+  if (n == 0) { return; }
+  auto const l = plan_row_launch(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base), values.stride_bytes});
+  with_vector(l.vec_bytes, [&]<class Vec>() {
+    scatter_rows_kernel<Vec><<<l.blocks, 256, 0, stream>>>(rows, keys, pos, n, values, l.row_vecs, l.group, err);
+  });
+  WM_CHECK_LAUNCH();
+}
+
+/// For the dispatch path: owner rank (world for an invalid index) and local row of each index.
+template <class Mapping, class Index>
+__global__ void locate_kernel(mapping_ref<Mapping> map, Index const* idx, std::size_t n, int world,
+                              int* owner, Index* local, std::size_t* position, unsigned long long* counts,
+                              unsigned* err)
+{
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += gridDim.x * std::size_t{blockDim.x}) {
+    Index const k = idx[i];
+    int r         = world;
+    Index l       = 0;
+    if (valid_index(k, map.rows())) {
+      auto const at = map.locate(static_cast<std::size_t>(k));
+      r             = at.rank;
+      l             = static_cast<Index>(at.local);
+    } else {
+      atomicOr(err, 1u);
+    }
+    owner[i]    = r;
+    local[i]    = l;
+    position[i] = i;
+    atomicAdd(counts + r, 1ull);
+  }
+}
+
+/// out[j] = in[order[j]] for j < n (keys in send order).
+template <class T>
+__global__ void permute_kernel(T const* in, std::size_t const* order, std::size_t n, T* out)
+{
+  for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
+    out[j] = in[order[j]];
+  }
+}
+
+/// Identity positions 0..n-1.
+__global__ inline void iota_kernel(std::size_t* out, std::size_t n)
+{
+  for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
+    out[j] = j;
+  }
+}
+
+[[nodiscard]] inline int elementwise_blocks(std::size_t n)
+{
+  static int const sms = sm_count();
+  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>((n + 255) / 256, static_cast<std::size_t>(sms) * 8)));
+}
+
+}  // namespace wm::detail

@@ -1,0 +1,453 @@
+// Bodies of wm::tensor (declared in <wm/tensor.cuh>): mapped gather/scatter, the distributed
+// (model-parallel) dispatch path, the reusable workspace and the index error state.
+#pragma once
+
+#include <wm/detail/memory/plan.hpp>
+#include <wm/detail/tensor/kernels.cuh>
+#include <wm/tensor.cuh>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cuda_runtime_api.h>
+
+#include <numeric>
+#include <vector>
+
+namespace wm {
+namespace detail {
+
+/// Device memory reused across calls; grows (stream-ordered) when a call needs more.
+class workspace {
+ public:
+  workspace() = default;
+  workspace(workspace const&)            = delete;
+  workspace& operator=(workspace const&) = delete;
+  ~workspace()
+  {
+    if (ptr_ != nullptr) { (void)cudaFree(ptr_); }
+  }
+  /// At least @p bytes of device memory, valid for work ordered after this on @p stream.
+  [[nodiscard]] std::byte* reserve(std::size_t bytes, cudaStream_t stream)
+  {
+    if (bytes > bytes_) {
+      if (ptr_ != nullptr) { WM_CUDA_TRY(cudaFreeAsync(ptr_, stream)); }
+      ptr_   = nullptr;
+      bytes_ = 0;
+      std::size_t const grown = round_up(bytes + bytes / 4, std::size_t{1} << 20);
+      WM_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), grown, stream));
+      bytes_ = grown;
+    }
+    return ptr_;
+  }
+
+ private:
+  std::byte* ptr_{};
+  std::size_t bytes_{};
+};
+
+/// Carves aligned arrays out of a workspace: first `add` every array, then `reserve`, then `take`.
+class carver {
+ public:
+  template <class T>
+  std::size_t add(std::size_t n)
+  {
+    std::size_t const at = total_;
+    total_               = round_up(total_ + n * sizeof(T), 256);
+    return at;
+  }
+  void add_bytes(std::size_t n) { total_ = round_up(total_ + n, 256); }
+  [[nodiscard]] std::size_t total() const noexcept { return total_ == 0 ? 256 : total_; }
+  template <class T>
+  T* take(std::byte* base, std::size_t offset) const
+  {
+    return reinterpret_cast<T*>(base + offset);
+  }
+
+ private:
+  std::size_t total_{};
+};
+
+struct tensor_scratch {
+  workspace a;  // sized by the caller's batch
+  workspace b;  // sized by what this rank receives
+  unsigned* err{};
+  unsigned* err_host{};
+  unsigned long long* counts_host{};  // pinned: send counts (world + 1), then receive counts
+  tensor_scratch(tensor_scratch const&)            = delete;
+  tensor_scratch& operator=(tensor_scratch const&) = delete;
+  explicit tensor_scratch(int world)
+  {
+    WM_CUDA_TRY(cudaMalloc(&err, sizeof(unsigned)));
+    WM_CUDA_TRY(cudaMemset(err, 0, sizeof(unsigned)));
+    WM_CUDA_TRY(cudaMallocHost(&err_host, sizeof(unsigned)));
+    WM_CUDA_TRY(cudaMallocHost(&counts_host, (2 * static_cast<std::size_t>(world) + 1) * sizeof(unsigned long long)));
+  }
+  ~tensor_scratch()
+  {
+    (void)cudaFree(err);
+    (void)cudaFreeHost(err_host);
+    (void)cudaFreeHost(counts_host);
+  }
+};
+
+[[nodiscard]] inline int owner_bits(int world)
+{
+  int bits = 1;
+  while ((1 << bits) <= world) { ++bits; }
+  return bits;
+}
+
+}  // namespace detail
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+tensor<T, Location, Layout, Mapping>::tensor(communicator& comm, std::size_t rows, std::size_t cols, std::size_t stride)
+  : comm_{&comm},
+    rows_{rows},
+    cols_{cols},
+    stride_{stride == 0 ? cols : stride},
+    mem_{[&]() -> memory<Location, Layout> {
+      WM_EXPECTS(cols >= 1, "a tensor row needs at least one element");
+      WM_EXPECTS(stride == 0 || stride >= cols, "the row stride (" + std::to_string(stride) +
+                                                  ") must be at least the row width (" + std::to_string(cols) + ")");
+      std::size_t const s = stride == 0 ? cols : stride;
+      if constexpr (std::same_as<Mapping, block>) {
+        return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T)};
+      } else {
+        auto const counts = Mapping::counts(rows, comm.size());
+        return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T), counts};
+      }
+    }()},
+    scratch_{std::make_unique<detail::tensor_scratch>(comm.size())}
+{
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+tensor<T, Location, Layout, Mapping>::tensor(tensor&&) noexcept = default;
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+tensor<T, Location, Layout, Mapping>& tensor<T, Location, Layout, Mapping>::operator=(tensor&&) noexcept = default;
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+tensor<T, Location, Layout, Mapping>::~tensor() = default;
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+mapping_ref<Mapping> tensor<T, Location, Layout, Mapping>::map_ref() const noexcept
+{
+  if constexpr (std::same_as<Mapping, block>) {
+    return mapping_ref<block>{mem_.device_partition()};
+  } else {
+    return mapping_ref<cyclic>{rows_, comm_->size()};
+  }
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+row_location tensor<T, Location, Layout, Mapping>::locate(std::size_t k) const
+{
+  WM_EXPECTS(k < rows_, "row " + std::to_string(k) + " is out of range [0, " + std::to_string(rows_) + ")");
+  if constexpr (std::same_as<Mapping, block>) {
+    int const r = mem_.partition().owner(k);
+    return {r, k - mem_.partition().begin(r)};
+  } else {
+    auto const w = static_cast<std::size_t>(comm_->size());
+    return {static_cast<int>(k % w), k / w};
+  }
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+matrix_view<T> tensor<T, Location, Layout, Mapping>::local_view() const noexcept
+{
+  auto const v = mem_.local_view();
+  return {reinterpret_cast<T*>(v.data), v.entries, cols_, stride_};
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+void tensor<T, Location, Layout, Mapping>::throw_if_error(cudaStream_t stream, char const* what)
+{
+  WM_CUDA_TRY(cudaMemcpyAsync(scratch_->err_host, scratch_->err, sizeof(unsigned), cudaMemcpyDeviceToHost, stream));
+  WM_CUDA_TRY(cudaStreamSynchronize(stream));
+  if (*scratch_->err_host != 0) {
+    WM_CUDA_TRY(cudaMemsetAsync(scratch_->err, 0, sizeof(unsigned), stream));
+    WM_CUDA_TRY(cudaStreamSynchronize(stream));
+    throw logic_error{std::string{"wm: "} + what + ": an index was negative or not below the row count " +
+                      std::to_string(rows_) + " (its output row is zero / nothing was written)"};
+  }
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+void tensor<T, Location, Layout, Mapping>::check_errors(cuda::stream_ref stream)
+{
+  throw_if_error(stream.get(), "tensor gather/scatter");
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+template <index_type Index>
+void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> indices, T* out, cuda::stream_ref stream)
+{
+  WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr), "gather: null indices or output");
+  if constexpr (Layout::mapped) {
+    auto const view = mem_.chunked_view();
+    detail::launch_gather(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, indices.data(),
+                          static_cast<std::size_t const*>(nullptr), indices.size(),
+                          detail::packed_rows{reinterpret_cast<std::byte*>(out), row_bytes()}, row_bytes(),
+                          stride_bytes(), scratch_->err, stream.get());
+  } else {
+    gather_dispatch(indices.data(), indices.size(), out, stream.get());
+  }
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+template <index_type Index>
+void tensor<T, Location, Layout, Mapping>::gather(std::span<Index const> indices, T* out, cuda::stream_ref stream)
+{
+  gather_async(indices, out, stream);
+  throw_if_error(stream.get(), "gather");
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+template <index_type Index>
+void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> indices, T const* values,
+                                                         cuda::stream_ref stream)
+{
+  WM_EXPECTS(indices.empty() || (indices.data() != nullptr && values != nullptr), "scatter: null indices or values");
+  if constexpr (Layout::mapped) {
+    std::size_t const n = indices.size();
+    if (n == 0) { return; }
+    cudaStream_t const s = stream.get();
+    // Sort (index, position) stably: the last occurrence of each index is the last of its run.
+    detail::carver c;
+    auto const o_pos    = c.add<std::size_t>(n);
+    auto const o_keys   = c.add<Index>(n);
+    auto const o_spos   = c.add<std::size_t>(n);
+    std::size_t cub_bytes = 0;
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<Index const*>(nullptr),
+                                                static_cast<Index*>(nullptr), static_cast<std::size_t const*>(nullptr),
+                                                static_cast<std::size_t*>(nullptr), n, 0, int{sizeof(Index) * 8}, s));
+    auto const o_cub = c.add<std::byte>(cub_bytes);
+    std::byte* base  = scratch_->a.reserve(c.total(), s);
+    auto* pos        = c.take<std::size_t>(base, o_pos);
+    auto* keys       = c.take<Index>(base, o_keys);
+    auto* spos       = c.take<std::size_t>(base, o_spos);
+    detail::iota_kernel<<<detail::elementwise_blocks(n), 256, 0, s>>>(pos, n);
+    WM_CHECK_LAUNCH();
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, indices.data(), keys, pos, spos,
+                                                n, 0, int{sizeof(Index) * 8}, s));
+    auto const view = mem_.chunked_view();
+    detail::launch_scatter(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, keys, spos, n,
+                           detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
+                           row_bytes(), stride_bytes(), scratch_->err, s);
+  } else {
+    scatter_dispatch(indices.data(), indices.size(), values, stream.get());
+  }
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+template <index_type Index>
+void tensor<T, Location, Layout, Mapping>::scatter(std::span<Index const> indices, T const* values, cuda::stream_ref stream)
+{
+  scatter_async(indices, values, stream);
+  throw_if_error(stream.get(), "scatter");
+}
+
+// ---- the distributed (model-parallel) path ----------------------------------------------------
+
+namespace detail {
+
+/// Step 1 of both directions: owner and local row of each index, grouped by owner (stable), and
+/// the per-peer counts exchanged. Host-side counts are valid on return (one stream sync).
+template <class Index>
+struct dispatch_plan_device {
+  int* owner{};
+  Index* local{};
+  std::size_t* order{};       // positions in the caller's batch, grouped by owner
+  Index* send_keys{};         // local rows to request, in send order
+  std::vector<std::size_t> send_counts;
+  std::vector<std::size_t> recv_counts;
+  std::size_t n_sent{};
+  std::size_t n_recv{};
+};
+
+template <class Mapping, class Index>
+dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
+                                                 mapping_ref<Mapping> map,
+                                                 Index const* idx,
+                                                 std::size_t n,
+                                                 tensor_scratch& scratch,
+                                                 cudaStream_t s)
+{
+  int const world  = comm.size();
+  auto const w     = static_cast<std::size_t>(world);
+  int const bits   = owner_bits(world);
+  carver c;
+  auto const o_owner  = c.add<int>(n);
+  auto const o_sowner = c.add<int>(n);
+  auto const o_local  = c.add<Index>(n);
+  auto const o_pos    = c.add<std::size_t>(n);
+  auto const o_order  = c.add<std::size_t>(n);
+  auto const o_keys   = c.add<Index>(n);
+  auto const o_counts = c.add<unsigned long long>(2 * w + 1);
+  std::size_t cub_bytes = 0;
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<int const*>(nullptr), static_cast<int*>(nullptr),
+                                              static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
+                                              std::max<std::size_t>(n, 1), 0, bits, s));
+  auto const o_cub = c.add<std::byte>(cub_bytes);
+  std::byte* base  = scratch.a.reserve(c.total(), s);
+
+  dispatch_plan_device<Index> p;
+  p.owner       = c.take<int>(base, o_owner);
+  p.local       = c.take<Index>(base, o_local);
+  p.order       = c.take<std::size_t>(base, o_order);
+  p.send_keys   = c.take<Index>(base, o_keys);
+  auto* counts  = c.take<unsigned long long>(base, o_counts);  // world + 1 (last: invalid)
+  auto* recv    = counts + w + 1;                               // world
+  auto* pos     = c.take<std::size_t>(base, o_pos);
+  auto* sowner  = c.take<int>(base, o_sowner);
+  WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (2 * w + 1) * sizeof(unsigned long long), s));
+  if (n > 0) {
+    locate_kernel<<<elementwise_blocks(n), 256, 0, s>>>(map, idx, n, world, p.owner, p.local, pos, counts, scratch.err);
+    WM_CHECK_LAUNCH();
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, p.owner, sowner, pos, p.order,
+                                                n, 0, bits, s));
+    permute_kernel<<<elementwise_blocks(n), 256, 0, s>>>(p.local, p.order, n, p.send_keys);
+    WM_CHECK_LAUNCH();
+  }
+  // Counts travel on the device (one element per peer), then both directions come back at once.
+  std::vector<std::size_t> const ones(w, 1);
+  comm.all_to_all_v(counts, std::span<std::size_t const>{ones}, recv, std::span<std::size_t const>{ones}, cuda::stream_ref{s});
+  WM_CUDA_TRY(cudaMemcpyAsync(scratch.counts_host, counts, (2 * w + 1) * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  p.send_counts.assign(scratch.counts_host, scratch.counts_host + w);
+  p.recv_counts.assign(scratch.counts_host + w + 1, scratch.counts_host + 2 * w + 1);
+  p.n_sent = std::accumulate(p.send_counts.begin(), p.send_counts.end(), std::size_t{0});
+  p.n_recv = std::accumulate(p.recv_counts.begin(), p.recv_counts.end(), std::size_t{0});
+  return p;
+}
+
+inline std::vector<std::size_t> scaled(std::vector<std::size_t> v, std::size_t f)
+{
+  for (auto& x : v) { x *= f; }
+  return v;
+}
+
+}  // namespace detail
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+template <class Index>
+void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std::size_t n, T* out, cudaStream_t s)
+{
+  auto& comm   = *comm_;
+  auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, *scratch_, s);
+  std::size_t const rb = row_bytes();
+  detail::carver c;
+  auto const o_keys = c.add<Index>(p.n_recv);
+  auto const o_rows = c.add<std::byte>(p.n_recv * rb);
+  auto const o_back = c.add<std::byte>(p.n_sent * rb);
+  std::byte* base   = scratch_->b.reserve(c.total(), s);
+  auto* recv_keys   = c.take<Index>(base, o_keys);
+  auto* rows_out    = c.take<std::byte>(base, o_rows);
+  auto* back        = c.take<std::byte>(base, o_back);
+
+  // Keys to their owners; owners gather their rows; rows back by the reverse path.
+  comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
+                    std::span<std::size_t const>{p.recv_counts}, cuda::stream_ref{s});
+  auto const local = mem_.local_view();
+  detail::launch_gather(detail::local_rows{local.data, local.entries, stride_bytes()}, recv_keys,
+                        static_cast<std::size_t const*>(nullptr), p.n_recv, detail::packed_rows{rows_out, rb}, rb,
+                        stride_bytes(), scratch_->err, s);
+  auto const recv_bytes = detail::scaled(p.recv_counts, rb);
+  auto const send_bytes = detail::scaled(p.send_counts, rb);
+  comm.all_to_all_v(rows_out, std::span<std::size_t const>{recv_bytes}, back, std::span<std::size_t const>{send_bytes},
+                    cuda::stream_ref{s});
+  // Restore the caller's order: back row j belongs to output row order[j].
+  detail::packed_rows const dst{reinterpret_cast<std::byte*>(out), rb};
+  detail::launch_gather(detail::local_rows{back, p.n_sent, rb}, static_cast<Index const*>(nullptr), p.order, p.n_sent,
+                        dst, rb, rb, scratch_->err, s);
+  // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
+  detail::launch_gather(detail::local_rows{back, 0, rb}, static_cast<Index const*>(nullptr), p.order + p.n_sent,
+                        n - p.n_sent, dst, rb, rb, scratch_->err, s);
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+template <class Index>
+void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, std::size_t n, T const* values, cudaStream_t s)
+{
+  auto& comm   = *comm_;
+  auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, *scratch_, s);
+  std::size_t const rb = row_bytes();
+  std::size_t cub_bytes = 0;
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<Index const*>(nullptr),
+                                              static_cast<Index*>(nullptr), static_cast<std::size_t const*>(nullptr),
+                                              static_cast<std::size_t*>(nullptr), std::max<std::size_t>(p.n_recv, 1), 0,
+                                              int{sizeof(Index) * 8}, s));
+  detail::carver c;
+  auto const o_send = c.add<std::byte>(p.n_sent * rb);
+  auto const o_keys = c.add<Index>(p.n_recv);
+  auto const o_vals = c.add<std::byte>(p.n_recv * rb);
+  auto const o_pos  = c.add<std::size_t>(p.n_recv);
+  auto const o_sk   = c.add<Index>(p.n_recv);
+  auto const o_sp   = c.add<std::size_t>(p.n_recv);
+  auto const o_cub  = c.add<std::byte>(cub_bytes);
+  std::byte* base   = scratch_->b.reserve(c.total(), s);
+  auto* send_vals   = c.take<std::byte>(base, o_send);
+  auto* recv_keys   = c.take<Index>(base, o_keys);
+  auto* recv_vals   = c.take<std::byte>(base, o_vals);
+  auto* pos         = c.take<std::size_t>(base, o_pos);
+  auto* sorted_keys = c.take<Index>(base, o_sk);
+  auto* sorted_pos  = c.take<std::size_t>(base, o_sp);
+
+  // Value rows in send order, then keys and values to their owners.
+  detail::launch_gather(detail::local_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), n, rb}, p.order,
+                        static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_vals, rb}, rb, rb,
+                        scratch_->err, s);
+  comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
+                    std::span<std::size_t const>{p.recv_counts}, cuda::stream_ref{s});
+  auto const recv_bytes = detail::scaled(p.recv_counts, rb);
+  auto const send_bytes = detail::scaled(p.send_counts, rb);
+  comm.all_to_all_v(send_vals, std::span<std::size_t const>{send_bytes}, recv_vals, std::span<std::size_t const>{recv_bytes},
+                    cuda::stream_ref{s});
+  if (p.n_recv == 0) { return; }
+  // Owner side: stable sort by row; the last of each run (highest rank, then last position) wins.
+  detail::iota_kernel<<<detail::elementwise_blocks(p.n_recv), 256, 0, s>>>(pos, p.n_recv);
+  WM_CHECK_LAUNCH();
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, recv_keys, sorted_keys, pos,
+                                              sorted_pos, p.n_recv, 0, int{sizeof(Index) * 8}, s));
+  auto const local = mem_.local_view();
+  detail::launch_scatter(detail::local_rows{local.data, local.entries, stride_bytes()}, sorted_keys, sorted_pos, p.n_recv,
+                         detail::packed_rows{recv_vals, rb}, rb, stride_bytes(), scratch_->err, s);
+}
+
+// ---- files ------------------------------------------------------------------------------------
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path const> files)
+  requires std::same_as<Mapping, block>
+{
+  WM_EXPECTS(stride_ == cols_, "tensor load reads packed rows; this tensor has padded rows (stride " +
+                                 std::to_string(stride_) + " > cols " + std::to_string(cols_) + ")");
+  mem_.load(files);
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+std::vector<std::filesystem::path> tensor<T, Location, Layout, Mapping>::store(std::filesystem::path const& prefix) const
+  requires std::same_as<Mapping, block>
+{
+  WM_EXPECTS(stride_ == cols_, "tensor store writes packed rows; this tensor has padded rows (stride " +
+                                 std::to_string(stride_) + " > cols " + std::to_string(cols_) + ")");
+  return mem_.store(prefix);
+}
+
+}  // namespace wm

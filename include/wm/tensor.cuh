@@ -1,0 +1,182 @@
+/**
+ * @file tensor.cuh
+ * @brief `wm::tensor<T, Location, Layout, Mapping>`: a 1D or 2D tensor over `wm::memory`, rows
+ * partitioned over the ranks (a row is never split), with `gather` and `scatter` by row index.
+ *
+ * - Mapped layouts (continuous, chunked): one kernel reads or writes the rows directly through
+ *   the per-rank mappings (NVLink/PCIe do the transport), 16-byte accesses where alignment
+ *   allows, several rows in flight per group of lanes. Not collective.
+ * - Distributed layout: the model-parallel path of sok-dispatch — indices are bucketed by owner,
+ *   counts and indices exchanged with NCCL, rows gathered by their owners and sent back, then put
+ *   back in the caller's order; scatter is the mirror image. Collective: every rank calls, with
+ *   its own (possibly empty) batch; the call synchronizes the stream once to size its buffers.
+ *
+ * Indices are `int32_t` or `int64_t` in device memory. An index outside [0, rows) is an input
+ * error: the synchronous forms throw `wm::logic_error`; the `_async` forms record it, and
+ * `check_errors(stream)` throws it. A gathered row for a bad index is zero; a bad index in a
+ * scatter writes nothing.
+ *
+ * Duplicate indices in `scatter`: the row receives the values of the last occurrence in the
+ * caller's batch. Across ranks scattering to the same row at the same time: on mapped layouts
+ * one of them wins (unspecified which); on the distributed layout the highest rank wins.
+ */
+#pragma once
+
+#include <wm/comm.hpp>
+#include <wm/memory.cuh>
+#include <wm/partition.hpp>
+
+#include <cuda/stream_ref>
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <type_traits>
+
+namespace wm {
+
+/** @brief Index types accepted by gather/scatter. */
+template <class I>
+concept index_type = std::same_as<I, std::int32_t> || std::same_as<I, std::int64_t>;
+
+/** @brief A strided 2D view of rows (`stride >= cols` elements between row starts). */
+template <class T>
+struct matrix_view {
+  T* data{};               ///< first element of row 0
+  std::size_t rows{};      ///< number of rows
+  std::size_t cols{};      ///< elements per row
+  std::size_t stride{};    ///< elements between row starts
+  [[nodiscard]] WM_HOST_DEVICE T* row(std::size_t r) const noexcept { return data + r * stride; }
+  [[nodiscard]] WM_HOST_DEVICE T& operator()(std::size_t r, std::size_t c) const noexcept
+  {
+    return data[r * stride + c];
+  }
+};
+
+namespace detail {
+struct tensor_scratch;  // workspace and error state (detail/tensor/tensor.cuh)
+}
+
+/**
+ * @brief A tensor of `rows` × `cols` elements of T, rows partitioned over the communicator's
+ * ranks by @p Mapping and stored in a `wm::memory<Location, Layout>`.
+ *
+ * Construction and destruction are collective. A 1D tensor is a tensor with `cols == 1`.
+ *
+ * @tparam T element type (float, half, bfloat16, int32, int64, any trivially copyable type)
+ * @tparam Location `wm::device` or `wm::host`
+ * @tparam Layout `wm::continuous`, `wm::chunked` or `wm::distributed`
+ * @tparam Mapping `wm::block` (contiguous row ranges; default) or `wm::cyclic` (row k on rank
+ * k % world)
+ */
+template <class T, location Location = device, layout Layout = chunked, mapping Mapping = block>
+  requires std::is_trivially_copyable_v<T>
+class tensor {
+ public:
+  using value_type    = T;
+  using location_type = Location;
+  using layout_type   = Layout;
+  using mapping_type  = Mapping;
+
+  /**
+   * @brief Allocates collectively.
+   * @param comm the owning group (must outlive the tensor)
+   * @param rows number of rows (0 allowed)
+   * @param cols elements per row (>= 1)
+   * @param stride elements between row starts (>= cols; 0 means cols). A stride that makes rows
+   * a multiple of 16 bytes lets gather/scatter use 16-byte accesses.
+   * @throw wm::logic_error on bad sizes; see `wm::memory` for the rest
+   */
+  tensor(communicator& comm, std::size_t rows, std::size_t cols = 1, std::size_t stride = 0);
+
+  tensor(tensor&&) noexcept;
+  tensor& operator=(tensor&&) noexcept;
+  ~tensor();
+
+  [[nodiscard]] std::size_t rows() const noexcept { return rows_; }
+  [[nodiscard]] std::size_t cols() const noexcept { return cols_; }
+  [[nodiscard]] std::size_t stride() const noexcept { return stride_; }
+  [[nodiscard]] communicator& comm() const noexcept { return *comm_; }
+  /// The underlying memory (entries are rows of `stride * sizeof(T)` bytes).
+  [[nodiscard]] memory<Location, Layout>& storage() noexcept { return mem_; }
+  [[nodiscard]] memory<Location, Layout> const& storage() const noexcept { return mem_; }
+  /// Number of rows this rank owns.
+  [[nodiscard]] std::size_t local_rows() const noexcept { return mem_.local_view().entries; }
+  /// Where global row @p k lives (host-side helper).
+  [[nodiscard]] row_location locate(std::size_t k) const;
+
+  /**
+   * @brief This rank's rows as a strided view (device-accessible). Block mapping: local row l is
+   * global row `storage().local_entry_range().begin + l`; cyclic: `l * world + rank`.
+   */
+  [[nodiscard]] matrix_view<T> local_view() const noexcept;
+
+  /**
+   * @brief `out[i, :] = this[indices[i], :]` for every i; @p out is dense (`cols` per row), in
+   * device memory. Returns without synchronizing (the distributed path synchronizes once).
+   */
+  template <index_type Index>
+  void gather_async(std::span<Index const> indices, T* out, cuda::stream_ref stream);
+
+  /// As `gather_async`, then synchronizes. @throw wm::logic_error if an index was out of range
+  template <index_type Index>
+  void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream);
+
+  /**
+   * @brief `this[indices[i], :] = values[i, :]` for every i (last occurrence wins among
+   * duplicates); @p values is dense (`cols` per row), in device memory. Returns without
+   * synchronizing (the distributed path synchronizes once).
+   */
+  template <index_type Index>
+  void scatter_async(std::span<Index const> indices, T const* values, cuda::stream_ref stream);
+
+  /// As `scatter_async`, then synchronizes. @throw wm::logic_error if an index was out of range
+  template <index_type Index>
+  void scatter(std::span<Index const> indices, T const* values, cuda::stream_ref stream);
+
+  /**
+   * @brief Synchronizes @p stream and throws `wm::logic_error` if any `_async` call since the
+   * last check saw an index out of range; clears the error state.
+   */
+  void check_errors(cuda::stream_ref stream);
+
+  /**
+   * @brief Loads rows from raw files (rows of `cols` elements, global row order, files
+   * logically concatenated). Block mapping and `stride == cols` only. Collective.
+   */
+  void load(std::span<std::filesystem::path const> files)
+    requires std::same_as<Mapping, block>;
+  void load(std::filesystem::path const& file)
+    requires std::same_as<Mapping, block>
+  {
+    load(std::span{&file, 1});
+  }
+  /// Writes each rank's rows to its own file (see `wm::memory::store`). Block mapping,
+  /// `stride == cols` only. Collective.
+  std::vector<std::filesystem::path> store(std::filesystem::path const& prefix) const
+    requires std::same_as<Mapping, block>;
+
+ private:
+  [[nodiscard]] std::size_t row_bytes() const noexcept { return cols_ * sizeof(T); }
+  [[nodiscard]] std::size_t stride_bytes() const noexcept { return stride_ * sizeof(T); }
+  [[nodiscard]] mapping_ref<Mapping> map_ref() const noexcept;
+  void throw_if_error(cudaStream_t stream, char const* what);
+  template <class Index>
+  void gather_dispatch(Index const* idx, std::size_t n, T* out, cudaStream_t stream);
+  template <class Index>
+  void scatter_dispatch(Index const* idx, std::size_t n, T const* values, cudaStream_t stream);
+
+  communicator* comm_;
+  std::size_t rows_;
+  std::size_t cols_;
+  std::size_t stride_;
+  memory<Location, Layout> mem_;
+  std::unique_ptr<detail::tensor_scratch> scratch_;
+};
+
+}  // namespace wm
+
+#include <wm/detail/tensor/tensor.cuh>

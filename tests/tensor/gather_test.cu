@@ -1,0 +1,256 @@
+// GPU tests of wm::tensor gather/scatter: every layout x location x element type x index type
+// (block mapping), every kind with the cyclic mapping, with 1 rank ([gpu]) and one rank per GPU
+// ([multi_gpu]). Tables hold fresh random bytes; results are compared byte for byte with a host
+// reference; outputs are poisoned first; batches have duplicates, empty batches, bad indices.
+#include "catch.hpp"
+#include "rank_check.hpp"
+
+#include <wm/tensor.cuh>
+#include <wm/wm.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace {
+
+// Device buffer of bytes, poisoned on creation.
+struct device_bytes {
+  std::byte* ptr{};
+  std::size_t n{};
+  explicit device_bytes(std::size_t bytes) : n{bytes}
+  {
+    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
+    WM_CUDA_TRY(cudaMemset(ptr, 0xA5, std::max<std::size_t>(bytes, 1)));
+  }
+  ~device_bytes() { (void)cudaFree(ptr); }
+  device_bytes(device_bytes const&) = delete;
+  std::vector<std::byte> to_host() const
+  {
+    std::vector<std::byte> h(n);
+    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n, cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+template <class Index>
+struct device_indices {
+  device_bytes buf;
+  std::size_t count;
+  explicit device_indices(std::vector<Index> const& h) : buf{h.size() * sizeof(Index)}, count{h.size()}
+  {
+    WM_CUDA_TRY(cudaMemcpy(buf.ptr, h.data(), h.size() * sizeof(Index), cudaMemcpyHostToDevice));
+  }
+  std::span<Index const> span() const { return {reinterpret_cast<Index const*>(buf.ptr), count}; }
+};
+
+std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n)
+{
+  std::vector<std::byte> v(n);
+  for (auto& b : v) { b = static_cast<std::byte>(rng()); }
+  return v;
+}
+
+// Global row of local row l on rank r.
+template <class M>
+std::size_t global_row(wm::block_partition const& p, int world, int r, std::size_t l)
+{
+  if constexpr (std::is_same_v<M, wm::block>) {
+    return p.begin(r) + l;
+  } else {
+    return l * static_cast<std::size_t>(world) + static_cast<std::size_t>(r);
+  }
+}
+
+template <class T, class L, class Y, class M, class Index>
+void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols, std::size_t stride)
+{
+  std::string const what = std::string{L::name} + "." + Y::name + "." + M::name + " T=" + std::to_string(sizeof(T)) +
+                           "B index=" + std::to_string(sizeof(Index)) + "B rows=" + std::to_string(rows) +
+                           " cols=" + std::to_string(cols) + " stride=" + std::to_string(stride) +
+                           " ranks=" + std::to_string(comm.size());
+  int const me    = comm.rank();
+  int const world = comm.size();
+  std::size_t const rb = cols * sizeof(T);
+  std::mt19937_64 shared{seed};  // the same on every rank: table and every rank's batches
+  auto table = random_bytes(shared, rows * rb);
+
+  wm::tensor<T, L, Y, M> t{comm, rows, cols, stride};
+  RANK_REQUIRE(t.rows() == rows && t.cols() == cols && t.stride() == (stride == 0 ? cols : stride));
+  // Each rank writes its rows (strided) from the reference table.
+  auto const lv = t.local_view();
+  RANK_REQUIRE(lv.rows == t.local_rows());
+  std::vector<std::byte> mine(lv.rows * rb);
+  for (std::size_t l = 0; l < lv.rows; ++l) {
+    auto const k = global_row<M>(t.storage().partition(), world, me, l);
+    RANK_REQUIRE(t.locate(k).rank == me && t.locate(k).local == l);
+    std::memcpy(mine.data() + l * rb, table.data() + k * rb, rb);
+  }
+  if (lv.rows > 0) {
+    WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(T), mine.data(), rb, rb, lv.rows, cudaMemcpyHostToDevice));
+  }
+  comm.barrier();
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreate(&stream));
+  cuda::stream_ref const s{stream};
+
+  auto batch_of = [&](std::mt19937_64& rng, std::size_t n, int only_rank) {
+    std::vector<Index> b;
+    while (b.size() < n) {
+      auto k = static_cast<Index>(rng() % rows);
+      if (only_rank >= 0 && t.locate(static_cast<std::size_t>(k)).rank != only_rank) { continue; }
+      b.push_back(k);
+      if (rng() % 4 == 0) { b.push_back(k); }  // duplicates
+    }
+    b.resize(n);
+    return b;
+  };
+  auto check_gather = [&](std::vector<Index> const& batch, std::string const& step) {
+    device_indices<Index> di{batch};
+    device_bytes out{batch.size() * rb};
+    t.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
+    auto const got = out.to_host();
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      RANK_REQUIRE_MSG(std::memcmp(got.data() + i * rb, table.data() + static_cast<std::size_t>(batch[i]) * rb, rb) == 0,
+                       what << " " << step << ": output row " << i << " (index " << batch[i] << ") differs");
+    }
+  };
+
+  // 1. Gather a random batch with duplicates (sizes differ by rank), and an empty one.
+  std::vector<std::vector<Index>> batches(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) { batches[r] = batch_of(shared, rows == 0 ? 0 : 700 + 131 * r, -1); }
+  check_gather(batches[me], "gather");
+  check_gather({}, "empty gather");
+
+  // 2. Scatter: rank r writes only rows it owns... no: rows whose owner is (r + 1) % world, so
+  //    writes cross ranks; batches of different ranks touch disjoint rows. Last occurrence wins.
+  std::vector<std::vector<Index>> targets(static_cast<std::size_t>(world));
+  std::vector<std::vector<std::byte>> values(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    int const dest = (r + 1) % world;
+    bool const has = rows > 0 && t.storage().partition().count(dest) > 0 &&
+                     (std::is_same_v<M, wm::block> || wm::cyclic::counts(rows, world)[dest] > 0);
+    targets[r] = has ? batch_of(shared, 300 + 17 * r, dest) : std::vector<Index>{};
+    values[r]  = random_bytes(shared, targets[r].size() * rb);
+  }
+  {
+    device_indices<Index> di{targets[me]};
+    device_bytes vals{values[me].size()};
+    WM_CUDA_TRY(cudaMemcpy(vals.ptr, values[me].data(), values[me].size(), cudaMemcpyHostToDevice));
+    t.scatter(di.span(), reinterpret_cast<T const*>(vals.ptr), s);
+    device_indices<Index> none{std::vector<Index>{}};
+    t.scatter(none.span(), reinterpret_cast<T const*>(vals.ptr), s);  // empty scatter
+  }
+  for (int r = 0; r < world; ++r) {
+    for (std::size_t i = 0; i < targets[r].size(); ++i) {  // in order: the last occurrence wins
+      std::memcpy(table.data() + static_cast<std::size_t>(targets[r][i]) * rb, values[r].data() + i * rb, rb);
+    }
+  }
+  comm.barrier();
+  std::vector<Index> all(rows);
+  for (std::size_t k = 0; k < rows; ++k) { all[k] = static_cast<Index>(k); }
+  check_gather(all, "gather of every row after scatter");
+
+  // 3. Bad indices: the synchronous forms throw; the async form records it for check_errors.
+  if (rows > 0) {
+    std::vector<Index> bad = batch_of(shared, 50, -1);
+    bad[7]                 = static_cast<Index>(rows);
+    bad[20]                = static_cast<Index>(-3);
+    device_indices<Index> di{bad};
+    device_bytes out{bad.size() * rb};
+    bool threw = false;
+    try {
+      t.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
+    } catch (wm::logic_error const&) {
+      threw = true;
+    }
+    RANK_REQUIRE_MSG(threw, what << ": no error for an out-of-range gather index");
+    auto const got = out.to_host();
+    for (std::size_t i = 0; i < bad.size(); ++i) {
+      if (i == 7 || i == 20) {
+        for (std::size_t b = 0; b < rb; ++b) { RANK_REQUIRE(got[i * rb + b] == std::byte{0}); }
+      } else {
+        RANK_REQUIRE(std::memcmp(got.data() + i * rb, table.data() + static_cast<std::size_t>(bad[i]) * rb, rb) == 0);
+      }
+    }
+    t.gather_async(di.span(), reinterpret_cast<T*>(out.ptr), s);
+    threw = false;
+    try {
+      t.check_errors(s);
+    } catch (wm::logic_error const&) {
+      threw = true;
+    }
+    RANK_REQUIRE_MSG(threw, what << ": check_errors missed an out-of-range index");
+    t.check_errors(s);  // cleared
+    std::vector<Index> const bad_scatter{static_cast<Index>(rows + 5)};
+    device_indices<Index> ds{bad_scatter};
+    device_bytes vals{rb};
+    threw = false;
+    try {
+      t.scatter(ds.span(), reinterpret_cast<T const*>(vals.ptr), s);
+    } catch (wm::logic_error const&) {
+      threw = true;
+    }
+    RANK_REQUIRE_MSG(threw, what << ": no error for an out-of-range scatter index");
+    comm.barrier();
+    check_gather(all, "gather after a rejected scatter");  // nothing was written
+  }
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  comm.barrier();
+}
+
+template <class L, class Y, class M, class Index>
+void all_types(wm::communicator& comm, std::uint64_t& seed)
+{
+  // 16-byte rows, odd rows, padded rows, 1D; row counts not divisible by the rank count.
+  exercise<float, L, Y, M, Index>(comm, ++seed, 1001, 128, 0);
+  exercise<float, L, Y, M, Index>(comm, ++seed, 777, 33, 36);
+  exercise<__half, L, Y, M, Index>(comm, ++seed, 513, 7, 0);
+  exercise<__nv_bfloat16, L, Y, M, Index>(comm, ++seed, 300, 64, 72);
+  exercise<std::int32_t, L, Y, M, Index>(comm, ++seed, 1003, 1, 0);
+  exercise<std::int64_t, L, Y, M, Index>(comm, ++seed, 99, 5, 0);
+  exercise<float, L, Y, M, Index>(comm, ++seed, 1, 4, 0);  // one row: other ranks own nothing
+}
+
+template <class M, bool all_element_types>
+void all_kinds(wm::communicator& comm, std::uint64_t seed)
+{
+  auto run = [&]<class L, class Y>() {
+    if constexpr (all_element_types) {
+      all_types<L, Y, M, std::int32_t>(comm, seed);
+      all_types<L, Y, M, std::int64_t>(comm, seed);
+    } else {
+      exercise<float, L, Y, M, std::int32_t>(comm, ++seed, 1001, 32, 0);
+      exercise<std::int64_t, L, Y, M, std::int64_t>(comm, ++seed, 5, 3, 0);
+    }
+  };
+  run.template operator()<wm::device, wm::continuous>();
+  run.template operator()<wm::device, wm::chunked>();
+  run.template operator()<wm::device, wm::distributed>();
+  run.template operator()<wm::host, wm::continuous>();
+  run.template operator()<wm::host, wm::chunked>();
+  run.template operator()<wm::host, wm::distributed>();
+}
+
+void run_suite(int ranks)
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(ranks, [&](wm::communicator& comm) {
+    all_kinds<wm::block, true>(comm, seed);
+    all_kinds<wm::cyclic, false>(comm, seed + 1000);
+  });
+}
+
+static_assert(wm::mapping<wm::block> && wm::mapping<wm::cyclic>);
+
+}  // namespace
+
+TEST_CASE("one rank: gather/scatter on every kind, type and index type", "[gpu]") { run_suite(1); }
+
+TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gpu]")
+{
+  run_suite(wm::local_device_count());
+}

@@ -1,0 +1,105 @@
+// Host tests: block and cyclic mappings, and the dispatch plan, against plain references.
+#include "catch.hpp"
+
+#include <wm/detail/tensor/plan.hpp>
+#include <wm/partition.hpp>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace {
+struct host_block {
+  wm::block_partition part;
+  wm::mapping_ref<wm::block> ref() const { return {part.ref(part.starts().data())}; }
+};
+}  // namespace
+
+TEST_CASE("block and cyclic mappings place every row once", "[host]")
+{
+  std::mt19937_64 rng{std::random_device{}()};
+  for (int world = 1; world <= 8; ++world) {
+    for (std::size_t rows : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t(rng() % 5000)}) {
+      auto const bc = wm::block::counts(rows, world);
+      auto const cc = wm::cyclic::counts(rows, world);
+      host_block const hb{wm::block_partition{rows, world}};
+      auto const b = hb.ref();
+      wm::mapping_ref<wm::cyclic> const c{rows, world};
+      std::vector<std::vector<bool>> seen_b(world), seen_c(world);
+      for (int r = 0; r < world; ++r) {
+        seen_b[r].assign(bc[r], false);
+        seen_c[r].assign(cc[r], false);
+      }
+      for (std::size_t k = 0; k < rows; ++k) {
+        auto const lb = b.locate(k);
+        REQUIRE(lb.rank == hb.part.owner(k));
+        REQUIRE(lb.local == k - hb.part.begin(lb.rank));
+        REQUIRE(!seen_b[lb.rank][lb.local]);
+        seen_b[lb.rank][lb.local] = true;
+        auto const lc = c.locate(k);
+        REQUIRE(lc.rank == static_cast<int>(k % world));  // the seed's rule: key % world
+        REQUIRE(lc.local == k / world);                   // ... at local row key / world
+        REQUIRE(lc.local < cc[lc.rank]);
+        REQUIRE(!seen_c[lc.rank][lc.local]);
+        seen_c[lc.rank][lc.local] = true;
+      }
+      std::size_t sb = 0, sc = 0;
+      for (int r = 0; r < world; ++r) {
+        sb += bc[r];
+        sc += cc[r];
+      }
+      CHECK(sb == rows);
+      CHECK(sc == rows);
+    }
+  }
+  CHECK(wm::cyclic::counts(9, 4) == std::vector<std::size_t>{3, 2, 2, 2});
+  CHECK(wm::block::counts(9, 8) == std::vector<std::size_t>{2, 2, 2, 2, 1, 0, 0, 0});
+}
+
+TEMPLATE_TEST_CASE("the dispatch plan groups indices by owner, stably", "[host]", std::int32_t, std::int64_t)
+{
+  using Index = TestType;
+  std::mt19937_64 rng{std::random_device{}()};
+  for (int world : {1, 2, 3, 8}) {
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000}}) {
+      std::size_t const rows = 1 + rng() % 500;
+      std::vector<Index> idx(n);
+      for (auto& k : idx) {
+        auto const pick = rng() % 20;
+        k = pick == 0 ? Index(-1 - static_cast<Index>(rng() % 5)) : pick == 1 ? static_cast<Index>(rows + rng() % 3)
+                                                                              : static_cast<Index>(rng() % rows);
+      }
+      wm::mapping_ref<wm::cyclic> const c{rows, world};
+      auto const p = wm::detail::plan_dispatch<wm::cyclic, Index>(idx, c, world);
+      // Reference: walk owners in order, positions ascending within each owner.
+      std::vector<std::size_t> order;
+      std::vector<Index> keys;
+      std::vector<std::size_t> counts(world, 0);
+      for (int r = 0; r < world; ++r) {
+        for (std::size_t i = 0; i < n; ++i) {
+          if (idx[i] >= 0 && static_cast<std::size_t>(idx[i]) < rows && static_cast<int>(idx[i] % world) == r) {
+            order.push_back(i);
+            keys.push_back(static_cast<Index>(idx[i] / world));
+            ++counts[r];
+          }
+        }
+      }
+      std::size_t invalid = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (idx[i] < 0 || static_cast<std::size_t>(idx[i]) >= rows) {
+          order.push_back(i);
+          ++invalid;
+        }
+      }
+      CHECK(p.order == order);
+      CHECK(p.send_keys == keys);
+      CHECK(p.send_counts == counts);
+      CHECK(p.invalid == invalid);
+    }
+  }
+  // A batch whose rows all live on one rank: the others receive nothing.
+  std::vector<Index> const only_zero{0, 4, 8, 4};
+  auto const p = wm::detail::plan_dispatch<wm::cyclic, Index>(only_zero, wm::mapping_ref<wm::cyclic>{12, 4}, 4);
+  CHECK(p.send_counts == std::vector<std::size_t>{4, 0, 0, 0});
+  CHECK(p.send_keys == std::vector<Index>{0, 1, 2, 1});
+}
