@@ -124,6 +124,9 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   for (int r = 0; r < world; ++r) { batches[r] = batch_of(shared, rows == 0 ? 0 : 700 + 131 * r, -1); }
   check_gather(batches[me], "gather");
   check_gather({}, "empty gather");
+  if (L::is_host && Y::mapped && rows > 0) {  // long batches take the sorted host path
+    check_gather(batch_of(shared, std::size_t{70000} + static_cast<std::size_t>(me), -1), "long host gather");
+  }
 
   // 2. Scatter: rank r writes only rows it owns... no: rows whose owner is (r + 1) % world, so
   //    writes cross ranks; batches of different ranks touch disjoint rows. Last occurrence wins.

@@ -90,6 +90,39 @@ struct tensor_scratch {
   }
 };
 
+/// Batches at least this long are read in ascending row order from host memory.
+inline constexpr std::size_t host_sort_threshold = std::size_t{1} << 16;
+
+template <class Index>
+struct sorted_indices {
+  Index* keys;
+  std::size_t* positions;
+};
+
+/// Stable radix sort of (index, position) pairs in workspace @p ws.
+template <class Index>
+sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, workspace& ws, cudaStream_t s)
+{
+  carver c;
+  auto const o_pos  = c.add<std::size_t>(n);
+  auto const o_keys = c.add<Index>(n);
+  auto const o_spos = c.add<std::size_t>(n);
+  std::size_t cub_bytes = 0;
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+                                              static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
+                                              std::max<std::size_t>(n, 1), 0, int{sizeof(Index) * 8}, s));
+  auto const o_cub = c.add<std::byte>(cub_bytes);
+  std::byte* base  = ws.reserve(c.total(), s);
+  auto* pos        = c.take<std::size_t>(base, o_pos);
+  sorted_indices<Index> out{c.take<Index>(base, o_keys), c.take<std::size_t>(base, o_spos)};
+  if (n == 0) { return out; }
+  iota_kernel<<<elementwise_blocks(n), 256, 0, s>>>(pos, n);
+  WM_CHECK_LAUNCH();
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, idx, out.keys, pos, out.positions, n,
+                                              0, int{sizeof(Index) * 8}, s));
+  return out;
+}
+
 [[nodiscard]] inline int owner_bits(int world)
 {
   int bits = 1;
@@ -194,10 +227,20 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
   WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr), "gather: null indices or output");
   if constexpr (Layout::mapped) {
     auto const view = mem_.chunked_view();
-    detail::launch_gather(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, indices.data(),
-                          static_cast<std::size_t const*>(nullptr), indices.size(),
-                          detail::packed_rows{reinterpret_cast<std::byte*>(out), row_bytes()}, row_bytes(),
-                          stride_bytes(), scratch_->err, stream.get());
+    detail::mapped_rows<Mapping> const rows{view.chunks, map_ref(), stride_bytes()};
+    detail::packed_rows const dst{reinterpret_cast<std::byte*>(out), row_bytes()};
+    std::size_t const n  = indices.size();
+    cudaStream_t const s = stream.get();
+    if (Location::is_host && n >= detail::host_sort_threshold) {
+      // Host memory: random reads over many GiB stall on GPU address translation. Reading the
+      // rows in ascending order keeps the pages in flight few; the output order is restored by
+      // writing row i to its original position.
+      auto const sorted = detail::sort_with_positions(indices.data(), n, scratch_->a, s);
+      detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err, s);
+    } else {
+      detail::launch_gather(rows, indices.data(), static_cast<std::size_t const*>(nullptr), n, dst, row_bytes(),
+                            stride_bytes(), scratch_->err, s);
+    }
   } else {
     gather_dispatch(indices.data(), indices.size(), out, stream.get());
   }
@@ -224,25 +267,9 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
     if (n == 0) { return; }
     cudaStream_t const s = stream.get();
     // Sort (index, position) stably: the last occurrence of each index is the last of its run.
-    detail::carver c;
-    auto const o_pos    = c.add<std::size_t>(n);
-    auto const o_keys   = c.add<Index>(n);
-    auto const o_spos   = c.add<std::size_t>(n);
-    std::size_t cub_bytes = 0;
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<Index const*>(nullptr),
-                                                static_cast<Index*>(nullptr), static_cast<std::size_t const*>(nullptr),
-                                                static_cast<std::size_t*>(nullptr), n, 0, int{sizeof(Index) * 8}, s));
-    auto const o_cub = c.add<std::byte>(cub_bytes);
-    std::byte* base  = scratch_->a.reserve(c.total(), s);
-    auto* pos        = c.take<std::size_t>(base, o_pos);
-    auto* keys       = c.take<Index>(base, o_keys);
-    auto* spos       = c.take<std::size_t>(base, o_spos);
-    detail::iota_kernel<<<detail::elementwise_blocks(n), 256, 0, s>>>(pos, n);
-    WM_CHECK_LAUNCH();
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, indices.data(), keys, pos, spos,
-                                                n, 0, int{sizeof(Index) * 8}, s));
+    auto const sorted = detail::sort_with_positions(indices.data(), n, scratch_->a, s);
     auto const view = mem_.chunked_view();
-    detail::launch_scatter(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, keys, spos, n,
+    detail::launch_scatter(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, sorted.keys, sorted.positions, n,
                            detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
                            row_bytes(), stride_bytes(), scratch_->err, s);
   } else {
