@@ -144,20 +144,22 @@ class tensor {
   void check_errors(cuda::stream_ref stream);
 
   /**
-   * @brief Loads rows from raw files (rows of `cols` elements, global row order, files
-   * logically concatenated). Block mapping and `stride == cols` only. Collective.
+   * @brief Loads rows from raw files: packed rows of `cols` elements in global row order, the
+   * files logically concatenated (any layout, mapping, stride and rank count). Collective.
+   * @throw wm::io_error on every rank if a file is missing or unreadable, or the sizes do not
+   * add up to `rows × cols` elements in whole rows
    */
-  void load(std::span<std::filesystem::path const> files)
-    requires std::same_as<Mapping, block>;
-  void load(std::filesystem::path const& file)
-    requires std::same_as<Mapping, block>
-  {
-    load(std::span{&file, 1});
-  }
-  /// Writes each rank's rows to its own file (see `wm::memory::store`). Block mapping,
-  /// `stride == cols` only. Collective.
-  std::vector<std::filesystem::path> store(std::filesystem::path const& prefix) const
-    requires std::same_as<Mapping, block>;
+  void load(std::span<std::filesystem::path const> files);
+  void load(std::filesystem::path const& file) { load(std::span{&file, 1}); }
+
+  /**
+   * @brief Writes the rows in global row order, rank r writing `files[r]` (rows [begin, end) of
+   * the block plan of `rows` over the ranks), so that the list loads back into any layout,
+   * mapping or rank count. Collective. @throw wm::io_error on every rank if a write failed
+   */
+  void store(std::span<std::filesystem::path const> files);
+  /// As above, into `<prefix>.rank<r>-of-<world>.bin`; returns the files in rank order.
+  std::vector<std::filesystem::path> store(std::filesystem::path const& prefix);
 
  private:
   [[nodiscard]] std::size_t row_bytes() const noexcept { return cols_ * sizeof(T); }

@@ -455,26 +455,187 @@ void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, st
                          detail::packed_rows{recv_vals, rb}, rb, stride_bytes(), scratch_->err, s);
 }
 
-// ---- files ------------------------------------------------------------------------------------
+// ---- files ----------------------------------------------------------------------------------
+//
+// Files hold packed rows (cols elements each) in global row order, whatever the layout, mapping,
+// stride or rank count: rank r stores and loads the rows [begin, end) of the block plan of
+// `rows` over the ranks, moving them in bounded pieces through gather/scatter. Every rank runs
+// the same number of pieces (the distributed layout's gather/scatter are collective); a file
+// error on one rank is reported on every rank at the end.
+
+namespace detail {
+
+/// Pieces of at most @p piece_rows rows that cover the largest rank's share of @p rows.
+[[nodiscard]] inline std::size_t row_pieces(std::size_t rows, int world, std::size_t piece_rows)
+{
+  std::size_t const most = (rows + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world);
+  return (most + piece_rows - 1) / piece_rows;
+}
+
+/// Fills @p out with first, first + 1, ... (n values).
+template <class Index>
+__global__ void iota_from_kernel(Index* out, std::size_t n, std::size_t first)
+{
+  for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
+    out[j] = static_cast<Index>(first + j);
+  }
+}
+
+/// Host and device buffers for moving one piece of rows between files and a tensor.
+struct row_piece_buffers {
+  std::byte* host{};
+  std::byte* dev{};
+  std::int64_t* idx{};
+  row_piece_buffers(std::size_t piece_rows, std::size_t row_bytes)
+  {
+    WM_CUDA_TRY(cudaMallocHost(&host, std::max<std::size_t>(piece_rows * row_bytes, 1)));
+    WM_CUDA_TRY(cudaMalloc(&dev, std::max<std::size_t>(piece_rows * row_bytes, 1)));
+    WM_CUDA_TRY(cudaMalloc(&idx, std::max<std::size_t>(piece_rows, 1) * sizeof(std::int64_t)));
+  }
+  row_piece_buffers(row_piece_buffers const&)            = delete;
+  row_piece_buffers& operator=(row_piece_buffers const&) = delete;
+  ~row_piece_buffers()
+  {
+    (void)cudaFreeHost(host);
+    (void)cudaFree(dev);
+    (void)cudaFree(idx);
+  }
+};
+
+/// Reads bytes [begin, end) of the concatenation of @p files (sizes known) into @p dst.
+inline void read_concatenated(std::span<std::filesystem::path const> files,
+                              std::span<std::uint64_t const> sizes,
+                              std::uint64_t begin,
+                              std::uint64_t end,
+                              std::byte* dst)
+{
+  for (auto const& s : plan_reads(sizes, begin, end)) {
+    unique_fd fd{::open(files[s.file].c_str(), O_RDONLY | O_CLOEXEC)};
+    if (!fd.valid()) { throw io_error{"cannot open '" + files[s.file].string() + "': " + errno_text()}; }
+    std::uint64_t got = 0;
+    while (got < s.length) {
+      auto const k = ::pread(fd.get(), dst + s.dest + got, s.length - got, static_cast<off_t>(s.offset + got));
+      if (k < 0 && errno == EINTR) { continue; }
+      if (k <= 0) {
+        throw io_error{"reading '" + files[s.file].string() + "': " + (k == 0 ? std::string{"unexpected end of file"} : errno_text())};
+      }
+      got += static_cast<std::uint64_t>(k);
+    }
+  }
+}
+
+/// Sizes of @p files, checked against @p total bytes of rows of @p row_bytes.
+inline std::vector<std::uint64_t> checked_sizes(std::span<std::filesystem::path const> files,
+                                                std::uint64_t total,
+                                                std::uint64_t row_bytes)
+{
+  WM_EXPECTS(!files.empty(), "load needs at least one file");
+  std::vector<std::uint64_t> sizes(files.size());
+  std::vector<std::string> names;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    names.push_back(files[f].string());
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(files[f], ec)) {
+      throw io_error{"'" + files[f].string() + "' is not a readable file" + (ec ? ": " + ec.message() : std::string{})};
+    }
+    sizes[f] = std::filesystem::file_size(files[f], ec);
+    if (ec) { throw io_error{"cannot read the size of '" + files[f].string() + "': " + ec.message()}; }
+  }
+  if (auto const bad = check_file_sizes(sizes, names, total, row_bytes); !bad.empty()) { throw io_error{bad}; }
+  return sizes;
+}
+
+}  // namespace detail
 
 template <class T, location Location, layout Layout, mapping Mapping>
   requires std::is_trivially_copyable_v<T>
 void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path const> files)
-  requires std::same_as<Mapping, block>
 {
-  WM_EXPECTS(stride_ == cols_, "tensor load reads packed rows; this tensor has padded rows (stride " +
-                                 std::to_string(stride_) + " > cols " + std::to_string(cols_) + ")");
-  mem_.load(files);
+  auto& comm = *comm_;
+  comm.expect_same("tensor.load", files.size());
+  std::size_t const rb = row_bytes();
+  std::vector<std::uint64_t> sizes;
+  detail::collective_step<io_error>(comm, "tensor load (checking files)",
+                                    [&] { sizes = detail::checked_sizes(files, rows_ * rb, rb); });
+  block_partition const plan{rows_, comm.size()};
+  std::size_t const piece = std::max<std::size_t>(1, detail::staging_buffer::piece / rb);
+  detail::row_piece_buffers buf{piece, rb};
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::string failure;
+  for (std::size_t it = 0, pieces = detail::row_pieces(rows_, comm.size(), piece); it < pieces; ++it) {
+    std::size_t const first = plan.begin(comm.rank()) + it * piece;
+    std::size_t n           = first < plan.end(comm.rank()) ? std::min(piece, plan.end(comm.rank()) - first) : 0;
+    if (!failure.empty()) { n = 0; }  // keep taking part in the collective scatters
+    try {
+      if (n > 0) { detail::read_concatenated(files, sizes, first * rb, (first + n) * rb, buf.host); }
+    } catch (std::exception const& e) {
+      failure = e.what();
+      n       = 0;
+    }
+    if (n > 0) {
+      WM_CUDA_TRY(cudaMemcpyAsync(buf.dev, buf.host, n * rb, cudaMemcpyHostToDevice, stream));
+      detail::iota_from_kernel<<<detail::elementwise_blocks(n), 256, 0, stream>>>(buf.idx, n, first);
+      WM_CHECK_LAUNCH();
+    }
+    scatter(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T const*>(buf.dev), cuda::stream_ref{stream});
+  }
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  detail::collective_step<io_error>(comm, "tensor load (reading)", [&] {
+    if (!failure.empty()) { throw io_error{failure}; }
+  });
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
   requires std::is_trivially_copyable_v<T>
-std::vector<std::filesystem::path> tensor<T, Location, Layout, Mapping>::store(std::filesystem::path const& prefix) const
-  requires std::same_as<Mapping, block>
+void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path const> files)
 {
-  WM_EXPECTS(stride_ == cols_, "tensor store writes packed rows; this tensor has padded rows (stride " +
-                                 std::to_string(stride_) + " > cols " + std::to_string(cols_) + ")");
-  return mem_.store(prefix);
+  auto& comm = *comm_;
+  comm.expect_same("tensor.store", files.size());
+  std::size_t const rb = row_bytes();
+  detail::unique_fd fd;
+  detail::collective_step<io_error>(comm, "tensor store (creating files)", [&] {
+    WM_EXPECTS(files.size() == static_cast<std::size_t>(comm.size()),
+               "store needs one file per rank (" + std::to_string(comm.size()) + "), got " + std::to_string(files.size()));
+    auto const& f = files[static_cast<std::size_t>(comm.rank())];
+    fd.reset(::open(f.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd.valid()) { throw io_error{"cannot create '" + f.string() + "': " + detail::errno_text()}; }
+  });
+  block_partition const plan{rows_, comm.size()};
+  std::size_t const piece = std::max<std::size_t>(1, detail::staging_buffer::piece / rb);
+  detail::row_piece_buffers buf{piece, rb};
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::string failure;
+  for (std::size_t it = 0, pieces = detail::row_pieces(rows_, comm.size(), piece); it < pieces; ++it) {
+    std::size_t const first = plan.begin(comm.rank()) + it * piece;
+    std::size_t const n     = first < plan.end(comm.rank()) ? std::min(piece, plan.end(comm.rank()) - first) : 0;
+    if (n > 0) {
+      detail::iota_from_kernel<<<detail::elementwise_blocks(n), 256, 0, stream>>>(buf.idx, n, first);
+      WM_CHECK_LAUNCH();
+    }
+    gather(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T*>(buf.dev), cuda::stream_ref{stream});
+    if (n > 0 && failure.empty()) {
+      WM_CUDA_TRY(cudaMemcpy(buf.host, buf.dev, n * rb, cudaMemcpyDeviceToHost));
+      if (!detail::write_all(fd.get(), buf.host, n * rb)) {
+        failure = "writing '" + files[static_cast<std::size_t>(comm.rank())].string() + "': " + detail::errno_text();
+      }
+    }
+  }
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  if (failure.empty() && ::close(fd.release()) != 0) { failure = "closing the file: " + detail::errno_text(); }
+  detail::collective_step<io_error>(comm, "tensor store (writing)", [&] {
+    if (!failure.empty()) { throw io_error{failure}; }
+  });
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+std::vector<std::filesystem::path> tensor<T, Location, Layout, Mapping>::store(std::filesystem::path const& prefix)
+{
+  auto files = memory<Location, Layout>::part_files(prefix, comm_->size());
+  store(std::span<std::filesystem::path const>{files});
+  return files;
 }
 
 }  // namespace wm
