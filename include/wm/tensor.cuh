@@ -105,6 +105,8 @@ class tensor {
   [[nodiscard]] memory<Location, Layout> const& storage() const noexcept { return mem_; }
   /// Number of rows this rank owns.
   [[nodiscard]] std::size_t local_rows() const noexcept { return mem_.local_view().entries; }
+  /// The mapping in the form kernels take (block: partition starts in device memory).
+  [[nodiscard]] mapping_ref<Mapping> device_mapping() const noexcept { return map_ref(); }
   /// Where global row @p k lives (host-side helper).
   [[nodiscard]] row_location locate(std::size_t k) const;
 

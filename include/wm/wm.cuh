@@ -10,3 +10,5 @@
 #include <wm/memory.cuh>
 #include <wm/partition.hpp>
 #include <wm/tensor.cuh>
+#include <wm/optimizer.hpp>
+#include <wm/embedding.cuh>

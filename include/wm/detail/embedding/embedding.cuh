@@ -1,0 +1,350 @@
+// Bodies of wm::embedding (declared in <wm/embedding.cuh>): initialization, the gradient
+// dispatch to owners, the duplicate sum and the fused optimizer kernel, checkpoints.
+#pragma once
+
+#include <wm/detail/tensor/tensor.cuh>
+#include <wm/embedding.cuh>
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_run_length_encode.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace wm {
+
+WM_HOST_DEVICE inline float embedding_init::value(std::size_t row, std::size_t col, std::size_t dim) const noexcept
+{
+  if (how == kind::zeros) { return 0.0f; }
+  auto hash = [](std::uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  };
+  std::uint64_t const z  = hash(seed ^ hash(row * dim + col));
+  float const u1         = (static_cast<float>(z >> 40) + 1.0f) * (1.0f / 16777216.0f);  // (0, 1]
+  if (how == kind::uniform) { return a + (b - a) * u1; }
+  float const u2 = static_cast<float>(hash(z) >> 40) * (1.0f / 16777216.0f);
+  return a + b * sqrtf(-2.0f * logf(u1)) * cosf(6.2831853071795864f * u2);
+}
+
+namespace detail {
+
+template <class T>
+[[nodiscard]] __device__ inline float to_float(T x)
+{
+  return static_cast<float>(x);
+}
+template <class T>
+[[nodiscard]] __device__ inline T from_float(float x)
+{
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+/// Global row of local row l: first + l * step (block: first row, 1; cyclic: rank, world).
+struct local_rows_map {
+  std::size_t first;
+  std::size_t step;
+};
+
+template <class T>
+__global__ void init_rows_kernel(matrix_view<T> w, embedding_init init, local_rows_map map)
+{
+  std::size_t const n = w.rows * w.cols;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += gridDim.x * std::size_t{blockDim.x}) {
+    std::size_t const l = i / w.cols;
+    std::size_t const j = i % w.cols;
+    w(l, j)             = from_float<T>(init.value(map.first + l * map.step, j, w.cols));
+  }
+}
+
+template <class T>
+__global__ void fill_rows_kernel(matrix_view<T> v, T value)
+{
+  std::size_t const n = v.rows * v.cols;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += gridDim.x * std::size_t{blockDim.x}) {
+    v(i / v.cols, i % v.cols) = value;
+  }
+}
+
+/**
+ * One group of lanes per unique row: sums the row's gradients (float), reads its weight and
+ * state once, applies the optimizer, writes them once. Runs are given by (uniq, offsets, lens);
+ * their count is read from device memory (no host round trip).
+ */
+template <class T, class Opt, class Index>
+__global__ void __launch_bounds__(256) update_rows_kernel(Opt opt,
+                                                          matrix_view<T> w,
+                                                          matrix_view<float> st,
+                                                          std::int64_t* steps,
+                                                          std::int64_t global_step,
+                                                          Index const* uniq,
+                                                          int const* offsets,
+                                                          int const* lens,
+                                                          int const* num_runs,
+                                                          std::size_t const* sorted_pos,
+                                                          T const* grads,
+                                                          float lr,
+                                                          int group)
+{
+  constexpr int S          = Opt::states > 0 ? Opt::states : 1;
+  std::size_t const dim    = w.cols;
+  std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
+  std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
+  int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
+  unsigned const lane_base = (threadIdx.x % 32) / static_cast<unsigned>(group) * static_cast<unsigned>(group);
+  unsigned const mask      = (group == 32 ? 0xffffffffu : ((1u << group) - 1u)) << lane_base;
+  auto const runs          = static_cast<std::size_t>(*num_runs);
+  for (std::size_t u = tid / static_cast<std::size_t>(group); u < runs; u += groups) {
+    auto const key        = static_cast<std::size_t>(uniq[u]);
+    int const off         = offsets[u];
+    int const len         = lens[u];
+    std::int64_t const t  = steps != nullptr ? steps[key] + 1 : global_step;
+    for (std::size_t j = static_cast<std::size_t>(lane); j < dim; j += static_cast<std::size_t>(group)) {
+      float g = 0.0f;
+      for (int q = 0; q < len; ++q) { g += to_float(grads[sorted_pos[off + q] * dim + j]); }
+      float wv = to_float(w(key, j));
+      float s[S];
+#pragma unroll
+      for (int k = 0; k < Opt::states; ++k) { s[k] = st(key, static_cast<std::size_t>(k) * dim + j); }
+      opt.update(wv, g, s, update_step<float>{lr, t});
+      w(key, j) = from_float<T>(wv);
+#pragma unroll
+      for (int k = 0; k < Opt::states; ++k) { st(key, static_cast<std::size_t>(k) * dim + j) = s[k]; }
+    }
+    __syncwarp(mask);  // every lane of the group has read steps[key]
+    if (steps != nullptr && lane == 0) { steps[key] = t; }
+  }
+}
+
+struct embedding_scratch {
+  tensor_scratch plan;
+  workspace exchange;
+  explicit embedding_scratch(int world) : plan{world} {}
+};
+
+template <class M>
+[[nodiscard]] local_rows_map local_map_of(communicator const& comm, std::size_t first_block_row)
+{
+  if constexpr (std::is_same_v<M, cyclic>) {
+    return {static_cast<std::size_t>(comm.rank()), static_cast<std::size_t>(comm.size())};
+  } else {
+    return {first_block_row, 1};
+  }
+}
+
+}  // namespace detail
+
+#define WM_EMBEDDING_TEMPLATE                                                                         \
+  template <class T, cache_policy CachePolicy, optimizer_policy Optimizer, location Location, layout Layout, \
+            mapping Mapping>
+#define WM_EMBEDDING embedding<T, CachePolicy, Optimizer, Location, Layout, Mapping>
+
+WM_EMBEDDING_TEMPLATE
+WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer, embedding_init init)
+  : comm_{&comm}, opt_{optimizer}, weights_{comm, rows, dim}, scratch_{std::make_unique<detail::embedding_scratch>(comm.size())}
+{
+  cudaStream_t const s = nullptr;
+  auto const map       = detail::local_map_of<Mapping>(comm, weights_.storage().local_entry_range().begin);
+  auto const w         = weights_.local_view();
+  if (w.rows > 0) {
+    detail::init_rows_kernel<<<detail::elementwise_blocks(w.rows * w.cols), 256, 0, s>>>(w, init, map);
+    WM_CHECK_LAUNCH();
+  }
+  if constexpr (Optimizer::states > 0) {
+    states_.emplace(comm, rows, static_cast<std::size_t>(Optimizer::states) * dim);
+    auto const v = states_->local_view();
+    if (v.rows > 0) {
+      detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows * v.cols), 256, 0, s>>>(v, initial_state(opt_));
+      WM_CHECK_LAUNCH();
+    }
+  }
+  if constexpr (needs_steps<Optimizer>) {
+    steps_.emplace(comm, rows, 1);
+    auto const v = steps_->local_view();
+    if (v.rows > 0) { WM_CUDA_TRY(cudaMemset(v.data, 0, v.rows * sizeof(std::int64_t))); }
+  }
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  comm.barrier();  // every rank's rows are initialized before anyone gathers
+}
+
+WM_EMBEDDING_TEMPLATE
+WM_EMBEDDING::embedding(embedding&&) noexcept = default;
+WM_EMBEDDING_TEMPLATE
+WM_EMBEDDING& WM_EMBEDDING::operator=(embedding&&) noexcept = default;
+WM_EMBEDDING_TEMPLATE
+WM_EMBEDDING::~embedding() = default;
+
+WM_EMBEDDING_TEMPLATE
+template <index_type Index>
+void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grads, float lr, cuda::stream_ref stream)
+  requires sparse_optimizer<Optimizer>
+{
+  auto& comm           = *comm_;
+  cudaStream_t const s = stream.get();
+  std::size_t const n  = indices.size();
+  WM_EXPECTS(n == 0 || (indices.data() != nullptr && grads != nullptr), "apply_gradients: null indices or gradients");
+  std::size_t const rb = dim() * sizeof(T);
+
+  // 1. Where each gradient goes: owners, grouped order, counts exchanged (one stream sync).
+  auto const p = detail::plan_dispatch_device(comm, weights_.device_mapping(), indices.data(), n, scratch_->plan, s);
+  std::size_t const invalid = n - p.n_sent;
+  auto const bad            = comm.all_gather(static_cast<std::uint64_t>(invalid));
+  for (std::size_t r = 0; r < bad.size(); ++r) {
+    if (bad[r] != 0) {
+      WM_CUDA_TRY(cudaMemsetAsync(scratch_->plan.err, 0, sizeof(unsigned), s));
+      throw logic_error{"wm: apply_gradients: rank " + std::to_string(r) + " passed " + std::to_string(bad[r]) +
+                        " index(es) outside [0, " + std::to_string(rows()) + "); nothing was updated"};
+    }
+  }
+  ++global_step_;
+
+  // 2. Keys and gradient rows to their owners.
+  std::size_t cub_sort = 0;
+  std::size_t cub_rle  = 0;
+  std::size_t cub_scan = 0;
+  int const m          = static_cast<int>(std::max<std::size_t>(p.n_recv, 1));
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+                                              static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
+                                              m, 0, int{sizeof(Index) * 8}, s));
+  WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(nullptr, cub_rle, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+                                                 static_cast<int*>(nullptr), static_cast<int*>(nullptr), m, s));
+  WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, cub_scan, static_cast<int const*>(nullptr), static_cast<int*>(nullptr), m, s));
+  detail::carver c;
+  auto const o_send  = c.add<std::byte>(p.n_sent * rb);
+  auto const o_keys  = c.add<Index>(p.n_recv);
+  auto const o_grads = c.add<std::byte>(p.n_recv * rb);
+  auto const o_pos   = c.add<std::size_t>(p.n_recv);
+  auto const o_skeys = c.add<Index>(p.n_recv);
+  auto const o_spos  = c.add<std::size_t>(p.n_recv);
+  auto const o_uniq  = c.add<Index>(p.n_recv);
+  auto const o_lens  = c.add<int>(static_cast<std::size_t>(m));
+  auto const o_offs  = c.add<int>(static_cast<std::size_t>(m));
+  auto const o_runs  = c.add<int>(1);
+  auto const o_cub   = c.add<std::byte>(std::max({cub_sort, cub_rle, cub_scan}));
+  std::byte* base    = scratch_->exchange.reserve(c.total(), s);
+  auto* send_grads   = c.take<std::byte>(base, o_send);
+  auto* recv_keys    = c.take<Index>(base, o_keys);
+  auto* recv_grads   = c.take<std::byte>(base, o_grads);
+  auto* pos          = c.take<std::size_t>(base, o_pos);
+  auto* sorted_keys  = c.take<Index>(base, o_skeys);
+  auto* sorted_pos   = c.take<std::size_t>(base, o_spos);
+  auto* uniq         = c.take<Index>(base, o_uniq);
+  auto* lens         = c.take<int>(base, o_lens);
+  auto* offsets      = c.take<int>(base, o_offs);
+  auto* runs         = c.take<int>(base, o_runs);
+  auto* temp         = c.take<std::byte>(base, o_cub);
+
+  detail::launch_gather(detail::local_rows{reinterpret_cast<std::byte*>(const_cast<T*>(grads)), n, rb}, p.order,
+                        static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_grads, rb}, rb, rb,
+                        scratch_->plan.err, s);
+  comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
+                    std::span<std::size_t const>{p.recv_counts}, stream);
+  auto const recv_bytes = detail::scaled(p.recv_counts, rb);
+  auto const send_bytes = detail::scaled(p.send_counts, rb);
+  comm.all_to_all_v(send_grads, std::span<std::size_t const>{send_bytes}, recv_grads, std::span<std::size_t const>{recv_bytes},
+                    stream);
+
+  if (p.n_recv > 0) {
+    // 3. Owner side: sort by row (stable), find the runs of equal rows, one fused update per run.
+    detail::iota_kernel<<<detail::elementwise_blocks(p.n_recv), 256, 0, s>>>(pos, p.n_recv);
+    WM_CHECK_LAUNCH();
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, cub_sort, recv_keys, sorted_keys, pos, sorted_pos, m, 0,
+                                                int{sizeof(Index) * 8}, s));
+    WM_CUDA_TRY(cudaMemsetAsync(lens, 0, static_cast<std::size_t>(m) * sizeof(int), s));
+    WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(temp, cub_rle, sorted_keys, uniq, lens, runs, m, s));
+    WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp, cub_scan, lens, offsets, m, s));
+    int group = 1;
+    while (group < 32 && static_cast<std::size_t>(group) < dim()) { group *= 2; }
+    std::size_t const rows_per_block = 256 / static_cast<std::size_t>(group);
+    int const blocks = static_cast<int>(std::max<std::size_t>(
+      1, std::min<std::size_t>((p.n_recv + rows_per_block - 1) / rows_per_block, static_cast<std::size_t>(detail::sm_count()) * 8)));
+    matrix_view<float> st{};
+    if (states_) { st = states_->local_view(); }
+    std::int64_t* steps = nullptr;
+    if constexpr (needs_steps<Optimizer>) {
+      if (opt_.bias_correction == adam_bias_correction::per_row) { steps = steps_->local_view().data; }
+    }
+    detail::update_rows_kernel<<<blocks, 256, 0, s>>>(opt_, weights_.local_view(), st, steps, global_step_, uniq, offsets,
+                                                      lens, runs, sorted_pos, reinterpret_cast<T const*>(recv_grads), lr,
+                                                      group);
+    WM_CHECK_LAUNCH();
+  }
+  WM_CUDA_TRY(cudaStreamSynchronize(s));
+}
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+WM_EMBEDDING_TEMPLATE
+void WM_EMBEDDING::store(std::filesystem::path const& prefix)
+{
+  auto& comm = *comm_;
+  (void)weights_.store(prefix.string() + ".weights");
+  if (states_) { (void)states_->store(prefix.string() + ".states"); }
+  if (steps_) { (void)steps_->store(prefix.string() + ".steps"); }
+  detail::collective_step<io_error>(comm, "embedding store (meta)", [&] {
+    if (comm.rank() != 0) { return; }
+    std::ofstream out{prefix.string() + ".meta", std::ios::trunc};
+    out << "wm-embedding 1\nrows " << rows() << "\ndim " << dim() << "\nworld " << comm.size() << "\nglobal_step "
+        << global_step_ << "\noptimizer " << Optimizer::name << "\nstates " << (states_ ? 1 : 0) << "\nsteps "
+        << (steps_ ? 1 : 0) << "\n";
+    if (!out) { throw io_error{"cannot write '" + prefix.string() + ".meta'"}; }
+  });
+}
+
+WM_EMBEDDING_TEMPLATE
+void WM_EMBEDDING::load(std::filesystem::path const& prefix)
+{
+  auto& comm       = *comm_;
+  int world        = 0;
+  std::int64_t gs  = 0;
+  detail::collective_step<io_error>(comm, "embedding load (meta)", [&] {
+    std::ifstream in{prefix.string() + ".meta"};
+    if (!in) { throw io_error{"cannot read '" + prefix.string() + ".meta'"}; }
+    std::string magic, key, opt;
+    int version = 0;
+    std::size_t r = 0, d = 0;
+    int has_states = 0, has_steps = 0;
+    in >> magic >> version >> key >> r >> key >> d >> key >> world >> key >> gs >> key >> opt >> key >> has_states >> key >>
+      has_steps;
+    if (!in || magic != "wm-embedding" || version != 1) { throw io_error{"'" + prefix.string() + ".meta' is not a wm checkpoint"}; }
+    if (r != rows() || d != dim() || opt != Optimizer::name || world < 1) {
+      throw io_error{"checkpoint '" + prefix.string() + "' holds " + std::to_string(r) + " x " + std::to_string(d) + " with " + opt +
+                     "; this table is " + std::to_string(rows()) + " x " + std::to_string(dim()) + " with " + Optimizer::name};
+    }
+    if ((has_states != 0) != states_.has_value() || (has_steps != 0) != steps_.has_value()) {
+      throw io_error{"checkpoint '" + prefix.string() + "' has other optimizer state than this table"};
+    }
+  });
+  auto files = [&](char const* part) {
+    return memory<Location, Layout>::part_files(prefix.string() + part, world);
+  };
+  auto const w = files(".weights");
+  weights_.load(std::span<std::filesystem::path const>{w});
+  if (states_) {
+    auto const f = files(".states");
+    states_->load(std::span<std::filesystem::path const>{f});
+  }
+  if (steps_) {
+    auto const f = files(".steps");
+    steps_->load(std::span<std::filesystem::path const>{f});
+  }
+  global_step_ = gs;
+}
+
+#undef WM_EMBEDDING
+#undef WM_EMBEDDING_TEMPLATE
+
+}  // namespace wm
