@@ -1,0 +1,616 @@
+/*
+ * gather_bench: wm::tensor::gather_async on device and host tables, each next to a limit measured
+ * in the same run, and the PyTorch peer (bench/peers/torch_gather.py) on the same sizes.
+ *
+ * Rows are 128 float (512 B). Indices are uniform random int64 made on the device (a hash of the
+ * position, seeded per rank and case). Bytes counted: output bytes = indices x 512 B (each row read
+ * once and written once); "r+w" counts both. 10M and 4M are decimal (10,000,000 / 4,000,000 rows).
+ *
+ * (a) 1 GPU (wm::launch(1)): tensor<float, device, continuous> of 10M rows (5.12 GB), 4M indices
+ *     (2.05 GB out). Figure: output GB/s and r+w GB/s. Limit: cudaMemcpyAsync device-to-device of
+ *     2 GiB, counted read+write. Targets: r+w >= 0.85 x copy; output GB/s >= 2 x torch.index_select
+ *     (peer, same sizes).
+ * (b) 2 GPUs: device tensors of 10M rows over both ranks, layouts continuous / chunked /
+ *     distributed; each rank gathers 4M indices at the same time. Floor: the bytes of the output
+ *     rows the other rank owns (counted exactly from the indices with t.locate) / the peer-copy
+ *     bandwidth (cudaMemcpyAsync of the peer's 2 GiB part of a chunked.device memory, both ranks
+ *     copying at once). Ratio = floor / time: target >= 0.80 for the mapped layouts; reported
+ *     only for distributed (NCCL all-to-all). Local rows and output writes are not counted.
+ * (c) host: tensor<float, host, chunked> of 2M rows (1 GiB) and of 16M rows (8 GiB); each rank
+ *     gathers 4M indices at once. Limit: pinned host-to-device cudaMemcpyAsync of 1 GiB, all ranks
+ *     at once. 1 GiB target: output GB/s >= 0.80 x that copy. 8 GiB target: >= 2 x a plain kernel
+ *     (one warp per output row, 16 B per lane, no unrolling, the same unsorted indices); wm's time
+ *     includes the sort it does for long host batches.
+ * (d) 2 GPUs: distributed tensor of 10M rows, 1M indices per rank at once. Figure: ms per lookup
+ *     and output GB/s. Peer: the model-parallel lookup a PyTorch user writes with
+ *     all_to_all_single (2 processes, NCCL). Target: wm >= 3 x faster.
+ *
+ * Each case is checked once before timing (output poisoned; every output element compared on the
+ * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
+ * timed: 2 warm-ups, a barrier, 10 runs back to back with CUDA events on each rank's stream, the
+ * median. With several ranks every rank runs the case at once; the figure is the slowest rank's
+ * (max over ranks of the per-rank medians), the limit the slowest rank's. The launcher process
+ * never touches CUDA; rank 0 of each launch writes its numbers into memory shared with it. Then,
+ * if python3 imports torch, the peer runs (found through $WM_REPO, the source tree this was built
+ * from, or ../../bench/peers beside the executable) and prints one JSON line. Output ends with
+ * one table.
+ */
+#include <wm/wm.cuh>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::size_t gib        = std::size_t{1} << 30;
+constexpr std::size_t cols       = 128;
+constexpr std::size_t row_bytes  = cols * sizeof(float);
+constexpr std::size_t table_rows = 10'000'000;             // (a), (b), (d)
+constexpr std::size_t batch      = 4'000'000;              // indices per rank in (a), (b), (c)
+constexpr std::size_t keys       = 1'000'000;              // indices per rank in (d)
+constexpr std::size_t host_small = std::size_t{2} << 20;   // rows: 1 GiB
+constexpr std::size_t host_large = std::size_t{16} << 20;  // rows: 8 GiB
+constexpr std::size_t check_rows = 4096;
+constexpr int warmups            = 2;
+constexpr int reps               = 10;
+constexpr int threads            = 256;
+constexpr double nan             = std::numeric_limits<double>::quiet_NaN();
+
+__host__ __device__ constexpr std::uint64_t mix(std::uint64_t x)  // splitmix64 finalizer
+{
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/// Element (row, col) of every table: a 24-bit integer, exact in float.
+__host__ __device__ constexpr float pattern(std::uint64_t row, std::size_t col)
+{
+  return static_cast<float>(mix(row * cols + col) >> 40);
+}
+
+__global__ void fill_kernel(wm::matrix_view<float> v, std::size_t first_row)
+{
+  std::size_t const n = v.rows * cols;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    v(i / cols, i % cols) = pattern(first_row + i / cols, i % cols);
+  }
+}
+
+__global__ void random_kernel(std::int64_t* idx, std::size_t n, std::size_t rows,
+                              std::uint64_t seed)
+{
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    idx[i] = static_cast<std::int64_t>(mix(mix(seed) + i) % rows);
+  }
+}
+
+/// Counts in @p bad the output elements that differ from the pattern of their row.
+__global__ void check_kernel(float const* out, std::int64_t const* idx, std::size_t n,
+                             unsigned long long* bad)
+{
+  unsigned long long wrong = 0;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n * cols;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    wrong += out[i] != pattern(static_cast<std::uint64_t>(idx[i / cols]), i % cols) ? 1 : 0;
+  }
+  if (wrong != 0) { atomicAdd(bad, wrong); }
+}
+
+/// The plain gather: one warp per output row, each lane copies 16 B, no unrolling.
+__global__ void plain_gather_kernel(std::byte const* table, std::int64_t const* idx, std::size_t n,
+                                    std::byte* out)
+{
+  std::size_t const t = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
+  std::size_t const i = t / 32;
+  if (i >= n) { return; }
+  auto const* src =
+    reinterpret_cast<uint4 const*>(table + static_cast<std::size_t>(idx[i]) * row_bytes);
+  reinterpret_cast<uint4*>(out + i * row_bytes)[t % 32] = src[t % 32];
+}
+
+__global__ void entry_address_kernel(wm::chunked_view view, std::size_t e, std::byte** out)
+{
+  *out = view.entry(e);
+}
+
+/// printf into a std::string.
+std::string fmt(char const* f, ...)
+{
+  char buf[256];
+  va_list args;
+  va_start(args, f);
+  std::vsnprintf(buf, sizeof buf, f, args);
+  va_end(args);
+  return buf;
+}
+
+struct cuda_free {
+  bool host{};
+  void operator()(void* p) const noexcept { (void)(host ? cudaFreeHost(p) : cudaFree(p)); }
+};
+template <class T>
+using buffer = std::unique_ptr<T[], cuda_free>;
+
+/// n elements of T in device memory (or in pinned host memory).
+template <class T>
+buffer<T> allocate(std::size_t n, bool host = false)
+{
+  void* p                 = nullptr;
+  std::size_t const bytes = std::max<std::size_t>(n, 1) * sizeof(T);
+  WM_CUDA_TRY(host ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes));
+  return buffer<T>{static_cast<T*>(p), cuda_free{host}};
+}
+
+/// What rank 0 of each launch hands to main, in memory shared with it.
+struct results {
+  char gpu[256]{};
+  int ranks{0};
+  double a_ms{nan}, copy_gbps{nan};  // (a) gather; D2D copy, read+write
+  double peer_gbps{nan};             // (b) peer copy, slowest rank
+  struct layout_figures {
+    double r0_ms{nan}, max_ms{nan}, bound_ms{nan};
+  } b[3];                // (b) continuous, chunked, distributed
+  double h2d_gbps{nan};  // (c) pinned H2D copy, slowest rank
+  double c_small_ms{nan}, c_large_ms{nan}, c_plain_ms{nan};
+  double d_ms{nan}, d_r0_ms{nan};
+};
+
+/// Per-rank figures of one case, exchanged with comm.all_gather.
+struct rank_figures {
+  double ms{nan};
+  double plain_ms{nan};
+  double bound_ms{nan};
+  std::size_t remote{};  // output rows owned by another rank
+};
+
+/// One rank's state; every public member function is collective.
+class bench {
+  results own_;  // where ranks other than 0 write
+
+ public:
+  results& res;  ///< the figures, once every rank has its own
+
+  /// Rank 0 writes its figures to @p out; the other ranks to their own copy.
+  bench(wm::communicator& comm, results& out) : res{comm.rank() == 0 ? out : own_}, comm_{comm}
+  {
+    int sms = 0;
+    WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()));
+    blocks_ = 8 * sms;
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    WM_CUDA_TRY(cudaMalloc(&scratch_, sizeof(unsigned long long)));
+    for (auto& e : events_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
+    cudaDeviceProp prop{};
+    WM_CUDA_TRY(cudaGetDeviceProperties(&prop, comm.device()));
+    std::snprintf(res.gpu, sizeof res.gpu, "%s", prop.name);
+    res.ranks = comm.size();
+  }
+  bench(bench const&)            = delete;
+  bench& operator=(bench const&) = delete;
+  ~bench()
+  {
+    (void)cudaStreamSynchronize(stream_);
+    for (auto e : events_) { (void)cudaEventDestroy(e); }
+    (void)cudaFree(scratch_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  /// (a) on a 1-rank communicator: the gather, then the device copy limit.
+  void single_gpu()
+  {
+    {
+      wm::tensor<float, wm::device, wm::continuous> t{comm_, table_rows, cols};
+      fill(t);
+      res.a_ms = gather_case(t, batch, 1).ms;
+    }
+    auto const src = allocate<std::byte>(2 * gib), dst = allocate<std::byte>(2 * gib);
+    WM_CUDA_TRY(cudaMemsetAsync(src.get(), 0x5A, 2 * gib, stream_));
+    res.copy_gbps = 2 * copy_gbps(dst.get(), src.get(), 2 * gib, cudaMemcpyDeviceToDevice);
+  }
+
+  /// (b) limit: every rank copies its peer's 2 GiB part at the same time.
+  void peer_copy()
+  {
+    wm::memory<wm::device, wm::chunked> mem{comm_, 2 * gib * comm_.size(), row_bytes};
+    auto const local = mem.local_view();
+    WM_CUDA_TRY(cudaMemsetAsync(local.data, 0x5A, local.bytes(), stream_));
+    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    comm_.barrier();
+    int const peer       = (comm_.rank() + 1) % comm_.size();
+    std::size_t const n  = mem.byte_range(peer).size();
+    std::byte const* src = entry_address(mem.chunked_view(), mem.entry_range(peer).begin);
+    auto const dst       = allocate<std::byte>(n);
+    peer_gbps_           = copy_gbps(dst.get(), src, n, cudaMemcpyDeviceToDevice);
+    res.peer_gbps        = min_over_ranks(peer_gbps_);
+    comm_.barrier();  // every peer part stays alive until every copy is done
+  }
+
+  /// (b) for one layout (slot 0, 1, 2); for distributed also (d), on the same table.
+  template <class Layout>
+  void two_gpus(int slot)
+  {
+    wm::tensor<float, wm::device, Layout> t{comm_, table_rows, cols};
+    fill(t);
+    auto mine      = gather_case(t, batch, 100 + slot);
+    mine.bound_ms  = double(mine.remote * row_bytes) / peer_gbps_ / 1e6;
+    auto const all = comm_.all_gather(mine);
+    res.b[slot] = {all[0].ms, max_of(all, &rank_figures::ms), max_of(all, &rank_figures::bound_ms)};
+    if constexpr (std::same_as<Layout, wm::distributed>) {
+      auto const d = comm_.all_gather(gather_case(t, keys, 200));
+      res.d_r0_ms  = d[0].ms;
+      res.d_ms     = max_of(d, &rank_figures::ms);
+    }
+  }
+
+  /// (c) limit: every rank copies 1 GiB of pinned host memory to its GPU at the same time.
+  void pinned_h2d()
+  {
+    auto const src = allocate<std::byte>(gib, true), dst = allocate<std::byte>(gib);
+    std::memset(src.get(), 0x5A, gib);
+    res.h2d_gbps = min_over_ranks(copy_gbps(dst.get(), src.get(), gib, cudaMemcpyHostToDevice));
+  }
+
+  /// (c) one host table; the large one also runs the plain kernel.
+  void host_table(std::size_t rows)
+  {
+    bool const large = rows == host_large;
+    wm::tensor<float, wm::host, wm::chunked> t{comm_, rows, cols};
+    fill(t);
+    auto const all = comm_.all_gather(gather_case(t, batch, large ? 300 : 400, large));
+    (large ? res.c_large_ms : res.c_small_ms) = max_of(all, &rank_figures::ms);
+    if (large) { res.c_plain_ms = max_of(all, &rank_figures::plain_ms); }
+  }
+
+ private:
+  static double max_of(std::vector<rank_figures> const& v, double rank_figures::*field)
+  {
+    double m = 0;
+    for (auto const& r : v) { m = std::max(m, r.*field); }
+    return m;
+  }
+
+  double min_over_ranks(double x)
+  {
+    auto const all = comm_.all_gather(x);
+    return *std::min_element(all.begin(), all.end());
+  }
+
+  /// This rank's GB/s of cudaMemcpyAsync of @p n bytes (every rank copying at the same time).
+  double copy_gbps(void* dst, void const* src, std::size_t n, cudaMemcpyKind kind)
+  {
+    double const ms = median_ms([&] { WM_CUDA_TRY(cudaMemcpyAsync(dst, src, n, kind, stream_)); });
+    return double(n) / ms / 1e6;
+  }
+
+  [[nodiscard]] cuda::stream_ref sref() const noexcept { return cuda::stream_ref{stream_}; }
+
+  /// Writes the pattern into this rank's rows (local row l is global row begin + l).
+  template <class Tensor>
+  void fill(Tensor& t)
+  {
+    auto const v = t.local_view();
+    if (v.rows > 0) {
+      fill_kernel<<<blocks_, threads, 0, stream_>>>(v, t.storage().local_entry_range().begin);
+      WM_CHECK_LAUNCH();
+    }
+    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    comm_.barrier();
+  }
+
+  /// Checks every output row on the device and 4096 rows on the host; throws if one is wrong.
+  void verify(float const* out, std::int64_t const* idx, std::vector<std::int64_t> const& host_idx,
+              char const* what)
+  {
+    std::size_t const n = host_idx.size();
+    auto* bad           = reinterpret_cast<unsigned long long*>(scratch_);
+    WM_CUDA_TRY(cudaMemsetAsync(bad, 0, sizeof(*bad), stream_));
+    check_kernel<<<blocks_, threads, 0, stream_>>>(out, idx, n, bad);
+    WM_CHECK_LAUNCH();
+    unsigned long long device_wrong = 0;
+    WM_CUDA_TRY(cudaMemcpyAsync(&device_wrong, bad, sizeof(*bad), cudaMemcpyDeviceToHost, stream_));
+    std::size_t const step = std::max<std::size_t>(1, n / check_rows);
+    std::size_t const m    = std::min(n, check_rows);
+    std::vector<float> h(m * cols);
+    WM_CUDA_TRY(cudaMemcpy2DAsync(h.data(), row_bytes, out, step * row_bytes, row_bytes, m,
+                                  cudaMemcpyDeviceToHost, stream_));
+    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    std::size_t host_wrong = 0;
+    for (std::size_t j = 0; j < m * cols; ++j) {
+      auto const row = static_cast<std::uint64_t>(host_idx[j / cols * step]);
+      host_wrong += h[j] != pattern(row, j % cols) ? 1 : 0;
+    }
+    if (device_wrong != 0 || host_wrong != 0) {
+      throw std::runtime_error{
+        fmt("gather_bench: rank %d: %s of %zu rows: %llu wrong elements, "
+            "%zu in the host sample",
+            comm_.rank(), what, n, device_wrong, host_wrong)};
+    }
+  }
+
+  /// Gathers n random rows of @p t: checks once, then times (and the plain kernel if asked).
+  template <class Tensor>
+  rank_figures gather_case(Tensor& t, std::size_t n, std::uint64_t seed, bool plain = false)
+  {
+    auto const idx = allocate<std::int64_t>(n);  // and a host copy, for checks and counts
+    std::vector<std::int64_t> host_idx(n);
+    random_kernel<<<blocks_, threads, 0, stream_>>>(idx.get(), n, t.rows(),
+                                                    seed * 100 + comm_.rank());
+    WM_CHECK_LAUNCH();
+    WM_CUDA_TRY(
+      cudaMemcpyAsync(host_idx.data(), idx.get(), n * 8, cudaMemcpyDeviceToHost, stream_));
+    auto const out = allocate<float>(n * cols);
+    std::span<std::int64_t const> const span{idx.get(), n};
+    auto const poison = [&] {
+      WM_CUDA_TRY(cudaMemsetAsync(out.get(), 0xFF, n * row_bytes, stream_));  // NaN everywhere
+    };
+    auto const run = [&] { t.gather_async(span, out.get(), sref()); };
+    poison();
+    run();
+    t.check_errors(sref());
+    verify(out.get(), idx.get(), host_idx, "wm gather");
+    rank_figures f;
+    f.ms = median_ms(run);
+    t.check_errors(sref());
+    for (auto const k : host_idx) {
+      f.remote += t.locate(static_cast<std::size_t>(k)).rank != comm_.rank() ? 1 : 0;
+    }
+    if constexpr (Tensor::layout_type::mapped) {
+      if (plain) {
+        std::byte const* base = entry_address(t.storage().chunked_view(), 0);  // one allocation
+        auto const run_plain  = [&] {
+          auto const grid = static_cast<unsigned>((n * 32 + threads - 1) / threads);
+          plain_gather_kernel<<<grid, threads, 0, stream_>>>(
+            base, idx.get(), n, reinterpret_cast<std::byte*>(out.get()));
+          WM_CHECK_LAUNCH();
+        };
+        poison();
+        run_plain();
+        verify(out.get(), idx.get(), host_idx, "plain kernel");
+        f.plain_ms = median_ms(run_plain);
+      }
+    }
+    return f;
+  }
+
+  /// Address of global entry @p e as the view computes it in device code.
+  std::byte const* entry_address(wm::chunked_view view, std::size_t e)
+  {
+    auto** out = reinterpret_cast<std::byte**>(scratch_);
+    entry_address_kernel<<<1, 1, 0, stream_>>>(view, e, out);
+    WM_CHECK_LAUNCH();
+    std::byte* host = nullptr;
+    WM_CUDA_TRY(cudaMemcpyAsync(&host, out, sizeof(host), cudaMemcpyDeviceToHost, stream_));
+    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    return host;
+  }
+
+  /// Median milliseconds of @p enqueue: warm-ups, a barrier (every rank starts together), then
+  /// the timed runs back to back, each between two events on the stream.
+  template <class F>
+  double median_ms(F const& enqueue)
+  {
+    for (int i = 0; i < warmups; ++i) { enqueue(); }
+    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    comm_.barrier();
+    for (int i = 0; i < reps; ++i) {
+      WM_CUDA_TRY(cudaEventRecord(events_[2 * i], stream_));
+      enqueue();
+      WM_CUDA_TRY(cudaEventRecord(events_[2 * i + 1], stream_));
+    }
+    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    std::vector<float> ms(reps);
+    for (int i = 0; i < reps; ++i) {
+      WM_CUDA_TRY(cudaEventElapsedTime(&ms[i], events_[2 * i], events_[2 * i + 1]));
+    }
+    std::sort(ms.begin(), ms.end());
+    return 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
+  }
+
+  wm::communicator& comm_;
+  int blocks_{};
+  cudaStream_t stream_{};
+  std::byte* scratch_{};  // device: a mismatch counter or one address
+  cudaEvent_t events_[2 * reps]{};
+  double peer_gbps_{nan};
+};
+
+// ---- the PyTorch peer and the table -------------------------------------------------------
+
+struct peer_result {
+  std::string note;  // why it has no numbers, if it has none
+  bool failed{false};
+  double index_select_ms{nan}, index_select_gbps{nan}, a2a_ms{nan};
+};
+
+/// The peer script: under $WM_REPO, the source tree this was built from, ../../bench beside the
+/// executable, or bench/ under the working directory.
+fs::path peer_script()
+{
+  std::error_code ec;
+  char const* repo = std::getenv("WM_REPO");
+  for (fs::path const& dir :
+       {repo != nullptr && *repo != '\0' ? fs::path{repo} / "bench" : fs::path{},
+        fs::path{__FILE__}.parent_path(),
+        fs::read_symlink("/proc/self/exe", ec).parent_path() / "../../bench", fs::path{"bench"}}) {
+    if (!dir.empty() && fs::is_regular_file(dir / "peers/torch_gather.py", ec)) {
+      return dir / "peers/torch_gather.py";
+    }
+  }
+  return {};
+}
+
+/// The number after "key": in a JSON line (NaN if absent or null).
+double json_number(std::string const& line, std::string const& key)
+{
+  auto const at = line.find('"' + key + "\":");
+  if (at == std::string::npos) { return nan; }
+  char const* s  = line.c_str() + at + key.size() + 3;
+  char* end      = nullptr;
+  double const v = std::strtod(s, &end);
+  return end == s ? nan : v;
+}
+
+peer_result run_torch_peer()
+{
+  peer_result p;
+  fs::path const script = peer_script();
+  if (script.empty()) {
+    p.note = "torch peer not run: bench/peers/torch_gather.py not found (set WM_REPO)";
+    return p;
+  }
+  std::fflush(nullptr);
+  if (std::system("python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+    p.note = "torch peer not run: python3 cannot import torch";
+    return p;
+  }
+  std::string const cmd = "timeout 180 python3 '" + script.string() + "' --json";
+  std::FILE* pipe       = ::popen(cmd.c_str(), "r");
+  std::string json;  // its stdout: the JSON line (anything else is passed on)
+  static char buf[1 << 16];
+  while (pipe != nullptr && std::fgets(buf, sizeof buf, pipe) != nullptr) {
+    if (buf[0] == '{') {
+      json = buf;
+    } else {
+      std::fputs(buf, stdout);
+    }
+  }
+  int const status = pipe == nullptr ? -1 : ::pclose(pipe);
+  if (status != 0 || json.empty()) {
+    p.failed = true;
+    p.note   = "torch peer FAILED (exit status " +
+             std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
+             ", 124 = timeout; its stderr is above)";
+    return p;
+  }
+  p.index_select_ms   = json_number(json, "index_select_ms");
+  p.index_select_gbps = json_number(json, "index_select_gbps");
+  p.a2a_ms            = json_number(json, "a2a_ms");
+  return p;
+}
+
+/// One table row; target <= 0: reported only.
+void row(char const* name, std::string const& figure, std::string const& limit, double ratio,
+         double target)
+{
+  std::string const r = std::isnan(ratio) ? "-" : fmt("%.2f", ratio);
+  std::string t       = target > 0 ? fmt(">= %.2f", target) : "report";
+  if (target > 0) { t += std::isnan(ratio) ? "  n/a" : ratio >= target ? "  ok" : "  BELOW"; }
+  std::printf("%-30s %-30s %-40s %6s  %s\n", name, figure.c_str(), limit.c_str(), r.c_str(),
+              t.c_str());
+}
+
+void print_table(results const& r, peer_result const& p, double seconds)
+{
+  std::printf("== gather_bench: %d x %s (%.0f s in all)\n", r.ranks, r.gpu, seconds);
+  std::printf("   ranks gather at once; figure: slowest rank (r0: rank 0), median of %d\n", reps);
+  if (!p.note.empty()) { std::printf("   %s\n", p.note.c_str()); }
+  std::printf("%-30s %-30s %-40s %6s  %s\n", "case", "figure", "limit / peer", "ratio", "target");
+  auto const gbps = [](std::size_t rows, double ms) { return double(rows * row_bytes) / ms / 1e6; };
+  std::string const no_peer = "torch peer not run";
+  bool const two            = r.ranks >= 2;
+  double const out          = gbps(batch, r.a_ms);
+  row("(a) 1 GPU device gather", fmt("%.0f GB/s out (%.0f r+w)", out, 2 * out),
+      fmt("%.0f GB/s dev copy (r+w)", r.copy_gbps), 2 * out / r.copy_gbps, 0.85);
+  row("(a) vs torch.index_select", fmt("%.0f GB/s out (%.3f ms)", out, r.a_ms),
+      std::isnan(p.index_select_ms)
+        ? no_peer
+        : fmt("%.0f GB/s out (%.3f ms)", p.index_select_gbps, p.index_select_ms),
+      out / p.index_select_gbps, 2);
+  char const* names[] = {"(b) continuous 2 GPUs", "(b) chunked 2 GPUs",
+                         "(b) distributed 2 GPUs (NCCL)"};
+  for (int i = 0; i < 3; ++i) {
+    auto const& b = r.b[i];
+    row(names[i], two ? fmt("%.3f ms (r0 %.3f)", b.max_ms, b.r0_ms) : "n/a (1 GPU)",
+        two ? fmt("floor %.3f ms (peer copy %.0f GB/s)", b.bound_ms, r.peer_gbps) : "-",
+        b.bound_ms / b.max_ms, i < 2 ? 0.80 : 0);
+  }
+  double const small = gbps(batch, r.c_small_ms), large = gbps(batch, r.c_large_ms);
+  row("(c) host 1 GiB table", fmt("%.1f GB/s out (%.2f ms)", small, r.c_small_ms),
+      fmt("%.1f GB/s pinned H2D", r.h2d_gbps), small / r.h2d_gbps, 0.80);
+  row("(c) host 8 GiB table", fmt("%.1f GB/s out (%.2f ms)", large, r.c_large_ms),
+      fmt("plain warp kernel %.1f GB/s (%.2f ms)", gbps(batch, r.c_plain_ms), r.c_plain_ms),
+      r.c_plain_ms / r.c_large_ms, 2);
+  row("(c) host 8 GiB vs pinned H2D", fmt("%.1f GB/s out", large),
+      fmt("%.1f GB/s pinned H2D", r.h2d_gbps), large / r.h2d_gbps, 0);
+  row("(d) distributed 1M keys",
+      two ? fmt("%.3f ms (%.0f GB/s out)", r.d_ms, gbps(keys, r.d_ms)) : "n/a (1 GPU)",
+      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_ms, 3);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main()
+{
+  // NVLink multicast stays off here and in the torch peer (see the GPU machine's notes).
+  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+  ::setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
+  ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  ::setenv("PYTHONUNBUFFERED", "1", 1);
+  using clock    = std::chrono::steady_clock;
+  auto const t0  = clock::now();
+  int const gpus = wm::local_device_count();  // before any CUDA call in this process
+  if (gpus == 0) {
+    std::printf("gather_bench: no GPU found, nothing to measure\n");
+    return 0;
+  }
+  // The ranks are forked processes: rank 0 writes its figures into memory shared with this one.
+  void* shared =
+    ::mmap(nullptr, sizeof(results), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (shared == MAP_FAILED) {
+    std::printf("gather_bench: FAILED: mmap of %zu bytes\n", sizeof(results));
+    return 1;
+  }
+  results& res = *new (shared) results{};
+  try {
+    wm::launch_options options;
+    options.timeout = std::chrono::seconds{180};  // expected: well under a minute each
+    wm::launch(
+      1,
+      [&](wm::communicator& comm) {
+        bench{comm, res}.single_gpu();
+      },
+      options);
+    auto const multi = [&](wm::communicator& comm) {
+      bench b{comm, res};
+      if (comm.size() >= 2) {
+        b.peer_copy();
+        b.two_gpus<wm::continuous>(0);
+        b.two_gpus<wm::chunked>(1);
+        b.two_gpus<wm::distributed>(2);
+      }
+      b.pinned_h2d();
+      b.host_table(host_small);
+      b.host_table(host_large);
+    };
+    wm::launch(std::min(gpus, 2), multi, options);
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "gather_bench: %s\n", e.what());
+    std::printf("gather_bench: FAILED: %s\n", e.what());
+    return 1;
+  }
+  peer_result const peer = run_torch_peer();
+  print_table(res, peer, std::chrono::duration<double>(clock::now() - t0).count());
+  return peer.failed ? 1 : 0;
+}

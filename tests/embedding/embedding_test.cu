@@ -1,0 +1,306 @@
+// GPU tests of wm::embedding: every optimizer x element type x layout, 1 rank ([gpu]) and one
+// rank per GPU ([multi_gpu]). Several training steps with fresh random indices (many duplicates,
+// an empty batch) and gradients; weights and optimizer states are compared with a float64 host
+// reference of the same algorithm run on the concatenation of all ranks' batches (= what one
+// rank computes on the concatenated batch). A checkpoint round trip into another layout
+// continues training bit for bit. Bad indices are rejected on every rank with nothing updated.
+#include "catch.hpp"
+#include "rank_check.hpp"
+
+#include <wm/wm.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <vector>
+
+namespace {
+
+template <class T>
+double to_double(T x)
+{
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return static_cast<double>(__half2float(x));
+  } else {
+    return static_cast<double>(__bfloat162float(x));
+  }
+}
+template <class T>
+T from_double(double x)
+{
+  if constexpr (std::is_same_v<T, float>) {
+    return static_cast<float>(x);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(static_cast<float>(x));
+  } else {
+    return __float2bfloat16_rn(static_cast<float>(x));
+  }
+}
+template <class T>
+double tolerance()  // relative, for weights stored as T
+{
+  if constexpr (std::is_same_v<T, float>) {
+    return 1e-5;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return 2e-3;  // one rounding step of half apart at most
+  } else {
+    return 1.6e-2;
+  }
+}
+
+template <class T>
+struct device_array {
+  T* ptr{};
+  std::size_t n{};
+  explicit device_array(std::vector<T> const& h) : n{h.size()}
+  {
+    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+  }
+  ~device_array() { (void)cudaFree(ptr); }
+  device_array(device_array const&) = delete;
+};
+
+// All rows of a tensor-like (gather with every index), as doubles.
+template <class T, class Table>
+std::vector<double> read_all(Table& t, std::size_t rows, std::size_t cols, cudaStream_t s)
+{
+  std::vector<std::int64_t> idx(rows);
+  for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
+  device_array<std::int64_t> di{idx};
+  device_array<T> out{std::vector<T>(rows * cols, from_double<T>(-12345.0))};  // poisoned
+  t.gather(std::span<std::int64_t const>{di.ptr, rows}, out.ptr, cuda::stream_ref{s});
+  std::vector<T> h(rows * cols);
+  WM_CUDA_TRY(cudaMemcpy(h.data(), out.ptr, h.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  std::vector<double> d(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) { d[i] = to_double(h[i]); }
+  return d;
+}
+
+// One training step's data for every rank (all ranks draw the same numbers).
+template <class T>
+struct step_data {
+  std::vector<std::vector<std::int64_t>> idx;  // per rank
+  std::vector<std::vector<T>> grads;           // per rank, dim per index
+  float lr;
+};
+
+template <class T>
+step_data<T> draw_step(std::mt19937_64& rng, int world, std::size_t rows, std::size_t dim, int step)
+{
+  step_data<T> d;
+  d.lr = 0.01f * static_cast<float>(step + 1);
+  std::uniform_real_distribution<float> g{-1.0f, 1.0f};
+  for (int r = 0; r < world; ++r) {
+    std::size_t const n = (step == 1 && r == world - 1) ? 0 : 200 + 37 * static_cast<std::size_t>(r);  // one empty batch
+    std::vector<std::int64_t> idx(n);
+    for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % 4 == 0 ? rng() % 8 : rng() % rows); }  // hot rows: duplicates
+    std::vector<T> gr(n * dim);
+    for (auto& x : gr) { x = from_double<T>(g(rng)); }
+    d.idx.push_back(std::move(idx));
+    d.grads.push_back(std::move(gr));
+  }
+  return d;
+}
+
+// The float64 reference: sum duplicates over the concatenated batch, update each touched row.
+template <class T, class Opt>
+struct reference_table {
+  Opt opt;
+  std::size_t rows, dim;
+  std::vector<double> w, st;
+  std::vector<long> row_steps;
+  long global = 0;
+
+  void step(step_data<T> const& d)
+  {
+    ++global;
+    std::map<std::size_t, std::vector<double>> sums;
+    for (std::size_t r = 0; r < d.idx.size(); ++r) {
+      for (std::size_t i = 0; i < d.idx[r].size(); ++i) {
+        auto& g = sums[static_cast<std::size_t>(d.idx[r][i])];
+        g.resize(dim, 0.0);
+        for (std::size_t j = 0; j < dim; ++j) { g[j] += to_double(d.grads[r][i * dim + j]); }
+      }
+    }
+    for (auto const& [k, g] : sums) {
+      long t = global;
+      if constexpr (std::is_same_v<Opt, wm::adam>) {
+        if (opt.bias_correction == wm::adam_bias_correction::per_row) { t = ++row_steps[k]; }
+      }
+      for (std::size_t j = 0; j < dim; ++j) {
+        double s[2] = {0, 0};
+        for (int q = 0; q < Opt::states; ++q) { s[q] = st[k * Opt::states * dim + q * dim + j]; }
+        double& wv = w[k * dim + j];
+        opt.update(wv, g[j], s, wm::update_step<double>{static_cast<double>(d.lr), t});
+        wv = to_double(from_double<T>(wv));  // stored as T
+        for (int q = 0; q < Opt::states; ++q) { st[k * Opt::states * dim + q * dim + j] = s[q]; }
+      }
+    }
+  }
+};
+
+template <class E, class T>
+void apply(E& e, wm::communicator& comm, step_data<T> const& d, cudaStream_t s)
+{
+  auto const& idx = d.idx[static_cast<std::size_t>(comm.rank())];
+  device_array<std::int64_t> di{idx};
+  device_array<T> dg{d.grads[static_cast<std::size_t>(comm.rank())]};
+  e.apply_gradients(std::span<std::int64_t const>{di.ptr, idx.size()}, dg.ptr, d.lr, cuda::stream_ref{s});
+}
+
+bool close(double got, double want, double rel, double abs_floor)
+{
+  return std::abs(got - want) <= rel * std::max(std::abs(want), abs_floor) && !std::isnan(got);
+}
+
+template <class T, class Opt, class L, class Y, class M>
+void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::string const& name)
+{
+  std::string const what = name + " T=" + std::to_string(sizeof(T)) + "B " + L::name + "." + Y::name + "." + M::name +
+                           " ranks=" + std::to_string(comm.size());
+  std::size_t const rows = 301;
+  std::size_t const dim  = 19;  // odd: not a multiple of the vector width
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreate(&s));
+  using E = wm::embedding<T, wm::no_cache, Opt, L, Y, M>;
+  E e{comm, rows, dim, opt, wm::embedding_init::uniform(-0.5f, 0.5f, seed)};
+
+  reference_table<T, Opt> ref{opt, rows, dim, read_all<T>(e.weights(), rows, dim, s),
+                              std::vector<double>(rows * dim * Opt::states, wm::initial_state(opt)),
+                              std::vector<long>(rows, 0)};
+  for (double x : ref.w) { RANK_REQUIRE_MSG(x >= -0.5 && x <= 0.5 && x != 0.0, what << ": initial weight " << x); }
+
+  std::mt19937_64 rng{seed};
+  int const steps = 4;
+  for (int k = 0; k < steps; ++k) {
+    auto const d = draw_step<T>(rng, comm.size(), rows, dim, k);
+    apply(e, comm, d, s);
+    ref.step(d);
+    RANK_REQUIRE(e.global_step() == k + 1);
+  }
+  auto const w = read_all<T>(e.weights(), rows, dim, s);
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), 0.1), what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
+  }
+  if constexpr (Opt::states > 0) {
+    auto const st = read_all<float>(*e.states(), rows, dim * Opt::states, s);
+    double const rel = std::is_same_v<T, float> ? 1e-5 : 2e-2;  // states see the rounded weights (decay)
+    for (std::size_t i = 0; i < st.size(); ++i) {
+      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, 1e-3), what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
+    }
+  }
+
+  // Checkpoint: store, train two more steps (A); load into another layout, same two steps (B).
+  auto const dir = std::filesystem::temp_directory_path() / ("wm-emb-test-" + std::to_string(seed));
+  std::filesystem::create_directories(dir);
+  e.store(dir / "ckpt");
+  auto const more1 = draw_step<T>(rng, comm.size(), rows, dim, 10);
+  auto const more2 = draw_step<T>(rng, comm.size(), rows, dim, 11);
+  apply(e, comm, more1, s);
+  apply(e, comm, more2, s);
+  using Y2 = std::conditional_t<std::is_same_v<Y, wm::distributed>, wm::chunked, wm::distributed>;
+  wm::embedding<T, wm::no_cache, Opt, L, Y2, M> e2{comm, rows, dim, opt, wm::embedding_init::zeros()};
+  e2.load(dir / "ckpt");
+  RANK_REQUIRE(e2.global_step() == steps);
+  apply(e2, comm, more1, s);
+  apply(e2, comm, more2, s);
+  auto const a = read_all<T>(e.weights(), rows, dim, s);
+  auto const b = read_all<T>(e2.weights(), rows, dim, s);
+  RANK_REQUIRE_MSG(a == b, what << ": training after a checkpoint round trip differs");
+  if constexpr (Opt::states > 0) {
+    RANK_REQUIRE_MSG(read_all<float>(*e.states(), rows, dim * Opt::states, s) ==
+                       read_all<float>(*e2.states(), rows, dim * Opt::states, s),
+                     what << ": optimizer state after a checkpoint round trip differs");
+  }
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
+
+  // A bad index on one rank: every rank gets the error; nothing changes.
+  auto bad = draw_step<T>(rng, comm.size(), rows, dim, 20);
+  bad.idx[static_cast<std::size_t>(comm.size() - 1)].push_back(static_cast<std::int64_t>(rows));
+  bad.grads[static_cast<std::size_t>(comm.size() - 1)].resize(bad.idx[comm.size() - 1].size() * dim, from_double<T>(1.0));
+  bool threw = false;
+  try {
+    apply(e, comm, bad, s);
+  } catch (wm::logic_error const&) {
+    threw = true;
+  }
+  RANK_REQUIRE_MSG(threw, what << ": an out-of-range gradient index was accepted");
+  RANK_REQUIRE(e.global_step() == steps + 2);
+  RANK_REQUIRE_MSG(read_all<T>(e.weights(), rows, dim, s) == a, what << ": a rejected batch changed the table");
+  WM_CUDA_TRY(cudaStreamDestroy(s));
+  comm.barrier();
+}
+
+template <class T, class L, class Y, class M>
+void every_optimizer(wm::communicator& comm, std::uint64_t& seed)
+{
+  train_and_check<T, wm::sgd, L, Y, M>(comm, wm::sgd{0.01f}, ++seed, "sgd(wd)");
+  train_and_check<T, wm::sgd, L, Y, M>(comm, wm::sgd{}, ++seed, "sgd");
+  wm::adam lazy;
+  train_and_check<T, wm::adam, L, Y, M>(comm, lazy, ++seed, "adam(lazy)");
+  wm::adam global;
+  global.bias_correction = wm::adam_bias_correction::global_step;
+  global.weight_decay    = 0.01f;
+  train_and_check<T, wm::adam, L, Y, M>(comm, global, ++seed, "adam(global, wd)");
+  wm::adam adamw;
+  adamw.decoupled    = true;
+  adamw.weight_decay = 0.05f;
+  train_and_check<T, wm::adam, L, Y, M>(comm, adamw, ++seed, "adamw");
+  train_and_check<T, wm::rmsprop, L, Y, M>(comm, wm::rmsprop{}, ++seed, "rmsprop");
+  wm::adagrad ag;
+  ag.initial_accumulator = 0.1f;
+  ag.weight_decay        = 0.01f;
+  train_and_check<T, wm::adagrad, L, Y, M>(comm, ag, ++seed, "adagrad");
+}
+
+template <class T>
+void every_layout(wm::communicator& comm, std::uint64_t& seed)
+{
+  every_optimizer<T, wm::device, wm::continuous, wm::block>(comm, seed);
+  every_optimizer<T, wm::device, wm::chunked, wm::block>(comm, seed);
+  every_optimizer<T, wm::device, wm::distributed, wm::block>(comm, seed);
+  every_optimizer<T, wm::host, wm::chunked, wm::block>(comm, seed);
+  every_optimizer<T, wm::host, wm::distributed, wm::cyclic>(comm, seed);
+}
+
+void run_suite(int ranks)
+{
+  std::uint64_t const seed0 = std::random_device{}();
+  wm::launch(ranks, [&](wm::communicator& comm) {
+    std::uint64_t seed = seed0;
+    every_layout<float>(comm, seed);
+    every_layout<__half>(comm, seed);
+    every_layout<__nv_bfloat16>(comm, seed);
+    // An inference-only table gathers like any other.
+    wm::embedding<float, wm::no_cache, wm::no_optimizer> frozen{comm, 50, 8, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)};
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreate(&s));
+    auto const w = read_all<float>(frozen.weights(), 50, 8, s);
+    double mean = 0;
+    for (double x : w) { mean += x / static_cast<double>(w.size()); }
+    RANK_REQUIRE_MSG(std::abs(mean) < 0.3, "normal init mean " << mean);
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
+template <class E>
+concept trainable = requires(E& e, std::span<std::int64_t const> i, float const* g) { e.apply_gradients(i, g, 0.1f, cuda::stream_ref{cudaStream_t{}}); };
+static_assert(trainable<wm::embedding<float, wm::no_cache, wm::adam>>);
+static_assert(!trainable<wm::embedding<float, wm::no_cache, wm::no_optimizer>>);
+
+}  // namespace
+
+TEST_CASE("one rank: every optimizer, element type and layout against float64", "[gpu]") { run_suite(1); }
+
+TEST_CASE("ranks: every optimizer, element type and layout against float64", "[multi_gpu]")
+{
+  run_suite(wm::local_device_count());
+}
