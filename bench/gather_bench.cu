@@ -585,13 +585,9 @@ int main()
   results& res = *new (shared) results{};
   try {
     wm::launch_options options;
-    options.timeout = std::chrono::seconds{180};  // expected: well under a minute each
-    wm::launch(
-      1,
-      [&](wm::communicator& comm) {
-        bench{comm, res}.single_gpu();
-      },
-      options);
+    options.timeout   = std::chrono::seconds{180};  // expected: well under a minute each
+    auto const single = [&](wm::communicator& comm) { bench{comm, res}.single_gpu(); };
+    wm::launch(1, single, options);
     auto const multi = [&](wm::communicator& comm) {
       bench b{comm, res};
       if (comm.size() >= 2) {

@@ -2,6 +2,8 @@
 # On the GPU machine: build with all cores, run every test (all GPUs, then one GPU), every
 # example and every benchmark; print a short summary last. Logs go to $OUT when it is set.
 # Usage: bash scripts/gpu-check.sh [--no-bench]
+#   BENCH=regex   run only the benchmarks whose name matches (default: all)
+#   ONE_GPU=0     skip the second test pass with CUDA_VISIBLE_DEVICES=0
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,7 +37,7 @@ run_ctest() {  # $1: tag, rest: env
   return 0
 }
 run_ctest "all-$ngpu-gpus"
-if [[ $ngpu -gt 1 ]]; then run_ctest one-gpu CUDA_VISIBLE_DEVICES=0; fi
+if [[ $ngpu -gt 1 && "${ONE_GPU:-1}" != 0 ]]; then run_ctest one-gpu CUDA_VISIBLE_DEVICES=0; fi
 
 for ex in build-gpu/examples/[0-9]*; do
   [[ -x "$ex" ]] || continue
@@ -49,6 +51,7 @@ done
 if [[ $bench -eq 1 ]]; then
   for b in build-gpu/bench/*_bench; do
     [[ -x "$b" ]] || continue
+    [[ "$(basename "$b")" =~ ${BENCH:-.} ]] || continue
     timeout 500 "$b" >"$out/$(basename "$b").log" 2>&1 || summary+=("bench $(basename "$b"): FAILED")
     echo "== $(basename "$b")"; tail -40 "$out/$(basename "$b").log"
   done
