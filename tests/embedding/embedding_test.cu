@@ -191,9 +191,11 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   }
   if constexpr (Opt::states > 0) {
     auto const st = read_all<float>(*e.states(), rows, dim * Opt::states, s);
-    double const rel = std::is_same_v<T, float> ? 1e-5 : 2e-2;  // states see the rounded weights (decay)
+    // Relative to the gradients' scale (0.1): a duplicate sum of float terms of size ~1 carries
+    // absolute rounding of ~1e-7 however small the sum. Half/bfloat16: states see rounded weights.
+    double const rel = std::is_same_v<T, float> ? 1e-5 : 2e-2;
     for (std::size_t i = 0; i < st.size(); ++i) {
-      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, 1e-3), what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
+      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, 0.1), what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
     }
   }
 

@@ -55,11 +55,23 @@ template <class Index>
 
 inline constexpr int unroll = 4;
 
+/// Loads a vector; `Fresh` bypasses cached copies in this GPU's L2. Host memory mapped into
+/// several GPUs is cached in each reader's L2, which does not see another GPU's later writes.
+template <bool Fresh, class Vec>
+[[nodiscard]] __device__ inline Vec load_vec(Vec const* p)
+{
+  if constexpr (Fresh) {
+    return __ldcv(p);
+  } else {
+    return *p;
+  }
+}
+
 /**
  * out.row(i) = rows.row(idx[i]) for i < n. Invalid indices set bit 1 of *err and produce a zero
  * row. With `order` set, output row order[i] is written instead of row i (restoring order).
  */
-template <class Vec, class Rows, class Index>
+template <class Vec, bool Fresh, class Rows, class Index>
 __global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
                                                           Index const* idx,
                                                           std::size_t const* order,
@@ -95,7 +107,7 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
       Vec v[unroll];
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
-        if (src[u] != nullptr) { v[u] = src[u][c]; }
+        if (src[u] != nullptr) { v[u] = load_vec<Fresh>(src[u] + c); }
       }
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
@@ -212,6 +224,7 @@ void with_vector(int vec_bytes, F&& f)
   }
 }
 
+/// Launches gather_rows_kernel; @p fresh: the rows are host memory other GPUs may have written.
 template <class Rows, class Index>
 void launch_gather(Rows rows,
                    Index const* idx,
@@ -221,12 +234,17 @@ void launch_gather(Rows rows,
                    std::size_t row_bytes,
                    std::uintptr_t rows_alignment,
                    unsigned* err,
-                   cudaStream_t stream)
+                   cudaStream_t stream,
+                   bool fresh = false)
 {
   if (n == 0) { return; }
   auto const l = plan_row_launch(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes});
   with_vector(l.vec_bytes, [&]<class Vec>() {
-    gather_rows_kernel<Vec><<<l.blocks, 256, 0, stream>>>(rows, idx, order, n, out, l.row_vecs, l.group, err);
+    if (fresh) {
+      gather_rows_kernel<Vec, true><<<l.blocks, 256, 0, stream>>>(rows, idx, order, n, out, l.row_vecs, l.group, err);
+    } else {
+      gather_rows_kernel<Vec, false><<<l.blocks, 256, 0, stream>>>(rows, idx, order, n, out, l.row_vecs, l.group, err);
+    }
   });
   WM_CHECK_LAUNCH();
 }

@@ -231,15 +231,17 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     detail::packed_rows const dst{reinterpret_cast<std::byte*>(out), row_bytes()};
     std::size_t const n  = indices.size();
     cudaStream_t const s = stream.get();
-    if (Location::is_host && n >= detail::host_sort_threshold) {
-      // Host memory: random reads over many GiB stall on GPU address translation. Reading the
-      // rows in ascending order keeps the pages in flight few; the output order is restored by
-      // writing row i to its original position.
+    // Host memory and CUDA IPC mappings (chunked device) are slow to translate for random reads
+    // over many GiB; reading long batches in ascending row order keeps the pages in flight few.
+    // Output order is kept by writing each row to its original position.
+    constexpr bool sort_long = Location::is_host || std::same_as<Layout, chunked>;
+    bool const fresh         = Location::is_host;  // other GPUs may have written these rows
+    if (sort_long && n >= detail::host_sort_threshold) {
       auto const sorted = detail::sort_with_positions(indices.data(), n, scratch_->a, s);
-      detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err, s);
+      detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err, s, fresh);
     } else {
       detail::launch_gather(rows, indices.data(), static_cast<std::size_t const*>(nullptr), n, dst, row_bytes(),
-                            stride_bytes(), scratch_->err, s);
+                            stride_bytes(), scratch_->err, s, fresh);
     }
   } else {
     gather_dispatch(indices.data(), indices.size(), out, stream.get());
