@@ -92,6 +92,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   }
   if (lv.rows > 0) {
     WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(T), mine.data(), rb, rb, lv.rows, cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());
   }
   comm.barrier();
   cudaStream_t stream{};

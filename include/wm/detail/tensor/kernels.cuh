@@ -117,11 +117,22 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
   }
 }
 
+/// Stores a vector; `Through` writes through this GPU's L2 to memory (host rows other GPUs read).
+template <bool Through, class Vec>
+__device__ inline void store_vec(Vec* p, Vec v)
+{
+  if constexpr (Through) {
+    __stwt(p, v);
+  } else {
+    *p = v;
+  }
+}
+
 /**
  * rows.row(keys[j]) = values.row(pos[j]) for the last j of each run of equal keys (keys sorted,
  * stably, so the last occurrence in the caller's order wins). Invalid keys set bit 1 of *err.
  */
-template <class Vec, class Rows, class Index>
+template <class Vec, bool Through, class Rows, class Index>
 __global__ void __launch_bounds__(256) scatter_rows_kernel(Rows rows,
                                                            Index const* keys,
                                                            std::size_t const* pos,
@@ -161,10 +172,11 @@ __global__ void __launch_bounds__(256) scatter_rows_kernel(Rows rows,
       }
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
-        if (dst[u] != nullptr) { dst[u][c] = v[u]; }
+        if (dst[u] != nullptr) { store_vec<Through>(dst[u] + c, v[u]); }
       }
     }
   }
+  if constexpr (Through) { __threadfence_system(); }  // visible to other GPUs and the host
 }
 
 /// How to launch a row kernel: vector width, lanes per row, grid.
@@ -249,6 +261,7 @@ void launch_gather(Rows rows,
   WM_CHECK_LAUNCH();
 }
 
+/// Launches scatter_rows_kernel; @p through: the rows are host memory other GPUs may read.
 template <class Rows, class Index>
 void launch_scatter(Rows rows,
                     Index const* keys,
@@ -258,12 +271,17 @@ void launch_scatter(Rows rows,
                     std::size_t row_bytes,
                     std::uintptr_t rows_alignment,
                     unsigned* err,
-                    cudaStream_t stream)
+                    cudaStream_t stream,
+                    bool through = false)
 {
   if (n == 0) { return; }
   auto const l = plan_row_launch(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base), values.stride_bytes});
   with_vector(l.vec_bytes, [&]<class Vec>() {
-    scatter_rows_kernel<Vec><<<l.blocks, 256, 0, stream>>>(rows, keys, pos, n, values, l.row_vecs, l.group, err);
+    if (through) {
+      scatter_rows_kernel<Vec, true><<<l.blocks, 256, 0, stream>>>(rows, keys, pos, n, values, l.row_vecs, l.group, err);
+    } else {
+      scatter_rows_kernel<Vec, false><<<l.blocks, 256, 0, stream>>>(rows, keys, pos, n, values, l.row_vecs, l.group, err);
+    }
   });
   WM_CHECK_LAUNCH();
 }

@@ -100,9 +100,19 @@ struct sorted_indices {
 };
 
 /// Stable radix sort of (index, position) pairs in workspace @p ws.
-template <class Index>
-sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, workspace& ws, cudaStream_t s)
+/// Radix-sort bits that order every valid index below @p rows (invalid ones are still carried
+/// along and flagged by the kernels; their order does not matter).
+[[nodiscard]] inline int row_bits(std::size_t rows)
 {
+  int b = 1;
+  while (b < 63 && (std::size_t{1} << b) < rows) { ++b; }
+  return b;
+}
+
+template <class Index>
+sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, std::size_t rows, workspace& ws, cudaStream_t s)
+{
+  int const bits = std::min(row_bits(rows), int{sizeof(Index) * 8});
   carver c;
   auto const o_pos  = c.add<std::size_t>(n);
   auto const o_keys = c.add<Index>(n);
@@ -110,7 +120,7 @@ sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, works
   std::size_t cub_bytes = 0;
   WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
                                               static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
-                                              std::max<std::size_t>(n, 1), 0, int{sizeof(Index) * 8}, s));
+                                              std::max<std::size_t>(n, 1), 0, bits, s));
   auto const o_cub = c.add<std::byte>(cub_bytes);
   std::byte* base  = ws.reserve(c.total(), s);
   auto* pos        = c.take<std::size_t>(base, o_pos);
@@ -119,7 +129,7 @@ sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, works
   iota_kernel<<<elementwise_blocks(n), 256, 0, s>>>(pos, n);
   WM_CHECK_LAUNCH();
   WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, idx, out.keys, pos, out.positions, n,
-                                              0, int{sizeof(Index) * 8}, s));
+                                              0, bits, s));
   return out;
 }
 
@@ -237,7 +247,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     constexpr bool sort_long = Location::is_host || std::same_as<Layout, chunked>;
     bool const fresh         = Location::is_host;  // other GPUs may have written these rows
     if (sort_long && n >= detail::host_sort_threshold) {
-      auto const sorted = detail::sort_with_positions(indices.data(), n, scratch_->a, s);
+      auto const sorted = detail::sort_with_positions(indices.data(), n, rows_, scratch_->a, s);
       detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err, s, fresh);
     } else {
       detail::launch_gather(rows, indices.data(), static_cast<std::size_t const*>(nullptr), n, dst, row_bytes(),
@@ -269,11 +279,11 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
     if (n == 0) { return; }
     cudaStream_t const s = stream.get();
     // Sort (index, position) stably: the last occurrence of each index is the last of its run.
-    auto const sorted = detail::sort_with_positions(indices.data(), n, scratch_->a, s);
+    auto const sorted = detail::sort_with_positions(indices.data(), n, rows_, scratch_->a, s);
     auto const view = mem_.chunked_view();
     detail::launch_scatter(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, sorted.keys, sorted.positions, n,
                            detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
-                           row_bytes(), stride_bytes(), scratch_->err, s);
+                           row_bytes(), stride_bytes(), scratch_->err, s, Location::is_host);
   } else {
     scatter_dispatch(indices.data(), indices.size(), values, stream.get());
   }
