@@ -81,18 +81,29 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
 
   wm::tensor<T, L, Y, M> t{comm, rows, cols, stride};
   RANK_REQUIRE(t.rows() == rows && t.cols() == cols && t.stride() == (stride == 0 ? cols : stride));
-  // Each rank writes its rows (strided) from the reference table.
+  // Each rank writes its rows from the reference table through scatter (for host memory a GPU
+  // copy into the local view can stay in that GPU's cache and later overwrite peers' writes).
   auto const lv = t.local_view();
   RANK_REQUIRE(lv.rows == t.local_rows());
   std::vector<std::byte> mine(lv.rows * rb);
+  std::vector<Index> mine_rows(lv.rows);
   for (std::size_t l = 0; l < lv.rows; ++l) {
     auto const k = global_row<M>(t.storage().partition(), world, me, l);
     RANK_REQUIRE(t.locate(k).rank == me && t.locate(k).local == l);
     std::memcpy(mine.data() + l * rb, table.data() + k * rb, rb);
+    mine_rows[l] = static_cast<Index>(k);
   }
-  if (lv.rows > 0) {
-    WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(T), mine.data(), rb, rb, lv.rows, cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaDeviceSynchronize());
+  {
+    std::vector<std::byte> const& h = mine;
+    std::byte* d = nullptr;
+    Index* di    = nullptr;
+    WM_CUDA_TRY(cudaMalloc(&d, std::max<std::size_t>(h.size(), 1)));
+    WM_CUDA_TRY(cudaMalloc(&di, std::max<std::size_t>(mine_rows.size(), 1) * sizeof(Index)));
+    WM_CUDA_TRY(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaMemcpy(di, mine_rows.data(), mine_rows.size() * sizeof(Index), cudaMemcpyHostToDevice));
+    t.scatter(std::span<Index const>{di, mine_rows.size()}, reinterpret_cast<T const*>(d), cuda::stream_ref{cudaStream_t{}});
+    WM_CUDA_TRY(cudaFree(d));
+    WM_CUDA_TRY(cudaFree(di));
   }
   comm.barrier();
   cudaStream_t stream{};

@@ -283,6 +283,9 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     WM_CHECK_LAUNCH();
   }
   WM_CUDA_TRY(cudaStreamSynchronize(s));
+  // Mapped layouts: peers read this rank's rows directly in their next gather; they must not
+  // start before every owner has finished its update (seen as stale rows without this).
+  if constexpr (Layout::mapped) { comm.barrier(); }
 }
 
 // ---- checkpoints ------------------------------------------------------------------------------
