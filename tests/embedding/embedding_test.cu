@@ -187,7 +187,9 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   }
   auto const w = read_all<T>(e.weights(), rows, dim, s);
   for (std::size_t i = 0; i < w.size(); ++i) {
-    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), 0.1), what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
+    // Relative to the weights' scale (init range 0.5): one rounding of T taken differently while
+    // a weight was ~0.4 stays as an absolute difference after it shrinks (seen: 1 half ulp).
+    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), 0.5), what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
   }
   if constexpr (Opt::states > 0) {
     auto const st = read_all<float>(*e.states(), rows, dim * Opt::states, s);
