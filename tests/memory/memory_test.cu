@@ -12,7 +12,9 @@
 
 #include <chrono>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -388,4 +390,93 @@ TEST_CASE("a rank that fails leaves no shared memory behind", "[multi_gpu]")
                              }),
                   wm::launch_error);
   CHECK(shm_objects() == before);
+}
+
+namespace {
+
+// Cross-GPU coherence of host memory: a GPU writes and reads host words, a peer GPU rewrites
+// them, the first GPU reads again. Seen failing on 2 H200s for wm::tensor<host, ...> (stale rows
+// after a peer's scatter, even with ld.cv loads and st.wt stores); this case isolates it.
+__host__ __device__ inline std::uint32_t word(std::size_t i, std::uint32_t salt)
+{
+  return static_cast<std::uint32_t>(i * 2654435761u) ^ salt;
+}
+
+__global__ void write_words(std::uint32_t* p, std::size_t n, std::size_t first, std::uint32_t salt, bool through)
+{
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    if (through) {
+      __stwt(p + i, word(first + i, salt));
+    } else {
+      p[i] = word(first + i, salt);
+    }
+  }
+  if (through) { __threadfence_system(); }
+}
+
+__global__ void count_wrong(std::uint32_t const* p, std::size_t n, std::uint32_t salt, bool fresh, unsigned long long* bad)
+{
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    std::uint32_t const v = fresh ? __ldcv(p + i) : p[i];
+    if (v != word(i, salt)) { atomicAdd(bad, 1ull); }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ranks: host memory rewritten by a peer GPU is read fresh", "[multi_gpu]")
+{
+  int const n              = wm::local_device_count();
+  std::uint32_t const seed = std::random_device{}();
+  wm::launch(n, [&](wm::communicator& comm) {
+    int const me                     = comm.rank();
+    std::size_t const words_per_rank = std::size_t{1} << 18;  // 1 MiB per rank
+    std::size_t const total          = words_per_rank * static_cast<std::size_t>(comm.size());
+    unsigned long long* bad          = nullptr;
+    WM_CUDA_TRY(cudaMalloc(&bad, sizeof(*bad)));
+    auto wrong = [&](std::uint32_t const* p, std::uint32_t salt, bool fresh) {
+      WM_CUDA_TRY(cudaMemset(bad, 0, sizeof(*bad)));
+      count_wrong<<<264, 256>>>(p, total, salt, fresh, bad);
+      WM_CHECK_LAUNCH();
+      unsigned long long h = 0;
+      WM_CUDA_TRY(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
+      return h;
+    };
+    for (int first_write : {0, 1, 2}) {  // 0: kernel stores, 1: cudaMemcpy, 2: the CPU
+      char const* how = first_write == 0 ? "kernel" : first_write == 1 ? "cudaMemcpy" : "CPU";
+      wm::memory<wm::host, wm::continuous> m{comm, total * 4, 4};
+      auto* all = reinterpret_cast<std::uint32_t*>(m.continuous_view().data);
+      // 1. Each rank writes its own part; everyone reads everything.
+      std::uint32_t const s1  = seed ^ 0x1111u;
+      std::size_t const first = static_cast<std::size_t>(me) * words_per_rank;
+      std::vector<std::uint32_t> h(words_per_rank);
+      for (std::size_t i = 0; i < words_per_rank; ++i) { h[i] = word(first + i, s1); }
+      if (first_write == 0) {
+        write_words<<<264, 256>>>(all + first, words_per_rank, first, s1, false);
+        WM_CHECK_LAUNCH();
+      } else if (first_write == 1) {
+        WM_CUDA_TRY(cudaMemcpy(all + first, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+      } else {
+        std::memcpy(all + first, h.data(), h.size() * 4);  // device pointer == host pointer (UVA)
+      }
+      WM_CUDA_TRY(cudaDeviceSynchronize());
+      comm.barrier();
+      RANK_REQUIRE_MSG(wrong(all, s1, true) == 0, "first read after " << how << " writes");
+      comm.barrier();
+      // 2. Rank 0 rewrites everything (write-through); then every rank reads again.
+      std::uint32_t const s2 = seed ^ 0x2222u;
+      if (me == 0) {
+        write_words<<<264, 256>>>(all, total, 0, s2, true);
+        WM_CHECK_LAUNCH();
+        WM_CUDA_TRY(cudaDeviceSynchronize());
+      }
+      comm.barrier();
+      auto const cv    = wrong(all, s2, true);
+      auto const plain = wrong(all, s2, false);
+      RANK_REQUIRE_MSG(cv == 0, "rank " << me << " after " << how << " first writes: " << cv
+                                                      << " stale words with ld.cv loads, " << plain << " with plain loads");
+      comm.barrier();
+    }
+    WM_CUDA_TRY(cudaFree(bad));
+  });
 }
