@@ -139,3 +139,58 @@ TEST_CASE("file sizes must fit the memory and its granularity", "[host]")
   CHECK(wm::detail::check_file_sizes(odd, names, 36, 12).find("a.bin") != std::string::npos);
   CHECK(wm::detail::check_file_sizes(ok, names, 48, 12).find("36 bytes") != std::string::npos);
 }
+
+#include <filesystem>
+#include <fstream>
+
+TEST_CASE("files are checked and read as one concatenated byte range", "[host]")
+{
+  namespace fs = std::filesystem;
+  std::mt19937_64 rng{std::random_device{}()};
+  auto const dir = fs::temp_directory_path() / ("wm-files-test-" + std::to_string(rng()));
+  fs::create_directories(dir);
+  // Random contents split into files of random sizes that are multiples of 12 bytes (some empty).
+  std::size_t const gran = 12;
+  std::vector<std::byte> all;
+  std::vector<fs::path> files;
+  for (int f = 0; f < 5; ++f) {
+    std::size_t const bytes = f == 2 ? 0 : gran * (rng() % 300);
+    std::vector<std::byte> part(bytes);
+    for (auto& b : part) { b = static_cast<std::byte>(rng()); }
+    files.push_back(dir / ("part" + std::to_string(f)));
+    std::ofstream{files.back(), std::ios::binary}.write(reinterpret_cast<char const*>(part.data()),
+                                                        static_cast<std::streamsize>(bytes));
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  auto const sizes = wm::detail::checked_sizes(files, all.size(), gran);
+  for (int trial = 0; trial < 30; ++trial) {
+    std::uint64_t const a = all.empty() ? 0 : rng() % (all.size() + 1);
+    std::uint64_t const b = a + (all.size() == a ? 0 : rng() % (all.size() - a + 1));
+    std::vector<std::byte> got(b - a, std::byte{0xA5});
+    wm::detail::read_concatenated(files, sizes, a, b, got.data());
+    REQUIRE(std::equal(got.begin(), got.end(), all.begin() + static_cast<std::ptrdiff_t>(a)));
+  }
+  // Wrong total, a size off the granularity, a missing file: clear errors naming the problem.
+  CHECK_THROWS_AS(wm::detail::checked_sizes(files, all.size() + gran, gran), wm::io_error);
+  CHECK_THROWS_AS(wm::detail::checked_sizes(files, all.size(), 7 * gran + 1), wm::io_error);
+  std::vector<fs::path> missing{dir / "nope"};
+  try {
+    (void)wm::detail::checked_sizes(missing, 0, gran);
+    FAIL("no error");
+  } catch (wm::io_error const& e) {
+    CHECK(std::string{e.what()}.find("nope") != std::string::npos);
+  }
+  std::vector<fs::path> none;
+  CHECK_THROWS_AS(wm::detail::checked_sizes(none, 0, gran), wm::logic_error);
+  // A file shorter than its recorded size: the read reports the end of file.
+  std::vector<std::uint64_t> lying = sizes;
+  lying.back() += gran;
+  std::vector<std::byte> buf(all.size() + gran);
+  CHECK_THROWS_AS(wm::detail::read_concatenated(files, lying, 0, all.size() + gran, buf.data()), wm::io_error);
+  // Row pieces cover the largest rank's share.
+  CHECK(wm::detail::row_pieces(0, 4, 10) == 0);
+  CHECK(wm::detail::row_pieces(15, 4, 4) == 1);
+  CHECK(wm::detail::row_pieces(17, 4, 4) == 2);
+  CHECK(wm::detail::row_pieces(1000, 1, 64) == 16);
+  fs::remove_all(dir);
+}

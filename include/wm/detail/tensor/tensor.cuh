@@ -477,13 +477,6 @@ void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, st
 
 namespace detail {
 
-/// Pieces of at most @p piece_rows rows that cover the largest rank's share of @p rows.
-[[nodiscard]] inline std::size_t row_pieces(std::size_t rows, int world, std::size_t piece_rows)
-{
-  std::size_t const most = (rows + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world);
-  return (most + piece_rows - 1) / piece_rows;
-}
-
 /// Fills @p out with first, first + 1, ... (n values).
 template <class Index>
 __global__ void iota_from_kernel(Index* out, std::size_t n, std::size_t first)
@@ -513,49 +506,6 @@ struct row_piece_buffers {
     (void)cudaFree(idx);
   }
 };
-
-/// Reads bytes [begin, end) of the concatenation of @p files (sizes known) into @p dst.
-inline void read_concatenated(std::span<std::filesystem::path const> files,
-                              std::span<std::uint64_t const> sizes,
-                              std::uint64_t begin,
-                              std::uint64_t end,
-                              std::byte* dst)
-{
-  for (auto const& s : plan_reads(sizes, begin, end)) {
-    unique_fd fd{::open(files[s.file].c_str(), O_RDONLY | O_CLOEXEC)};
-    if (!fd.valid()) { throw io_error{"cannot open '" + files[s.file].string() + "': " + errno_text()}; }
-    std::uint64_t got = 0;
-    while (got < s.length) {
-      auto const k = ::pread(fd.get(), dst + s.dest + got, s.length - got, static_cast<off_t>(s.offset + got));
-      if (k < 0 && errno == EINTR) { continue; }
-      if (k <= 0) {
-        throw io_error{"reading '" + files[s.file].string() + "': " + (k == 0 ? std::string{"unexpected end of file"} : errno_text())};
-      }
-      got += static_cast<std::uint64_t>(k);
-    }
-  }
-}
-
-/// Sizes of @p files, checked against @p total bytes of rows of @p row_bytes.
-inline std::vector<std::uint64_t> checked_sizes(std::span<std::filesystem::path const> files,
-                                                std::uint64_t total,
-                                                std::uint64_t row_bytes)
-{
-  WM_EXPECTS(!files.empty(), "load needs at least one file");
-  std::vector<std::uint64_t> sizes(files.size());
-  std::vector<std::string> names;
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    names.push_back(files[f].string());
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(files[f], ec)) {
-      throw io_error{"'" + files[f].string() + "' is not a readable file" + (ec ? ": " + ec.message() : std::string{})};
-    }
-    sizes[f] = std::filesystem::file_size(files[f], ec);
-    if (ec) { throw io_error{"cannot read the size of '" + files[f].string() + "': " + ec.message()}; }
-  }
-  if (auto const bad = check_file_sizes(sizes, names, total, row_bytes); !bad.empty()) { throw io_error{bad}; }
-  return sizes;
-}
 
 }  // namespace detail
 
