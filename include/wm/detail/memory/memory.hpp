@@ -366,21 +366,33 @@ inline void read_part(memory_resources& r,
   auto const me    = r.comm->rank();
   auto const begin = r.part.begin(me) * r.gran;
   auto const end   = r.part.end(me) * r.gran;
-  if (r.local_host != nullptr) {  // host memory: read straight into it
-    read_concatenated(files, sizes, begin, end, r.local_host);
-    return;
-  }
-  // Device memory: pieces through the pinned double buffer; the copy of one piece overlaps the
-  // read of the next.
-  staging_buffer staging{end > begin};
+  auto const plan  = plan_reads(sizes, begin, end);
+  bool const host  = r.local_host != nullptr;
+  staging_buffer staging{!host && !plan.empty()};
   std::size_t piece_no = 0;
-  for (std::uint64_t at = begin; at < end; at += staging_buffer::piece, ++piece_no) {
-    std::size_t const n = static_cast<std::size_t>(std::min<std::uint64_t>(end - at, staging_buffer::piece));
-    std::byte* buf      = staging.acquire(piece_no);
-    read_concatenated(files, sizes, at, at + n, buf);
-    staging.copy(r.local + (at - begin), buf, n, cudaMemcpyHostToDevice, piece_no);
+  for (auto const& s : plan) {
+    unique_fd fd{::open(files[s.file].c_str(), O_RDONLY | O_CLOEXEC)};
+    if (!fd.valid()) { throw io_error{"cannot open '" + files[s.file].string() + "': " + errno_text()}; }
+    ::posix_fadvise(fd.get(), static_cast<off_t>(s.offset), static_cast<off_t>(s.length), POSIX_FADV_SEQUENTIAL);
+    std::uint64_t done = 0;
+    while (done < s.length) {
+      std::size_t const n = static_cast<std::size_t>(std::min<std::uint64_t>(s.length - done, staging_buffer::piece));
+      std::byte* dst      = host ? r.local_host + s.dest + done : staging.acquire(piece_no);
+      std::size_t got     = 0;
+      while (got < n) {
+        auto const k = ::pread(fd.get(), dst + got, n - got, static_cast<off_t>(s.offset + done + got));
+        if (k < 0 && errno == EINTR) { continue; }
+        if (k <= 0) {
+          throw io_error{"reading '" + files[s.file].string() + "' at byte " +
+                         std::to_string(s.offset + done + got) + ": " + (k == 0 ? std::string{"unexpected end of file"} : errno_text())};
+        }
+        got += static_cast<std::size_t>(k);
+      }
+      if (!host) { staging.copy(r.local + s.dest + done, dst, n, cudaMemcpyHostToDevice, piece_no++); }
+      done += n;
+    }
   }
-  if (end > begin) { staging.finish(); }
+  if (!host && !plan.empty()) { staging.finish(); }
 }
 
 /// Writes this rank's part to @p file (an empty file if it owns nothing).
@@ -552,9 +564,24 @@ void memory<Location, Layout>::load(std::span<std::filesystem::path const> files
 {
   auto& comm = *r_->comm;
   comm.expect_same("memory.load", files.size());
-  std::vector<std::uint64_t> sizes;
-  detail::collective_step<io_error>(comm, "memory load (checking files)",
-                                    [&] { sizes = detail::checked_sizes(files, r_->total, r_->gran); });
+  std::vector<std::uint64_t> sizes(files.size());
+  detail::collective_step<io_error>(comm, "memory load (checking files)", [&] {
+    WM_EXPECTS(!files.empty(), "load needs at least one file");
+    std::vector<std::string> names;
+    for (std::size_t f = 0; f < files.size(); ++f) {
+      names.push_back(files[f].string());
+      std::error_code ec;
+      if (!std::filesystem::is_regular_file(files[f], ec)) {
+        throw io_error{"'" + files[f].string() + "' is not a readable file" +
+                       (ec ? ": " + ec.message() : std::string{})};
+      }
+      sizes[f] = std::filesystem::file_size(files[f], ec);
+      if (ec) { throw io_error{"cannot read the size of '" + files[f].string() + "': " + ec.message()}; }
+    }
+    if (auto const bad = detail::check_file_sizes(sizes, names, r_->total, r_->gran); !bad.empty()) {
+      throw io_error{bad};
+    }
+  });
   detail::collective_step<io_error>(comm, "memory load (reading)", [&] { detail::read_part(*r_, files, sizes); });
 }
 
