@@ -16,6 +16,10 @@
  * `check_errors(stream)` throws it. A gathered row for a bad index is zero; a bad index in a
  * scatter writes nothing.
  *
+ * One operation at a time per tensor: calls on different streams must be ordered by the caller
+ * (they share the tensor's workspace and error state). A bad index makes only the rank that
+ * passed it throw; on the distributed layout every rank still completes the exchange.
+ *
  * Duplicate indices in `scatter`: the row receives the values of the last occurrence in the
  * caller's batch. Across ranks scattering to the same row at the same time: on mapped layouts
  * one of them wins (unspecified which); on the distributed layout the highest rank wins.

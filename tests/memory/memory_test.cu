@@ -395,8 +395,8 @@ TEST_CASE("a rank that fails leaves no shared memory behind", "[multi_gpu]")
 namespace {
 
 // Cross-GPU coherence of host memory: a GPU writes and reads host words, a peer GPU rewrites
-// them, the first GPU reads again. Seen failing on 2 H200s for wm::tensor<host, ...> (stale rows
-// after a peer's scatter, even with ld.cv loads and st.wt stores); this case isolates it.
+// them, the first GPU reads again and must see the new words (the contract host-location
+// tensors rely on).
 __host__ __device__ inline std::uint32_t word(std::size_t i, std::uint32_t salt)
 {
   return static_cast<std::uint32_t>(i * 2654435761u) ^ salt;

@@ -81,8 +81,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
 
   wm::tensor<T, L, Y, M> t{comm, rows, cols, stride};
   RANK_REQUIRE(t.rows() == rows && t.cols() == cols && t.stride() == (stride == 0 ? cols : stride));
-  // Each rank writes its rows from the reference table through scatter (for host memory a GPU
-  // copy into the local view can stay in that GPU's cache and later overwrite peers' writes).
+  // Each rank writes its rows from the reference table through the tensor's own scatter.
   auto const lv = t.local_view();
   RANK_REQUIRE(lv.rows == t.local_rows());
   std::vector<std::byte> mine(lv.rows * rb);
@@ -138,7 +137,9 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   check_gather(batches[me], "gather");
   check_gather({}, "empty gather");
   if (L::is_host && Y::mapped && rows > 0) {  // long batches take the sorted host path
-    check_gather(batch_of(shared, std::size_t{70000} + static_cast<std::size_t>(me), -1), "long host gather");
+    // The same length on every rank: `shared` must stay in step across ranks (it draws every
+    // rank's batches below); a rank-dependent length here once made the scatter references differ.
+    check_gather(batch_of(shared, 70000, -1), "long host gather");
   }
 
   // 2. Scatter: rank r writes only rows it owns... no: rows whose owner is (r + 1) % world, so

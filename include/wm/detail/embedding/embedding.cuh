@@ -215,6 +215,8 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   std::size_t cub_sort = 0;
   std::size_t cub_rle  = 0;
   std::size_t cub_scan = 0;
+  WM_EXPECTS(p.n_recv < (std::size_t{1} << 31), "apply_gradients: an owner would receive " + std::to_string(p.n_recv) +
+                                                 " gradient rows in one call; split the batch below 2^31");
   int const m          = static_cast<int>(std::max<std::size_t>(p.n_recv, 1));
   WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
                                               static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),

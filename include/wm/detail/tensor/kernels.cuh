@@ -55,8 +55,9 @@ template <class Index>
 
 inline constexpr int unroll = 4;
 
-/// Loads a vector; `Fresh` bypasses cached copies in this GPU's L2. Host memory mapped into
-/// several GPUs is cached in each reader's L2, which does not see another GPU's later writes.
+/// Loads a vector; `Fresh` (ld.cv) refetches host memory instead of trusting a line cached in
+/// this GPU's L2, so rows another GPU rewrote are always seen, whatever the caching of system
+/// memory between kernels.
 template <bool Fresh, class Vec>
 [[nodiscard]] __device__ inline Vec load_vec(Vec const* p)
 {

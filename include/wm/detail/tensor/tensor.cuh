@@ -109,10 +109,11 @@ struct sorted_indices {
   return b;
 }
 
+/// @p bits: the low key bits to sort on (all of them where keys may be invalid and order matters).
 template <class Index>
-sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, std::size_t rows, workspace& ws, cudaStream_t s)
+sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, int bits, workspace& ws, cudaStream_t s)
 {
-  int const bits = std::min(row_bits(rows), int{sizeof(Index) * 8});
+  bits = std::min(bits, int{sizeof(Index) * 8});
   carver c;
   auto const o_pos  = c.add<std::size_t>(n);
   auto const o_keys = c.add<Index>(n);
@@ -247,7 +248,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     constexpr bool sort_long = Location::is_host || std::same_as<Layout, chunked>;
     bool const fresh         = Location::is_host;  // other GPUs may have written these rows
     if (sort_long && n >= detail::host_sort_threshold) {
-      auto const sorted = detail::sort_with_positions(indices.data(), n, rows_, scratch_->a, s);
+      auto const sorted = detail::sort_with_positions(indices.data(), n, detail::row_bits(rows_), scratch_->a, s);
       detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err, s, fresh);
     } else {
       detail::launch_gather(rows, indices.data(), static_cast<std::size_t const*>(nullptr), n, dst, row_bytes(),
@@ -278,8 +279,9 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
     std::size_t const n = indices.size();
     if (n == 0) { return; }
     cudaStream_t const s = stream.get();
-    // Sort (index, position) stably: the last occurrence of each index is the last of its run.
-    auto const sorted = detail::sort_with_positions(indices.data(), n, rows_, scratch_->a, s);
+    // Sort (index, position) stably on every bit: the last occurrence of each index is the last
+    // of its run (an invalid index sharing a valid one's low bits must not split the run).
+    auto const sorted = detail::sort_with_positions(indices.data(), n, int{sizeof(Index) * 8}, scratch_->a, s);
     auto const view = mem_.chunked_view();
     detail::launch_scatter(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, sorted.keys, sorted.positions, n,
                            detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
