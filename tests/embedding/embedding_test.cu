@@ -91,16 +91,31 @@ struct step_data {
   float lr;
 };
 
+// Table and batch sizes: every `hot_every`-th key (on average) is one of the first `hot_rows`.
+struct shape {
+  std::size_t rows;
+  std::size_t dim;
+  std::size_t batch;  // rank r passes batch + 37 r keys
+  unsigned hot_every;
+  std::size_t hot_rows;
+};
+// Odd width (no vector access), a few hot rows with short runs of duplicates.
+constexpr shape small_odd{301, 19, 200, 4, 8};
+// Vector-wide rows and one row hit ~800 times per rank: its gradients are summed in segments.
+constexpr shape skewed{1000, 32, 1500, 2, 1};
+
 template <class T>
-step_data<T> draw_step(std::mt19937_64& rng, int world, std::size_t rows, std::size_t dim, int step)
+step_data<T> draw_step(std::mt19937_64& rng, int world, shape sh, int step)
 {
+  std::size_t const rows = sh.rows;
+  std::size_t const dim  = sh.dim;
   step_data<T> d;
   d.lr = 0.01f * static_cast<float>(step + 1);
   std::uniform_real_distribution<float> g{-1.0f, 1.0f};
   for (int r = 0; r < world; ++r) {
-    std::size_t const n = (step == 1 && r == world - 1) ? 0 : 200 + 37 * static_cast<std::size_t>(r);  // one empty batch
+    std::size_t const n = (step == 1 && r == world - 1) ? 0 : sh.batch + 37 * static_cast<std::size_t>(r);  // one empty batch
     std::vector<std::int64_t> idx(n);
-    for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % 4 == 0 ? rng() % 8 : rng() % rows); }  // hot rows: duplicates
+    for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % sh.hot_every == 0 ? rng() % sh.hot_rows : rng() % rows); }
     std::vector<T> gr(n * dim);
     for (auto& x : gr) { x = from_double<T>(g(rng)); }
     d.idx.push_back(std::move(idx));
@@ -161,12 +176,12 @@ bool close(double got, double want, double rel, double abs_floor)
 }
 
 template <class T, class Opt, class L, class Y, class M>
-void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::string const& name)
+void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::string const& name, shape sh = small_odd)
 {
   std::string const what = name + " T=" + std::to_string(sizeof(T)) + "B " + L::name + "." + Y::name + "." + M::name +
-                           " ranks=" + std::to_string(comm.size());
-  std::size_t const rows = 301;
-  std::size_t const dim  = 19;  // odd: not a multiple of the vector width
+                           " ranks=" + std::to_string(comm.size()) + " dim=" + std::to_string(sh.dim);
+  std::size_t const rows = sh.rows;
+  std::size_t const dim  = sh.dim;
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   using E = wm::embedding<T, wm::no_cache, Opt, L, Y, M>;
@@ -180,7 +195,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   std::mt19937_64 rng{seed};
   int const steps = 4;
   for (int k = 0; k < steps; ++k) {
-    auto const d = draw_step<T>(rng, comm.size(), rows, dim, k);
+    auto const d = draw_step<T>(rng, comm.size(), sh, k);
     apply(e, comm, d, s);
     ref.step(d);
     RANK_REQUIRE(e.global_step() == k + 1);
@@ -205,8 +220,8 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   auto const dir = std::filesystem::temp_directory_path() / ("wm-emb-test-" + std::to_string(seed));
   std::filesystem::create_directories(dir);
   e.store(dir / "ckpt");
-  auto const more1 = draw_step<T>(rng, comm.size(), rows, dim, 10);
-  auto const more2 = draw_step<T>(rng, comm.size(), rows, dim, 11);
+  auto const more1 = draw_step<T>(rng, comm.size(), sh, 10);
+  auto const more2 = draw_step<T>(rng, comm.size(), sh, 11);
   apply(e, comm, more1, s);
   apply(e, comm, more2, s);
   using Y2 = std::conditional_t<std::is_same_v<Y, wm::distributed>, wm::chunked, wm::distributed>;
@@ -227,7 +242,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
 
   // A bad index on one rank: every rank gets the error; nothing changes.
-  auto bad = draw_step<T>(rng, comm.size(), rows, dim, 20);
+  auto bad = draw_step<T>(rng, comm.size(), sh, 20);
   bad.idx[static_cast<std::size_t>(comm.size() - 1)].push_back(static_cast<std::int64_t>(rows));
   bad.grads[static_cast<std::size_t>(comm.size() - 1)].resize(bad.idx[comm.size() - 1].size() * dim, from_double<T>(1.0));
   bool threw = false;
@@ -283,6 +298,12 @@ void run_suite(int ranks)
     every_layout<float>(comm, seed);
     every_layout<__half>(comm, seed);
     every_layout<__nv_bfloat16>(comm, seed);
+    // One very hot row (long runs summed in segments), vector-wide rows, all three types.
+    train_and_check<float, wm::adam, wm::device, wm::continuous, wm::block>(comm, wm::adam{}, ++seed, "adam(lazy) skewed", skewed);
+    train_and_check<float, wm::sgd, wm::device, wm::distributed, wm::cyclic>(comm, wm::sgd{0.01f}, ++seed, "sgd(wd) skewed", skewed);
+    train_and_check<__half, wm::adagrad, wm::host, wm::chunked, wm::block>(comm, wm::adagrad{}, ++seed, "adagrad skewed", skewed);
+    train_and_check<__nv_bfloat16, wm::rmsprop, wm::device, wm::distributed, wm::block>(comm, wm::rmsprop{}, ++seed,
+                                                                                        "rmsprop skewed", skewed);
     // An inference-only table gathers like any other.
     wm::embedding<float, wm::no_cache, wm::no_optimizer> frozen{comm, 50, 8, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)};
     cudaStream_t s{};

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -471,8 +472,10 @@ TEST_CASE("ranks: host memory rewritten by a peer GPU is read fresh", "[multi_gp
         WM_CUDA_TRY(cudaDeviceSynchronize());
       }
       comm.barrier();
+      auto const plain = wrong(all, s2, false);  // first: an ld.cv read would refresh the lines
       auto const cv    = wrong(all, s2, true);
-      auto const plain = wrong(all, s2, false);
+      std::printf("host coherence, rank %d, first written by %s: %llu stale words with plain loads, %llu with ld.cv\n", me,
+                  how, plain, cv);
       RANK_REQUIRE_MSG(cv == 0, "rank " << me << " after " << how << " first writes: " << cv
                                                       << " stale words with ld.cv loads, " << plain << " with plain loads");
       comm.barrier();

@@ -14,6 +14,9 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <sstream>
+#include <thread>
+#include <chrono>
 #include <vector>
 
 namespace {
@@ -125,10 +128,40 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     device_bytes out{batch.size() * rb};
     t.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
     auto const got = out.to_host();
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      RANK_REQUIRE_MSG(std::memcmp(got.data() + i * rb, table.data() + static_cast<std::size_t>(batch[i]) * rb, rb) == 0,
-                       what << " " << step << ": output row " << i << " (index " << batch[i] << ") differs");
+    auto wrong_rows = [&](std::vector<std::byte> const& g) {
+      std::vector<std::size_t> w;
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        if (std::memcmp(g.data() + i * rb, table.data() + static_cast<std::size_t>(batch[i]) * rb, rb) != 0) { w.push_back(i); }
+      }
+      return w;
+    };
+    auto const wrong = wrong_rows(got);
+    if (wrong.empty()) { return; }
+    // Say enough to tell a wrong write from a late one: which rows, whose, what bytes, and
+    // whether a second gather after a device sync and a barrier-free pause still differs.
+    std::ostringstream os;
+    os << what << " " << step << ": " << wrong.size() << " of " << batch.size() << " output rows differ;";
+    auto hex = [&](std::byte const* p) {
+      std::ostringstream h;
+      for (std::size_t b = 0; b < std::min<std::size_t>(rb, 8); ++b) {
+        h << std::hex << static_cast<unsigned>(p[b]) << (b + 1 < std::min<std::size_t>(rb, 8) ? "." : "");
+      }
+      return h.str();
+    };
+    for (std::size_t q = 0; q < std::min<std::size_t>(wrong.size(), 4); ++q) {
+      auto const i = wrong[q];
+      auto const k = static_cast<std::size_t>(batch[i]);
+      os << " [row " << i << " index " << k << " owner " << t.locate(k).rank << " got " << hex(got.data() + i * rb)
+         << " want " << hex(table.data() + k * rb) << "]";
     }
+    if constexpr (Y::mapped) {  // a distributed gather is collective: a lone rank cannot repeat it
+      WM_CUDA_TRY(cudaDeviceSynchronize());
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      device_bytes again{batch.size() * rb};
+      t.gather(di.span(), reinterpret_cast<T*>(again.ptr), s);
+      os << "; a second gather 200 ms later: " << wrong_rows(again.to_host()).size() << " rows differ";
+    }
+    RANK_REQUIRE_MSG(wrong.empty(), os.str());
   };
 
   // 1. Gather a random batch with duplicates (sizes differ by rank), and an empty one.

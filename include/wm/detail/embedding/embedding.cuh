@@ -79,12 +79,92 @@ __global__ void fill_rows_kernel(matrix_view<T> v, T value)
   }
 }
 
+/// V consecutive values of T, loaded and stored as one access.
+template <class T, int V>
+struct alignas(sizeof(T) * V) vec_of {
+  T v[V];
+};
+
+/**
+ * Gradient sums of long runs of equal keys (skewed batches: one hot row can collect most of a
+ * batch). A run longer than `long_run` is cut into segments of at most `segment` sorted
+ * gradients; each segment is summed by one block, and the run's update sums its segments in
+ * order. Sums depend only on the sorted order, never on timing.
+ */
+struct long_runs {
+  int long_run;       // runs longer than this use segments
+  int segment;        // gradients per segment
+  int* count;         // segments made (device)
+  int* first;         // first segment of run u (long runs only)
+  int* seg_begin;     // segment -> first sorted position
+  int* seg_len;       // segment -> gradients in it
+  float* sums;        // segment -> dim floats
+  std::size_t bound;  // most segments a batch can make
+  [[nodiscard]] WM_HOST_DEVICE int segments(int len) const { return (len + segment - 1) / segment; }
+};
+
+/// Cuts the long runs into segments (the order of runs in the list does not matter).
+__global__ inline void make_segments_kernel(long_runs lr, int const* offsets, int const* lens, int const* num_runs)
+{
+  int const runs = *num_runs;
+  for (int u = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); u < runs; u += static_cast<int>(gridDim.x * blockDim.x)) {
+    int const len = lens[u];
+    if (len <= lr.long_run) { continue; }
+    int const n    = lr.segments(len);
+    int const base = atomicAdd(lr.count, n);
+    lr.first[u]    = base;
+    for (int q = 0; q < n; ++q) {
+      lr.seg_begin[base + q] = offsets[u] + q * lr.segment;
+      lr.seg_len[base + q]   = min(lr.segment, len - q * lr.segment);
+    }
+  }
+}
+
+/// One block per segment: rows r, r + R, ... are summed by row group r; groups combine in order.
+template <class T, int V>
+__global__ void __launch_bounds__(256) sum_segments_kernel(long_runs lr, int const* sorted_pos, T const* grads, std::size_t dim, int group)
+{
+  __shared__ float part[256 * V];
+  int const lane = static_cast<int>(threadIdx.x) % group;
+  int const r    = static_cast<int>(threadIdx.x) / group;
+  int const R    = static_cast<int>(blockDim.x) / group;
+  int const segs = *lr.count;
+  for (int seg = static_cast<int>(blockIdx.x); seg < segs; seg += static_cast<int>(gridDim.x)) {
+    int const begin = lr.seg_begin[seg];
+    int const len   = lr.seg_len[seg];
+    for (std::size_t c0 = 0; c0 < dim; c0 += static_cast<std::size_t>(group) * V) {
+      std::size_t const j = c0 + static_cast<std::size_t>(lane) * V;
+      float acc[V]        = {};
+      if (j < dim) {
+        for (int q = r; q < len; q += R) {
+          auto const g = *reinterpret_cast<vec_of<T, V> const*>(grads + static_cast<std::size_t>(sorted_pos[begin + q]) * dim + j);
+#pragma unroll
+          for (int e = 0; e < V; ++e) { acc[e] += to_float(g.v[e]); }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) { part[threadIdx.x * V + e] = acc[e]; }
+      __syncthreads();
+      if (r == 0 && j < dim) {
+        for (int q = 1; q < R; ++q) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) { acc[e] += part[(q * group + lane) * V + e]; }
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) { lr.sums[static_cast<std::size_t>(seg) * dim + j + static_cast<std::size_t>(e)] = acc[e]; }
+      }
+      __syncthreads();
+    }
+  }
+}
+
 /**
  * One group of lanes per unique row: sums the row's gradients (float), reads its weight and
- * state once, applies the optimizer, writes them once. Runs are given by (uniq, offsets, lens);
- * their count is read from device memory (no host round trip).
+ * state once, applies the optimizer, writes them once; each lane moves V values per access.
+ * Runs are given by (uniq, offsets, lens); their count is read from device memory (no host
+ * round trip). Nothing is written when *abort is set (an invalid index was found).
  */
-template <class T, class Opt, class Index>
+template <class T, int V, class Opt, class Index>
 __global__ void __launch_bounds__(256) update_rows_kernel(Opt opt,
                                                           matrix_view<T> w,
                                                           matrix_view<float> st,
@@ -94,11 +174,14 @@ __global__ void __launch_bounds__(256) update_rows_kernel(Opt opt,
                                                           int const* offsets,
                                                           int const* lens,
                                                           int const* num_runs,
-                                                          std::size_t const* sorted_pos,
+                                                          int const* sorted_pos,
                                                           T const* grads,
-                                                          float lr,
-                                                          int group)
+                                                          long_runs lr,
+                                                          float lr_rate,
+                                                          int group,
+                                                          unsigned const* abort)
 {
+  if (*abort != 0) { return; }
   constexpr int S          = Opt::states > 0 ? Opt::states : 1;
   std::size_t const dim    = w.cols;
   std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
@@ -108,30 +191,95 @@ __global__ void __launch_bounds__(256) update_rows_kernel(Opt opt,
   unsigned const mask      = (group == 32 ? 0xffffffffu : ((1u << group) - 1u)) << lane_base;
   auto const runs          = static_cast<std::size_t>(*num_runs);
   for (std::size_t u = tid / static_cast<std::size_t>(group); u < runs; u += groups) {
-    auto const key        = static_cast<std::size_t>(uniq[u]);
-    int const off         = offsets[u];
-    int const len         = lens[u];
-    std::int64_t const t  = steps != nullptr ? steps[key] + 1 : global_step;
-    for (std::size_t j = static_cast<std::size_t>(lane); j < dim; j += static_cast<std::size_t>(group)) {
-      float g = 0.0f;
-      for (int q = 0; q < len; ++q) { g += to_float(grads[sorted_pos[off + q] * dim + j]); }
-      float wv = to_float(w(key, j));
-      float s[S];
+    auto const key       = static_cast<std::size_t>(uniq[u]);
+    int const off        = offsets[u];
+    int const len        = lens[u];
+    std::int64_t const t = steps != nullptr ? steps[key] + 1 : global_step;
+    for (std::size_t j = static_cast<std::size_t>(lane) * V; j < dim; j += static_cast<std::size_t>(group) * V) {
+      auto wv = *reinterpret_cast<vec_of<T, V> const*>(&w(key, j));
+      vec_of<float, V> s[S];
 #pragma unroll
-      for (int k = 0; k < Opt::states; ++k) { s[k] = st(key, static_cast<std::size_t>(k) * dim + j); }
-      opt.update(wv, g, s, update_step<float>{lr, t});
-      w(key, j) = from_float<T>(wv);
+      for (int k = 0; k < Opt::states; ++k) { s[k] = *reinterpret_cast<vec_of<float, V> const*>(&st(key, static_cast<std::size_t>(k) * dim + j)); }
+      float g[V] = {};
+      if (len > lr.long_run) {
+        int const first = lr.first[u];
+        for (int q = 0; q < lr.segments(len); ++q) {
+          auto const p = *reinterpret_cast<vec_of<float, V> const*>(lr.sums + static_cast<std::size_t>(first + q) * dim + j);
 #pragma unroll
-      for (int k = 0; k < Opt::states; ++k) { st(key, static_cast<std::size_t>(k) * dim + j) = s[k]; }
+          for (int e = 0; e < V; ++e) { g[e] += p.v[e]; }
+        }
+      } else {
+#pragma unroll 4
+        for (int q = 0; q < len; ++q) {
+          auto const p = *reinterpret_cast<vec_of<T, V> const*>(grads + static_cast<std::size_t>(sorted_pos[off + q]) * dim + j);
+#pragma unroll
+          for (int e = 0; e < V; ++e) { g[e] += to_float(p.v[e]); }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float x = to_float(wv.v[e]);
+        float se[S];
+#pragma unroll
+        for (int k = 0; k < Opt::states; ++k) { se[k] = s[k].v[e]; }
+        opt.update(x, g[e], se, update_step<float>{lr_rate, t});
+        wv.v[e] = from_float<T>(x);
+#pragma unroll
+        for (int k = 0; k < Opt::states; ++k) { s[k].v[e] = se[k]; }
+      }
+      *reinterpret_cast<vec_of<T, V>*>(&w(key, j)) = wv;
+#pragma unroll
+      for (int k = 0; k < Opt::states; ++k) { *reinterpret_cast<vec_of<float, V>*>(&st(key, static_cast<std::size_t>(k) * dim + j)) = s[k]; }
     }
     __syncwarp(mask);  // every lane of the group has read steps[key]
     if (steps != nullptr && lane == 0) { steps[key] = t; }
   }
 }
 
+/// The arguments of the two owner-side kernels, launched with V values per access.
+template <class T, class Opt, class Index>
+struct update_launch {
+  Opt opt;
+  matrix_view<T> w;
+  matrix_view<float> st;
+  std::int64_t* steps;
+  std::int64_t step;
+  Index const* uniq;
+  int const* offsets;
+  int const* lens;
+  int const* runs;
+  int const* sorted_pos;
+  T const* grads;
+  long_runs longs;
+  float lr;
+  int group;
+  int blocks;
+  unsigned const* abort;
+  template <int V>
+  void run(cudaStream_t s) const
+  {
+    sum_segments_kernel<T, V><<<sm_count() * 4, 256, 0, s>>>(longs, sorted_pos, grads, w.cols, group);
+    WM_CHECK_LAUNCH();
+    update_rows_kernel<T, V><<<blocks, 256, 0, s>>>(opt, w, st, steps, step, uniq, offsets, lens, runs, sorted_pos, grads, longs,
+                                                    lr, group, abort);
+    WM_CHECK_LAUNCH();
+  }
+};
+
+/// Positions 0..n-1; sets *err if a key is negative or not below @p rows.
+template <class Index>
+__global__ void positions_kernel(Index const* keys, std::size_t n, std::size_t rows, int* pos, unsigned* err)
+{
+  for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
+    pos[j] = static_cast<int>(j);
+    if (!valid_index(keys[j], rows)) { atomicOr(err, 1u); }
+  }
+}
+
 struct embedding_scratch {
   tensor_scratch plan;
-  workspace exchange;
+  workspace exchange;  // keys and gradients on their way to the owners
+  workspace owner;     // the owner's sort, runs and segment sums
   explicit embedding_scratch(int world) : plan{world} {}
 };
 
@@ -196,95 +344,148 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   cudaStream_t const s = stream.get();
   std::size_t const n  = indices.size();
   WM_EXPECTS(n == 0 || (indices.data() != nullptr && grads != nullptr), "apply_gradients: null indices or gradients");
-  std::size_t const rb = dim() * sizeof(T);
+  std::size_t const rb        = dim() * sizeof(T);
+  std::int64_t const step     = global_step_ + 1;
+  auto const local            = weights_.local_view();
+  unsigned* const err         = scratch_->plan.err;
+  bool const one_rank         = comm.size() == 1;
+  std::size_t const too_many  = std::size_t{1} << 31;
 
-  // 1. Where each gradient goes: owners, grouped order, counts exchanged (one stream sync).
-  auto const p = detail::plan_dispatch_device(comm, weights_.device_mapping(), indices.data(), n, scratch_->plan, s);
-  std::size_t const invalid = n - p.n_sent;
-  auto const bad            = comm.all_gather(static_cast<std::uint64_t>(invalid));
-  for (std::size_t r = 0; r < bad.size(); ++r) {
-    if (bad[r] != 0) {
-      WM_CUDA_TRY(cudaMemsetAsync(scratch_->plan.err, 0, sizeof(unsigned), s));
-      throw logic_error{"wm: apply_gradients: rank " + std::to_string(r) + " passed " + std::to_string(bad[r]) +
-                        " index(es) outside [0, " + std::to_string(rows()) + "); nothing was updated"};
+  // 1. The owner's batch: its local rows and one gradient row each. One rank owns every row:
+  //    the caller's keys are its local rows (for both mappings) and are checked on the device.
+  //    Several ranks: keys and gradients travel to their owners; bad keys are found first.
+  Index const* keys = indices.data();
+  T const* g        = grads;
+  std::size_t m     = n;
+  if (one_rank) {
+    WM_EXPECTS(n < too_many, "apply_gradients: " + std::to_string(n) + " gradient rows in one call; split the batch below 2^31");
+  } else {
+    auto const p = detail::plan_dispatch_device(comm, weights_.device_mapping(), indices.data(), n, scratch_->plan, s);
+    std::size_t const invalid = n - p.n_sent;
+    auto const bad            = comm.all_gather(static_cast<std::uint64_t>(invalid));
+    for (std::size_t r = 0; r < bad.size(); ++r) {
+      if (bad[r] != 0) {
+        WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
+        throw logic_error{"wm: apply_gradients: rank " + std::to_string(r) + " passed " + std::to_string(bad[r]) +
+                          " index(es) outside [0, " + std::to_string(rows()) + "); nothing was updated"};
+      }
     }
+    WM_EXPECTS(p.n_recv < too_many, "apply_gradients: an owner would receive " + std::to_string(p.n_recv) +
+                                      " gradient rows in one call; split the batch below 2^31");
+    detail::carver c;
+    auto const o_send  = c.add<std::byte>(p.n_sent * rb);
+    auto const o_keys  = c.add<Index>(p.n_recv);
+    auto const o_grads = c.add<std::byte>(p.n_recv * rb);
+    std::byte* base    = scratch_->exchange.reserve(c.total(), s);
+    auto* send_grads   = c.take<std::byte>(base, o_send);
+    auto* recv_keys    = c.take<Index>(base, o_keys);
+    auto* recv_grads   = c.take<std::byte>(base, o_grads);
+    detail::launch_gather(detail::local_rows{reinterpret_cast<std::byte*>(const_cast<T*>(grads)), n, rb}, p.order,
+                          static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_grads, rb}, rb, rb,
+                          err, s);
+    comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
+                      std::span<std::size_t const>{p.recv_counts}, stream);
+    comm.all_to_all_v(send_grads, std::span<std::size_t const>{detail::scaled(p.send_counts, rb)}, recv_grads,
+                      std::span<std::size_t const>{detail::scaled(p.recv_counts, rb)}, stream);
+    keys = recv_keys;
+    g    = reinterpret_cast<T const*>(recv_grads);
+    m    = p.n_recv;
   }
-  ++global_step_;
 
-  // 2. Keys and gradient rows to their owners.
-  std::size_t cub_sort = 0;
-  std::size_t cub_rle  = 0;
-  std::size_t cub_scan = 0;
-  WM_EXPECTS(p.n_recv < (std::size_t{1} << 31), "apply_gradients: an owner would receive " + std::to_string(p.n_recv) +
-                                                 " gradient rows in one call; split the batch below 2^31");
-  int const m          = static_cast<int>(std::max<std::size_t>(p.n_recv, 1));
-  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
-                                              static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
-                                              m, 0, int{sizeof(Index) * 8}, s));
-  WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(nullptr, cub_rle, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
-                                                 static_cast<int*>(nullptr), static_cast<int*>(nullptr), m, s));
-  WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, cub_scan, static_cast<int const*>(nullptr), static_cast<int*>(nullptr), m, s));
-  detail::carver c;
-  auto const o_send  = c.add<std::byte>(p.n_sent * rb);
-  auto const o_keys  = c.add<Index>(p.n_recv);
-  auto const o_grads = c.add<std::byte>(p.n_recv * rb);
-  auto const o_pos   = c.add<std::size_t>(p.n_recv);
-  auto const o_skeys = c.add<Index>(p.n_recv);
-  auto const o_spos  = c.add<std::size_t>(p.n_recv);
-  auto const o_uniq  = c.add<Index>(p.n_recv);
-  auto const o_lens  = c.add<int>(static_cast<std::size_t>(m));
-  auto const o_offs  = c.add<int>(static_cast<std::size_t>(m));
-  auto const o_runs  = c.add<int>(1);
-  auto const o_cub   = c.add<std::byte>(std::max({cub_sort, cub_rle, cub_scan}));
-  std::byte* base    = scratch_->exchange.reserve(c.total(), s);
-  auto* send_grads   = c.take<std::byte>(base, o_send);
-  auto* recv_keys    = c.take<Index>(base, o_keys);
-  auto* recv_grads   = c.take<std::byte>(base, o_grads);
-  auto* pos          = c.take<std::size_t>(base, o_pos);
-  auto* sorted_keys  = c.take<Index>(base, o_skeys);
-  auto* sorted_pos   = c.take<std::size_t>(base, o_spos);
-  auto* uniq         = c.take<Index>(base, o_uniq);
-  auto* lens         = c.take<int>(base, o_lens);
-  auto* offsets      = c.take<int>(base, o_offs);
-  auto* runs         = c.take<int>(base, o_runs);
-  auto* temp         = c.take<std::byte>(base, o_cub);
+  // 2. Owner side: sort (key, position) stably on the bits of the local row count, find the
+  //    runs of equal rows, sum long runs in segments, then one fused update per run.
+  if (m > 0) {
+    int const mi   = static_cast<int>(m);
+    int const bits = detail::row_bits(one_rank ? rows() : local.rows);
+    // Runs of more than 128 gradients: segments of 128, so at most 2 m / 129 of them.
+    detail::long_runs longs{128, 128, nullptr, nullptr, nullptr, nullptr, nullptr, 0};
+    longs.bound = 2 * m / static_cast<std::size_t>(longs.long_run + 1) + 1;
+    std::size_t cub_sort = 0, cub_rle = 0, cub_scan = 0;
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+                                                static_cast<int const*>(nullptr), static_cast<int*>(nullptr), mi, 0, bits, s));
+    WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(nullptr, cub_rle, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+                                                   static_cast<int*>(nullptr), static_cast<int*>(nullptr), mi, s));
+    WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, cub_scan, static_cast<int const*>(nullptr), static_cast<int*>(nullptr), mi, s));
+    detail::carver c;
+    auto const o_pos   = c.add<int>(m);
+    auto const o_skeys = c.add<Index>(m);
+    auto const o_spos  = c.add<int>(m);
+    auto const o_uniq  = c.add<Index>(m);
+    auto const o_lens  = c.add<int>(m);
+    auto const o_offs  = c.add<int>(m);
+    auto const o_runs  = c.add<int>(2);  // runs, segments
+    auto const o_first = c.add<int>(m);
+    auto const o_sbeg  = c.add<int>(longs.bound);
+    auto const o_slen  = c.add<int>(longs.bound);
+    auto const o_sums  = c.add<float>(longs.bound * dim());
+    auto const o_cub   = c.add<std::byte>(std::max({cub_sort, cub_rle, cub_scan}));
+    std::byte* base    = scratch_->owner.reserve(c.total(), s);
+    auto* pos          = c.take<int>(base, o_pos);
+    auto* sorted_keys  = c.take<Index>(base, o_skeys);
+    auto* sorted_pos   = c.take<int>(base, o_spos);
+    auto* uniq         = c.take<Index>(base, o_uniq);
+    auto* lens         = c.take<int>(base, o_lens);
+    auto* offsets      = c.take<int>(base, o_offs);
+    auto* runs         = c.take<int>(base, o_runs);
+    auto* temp         = c.take<std::byte>(base, o_cub);
+    longs.count        = runs + 1;
+    longs.first        = c.take<int>(base, o_first);
+    longs.seg_begin    = c.take<int>(base, o_sbeg);
+    longs.seg_len      = c.take<int>(base, o_slen);
+    longs.sums         = c.take<float>(base, o_sums);
 
-  detail::launch_gather(detail::local_rows{reinterpret_cast<std::byte*>(const_cast<T*>(grads)), n, rb}, p.order,
-                        static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_grads, rb}, rb, rb,
-                        scratch_->plan.err, s);
-  comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
-                    std::span<std::size_t const>{p.recv_counts}, stream);
-  auto const recv_bytes = detail::scaled(p.recv_counts, rb);
-  auto const send_bytes = detail::scaled(p.send_counts, rb);
-  comm.all_to_all_v(send_grads, std::span<std::size_t const>{send_bytes}, recv_grads, std::span<std::size_t const>{recv_bytes},
-                    stream);
-
-  if (p.n_recv > 0) {
-    // 3. Owner side: sort by row (stable), find the runs of equal rows, one fused update per run.
-    detail::iota_kernel<<<detail::elementwise_blocks(p.n_recv), 256, 0, s>>>(pos, p.n_recv);
+    detail::positions_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(keys, m, one_rank ? rows() : local.rows, pos, err);
     WM_CHECK_LAUNCH();
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, cub_sort, recv_keys, sorted_keys, pos, sorted_pos, m, 0,
-                                                int{sizeof(Index) * 8}, s));
-    WM_CUDA_TRY(cudaMemsetAsync(lens, 0, static_cast<std::size_t>(m) * sizeof(int), s));
-    WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(temp, cub_rle, sorted_keys, uniq, lens, runs, m, s));
-    WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp, cub_scan, lens, offsets, m, s));
-    int group = 1;
-    while (group < 32 && static_cast<std::size_t>(group) < dim()) { group *= 2; }
-    std::size_t const rows_per_block = 256 / static_cast<std::size_t>(group);
-    int const blocks = static_cast<int>(std::max<std::size_t>(
-      1, std::min<std::size_t>((p.n_recv + rows_per_block - 1) / rows_per_block, static_cast<std::size_t>(detail::sm_count()) * 8)));
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, cub_sort, keys, sorted_keys, pos, sorted_pos, mi, 0, bits, s));
+    WM_CUDA_TRY(cudaMemsetAsync(lens, 0, m * sizeof(int), s));
+    WM_CUDA_TRY(cudaMemsetAsync(runs, 0, 2 * sizeof(int), s));
+    WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(temp, cub_rle, sorted_keys, uniq, lens, runs, mi, s));
+    WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp, cub_scan, lens, offsets, mi, s));
+    detail::make_segments_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(longs, offsets, lens, runs);
+    WM_CHECK_LAUNCH();
+
     matrix_view<float> st{};
     if (states_) { st = states_->local_view(); }
     std::int64_t* steps = nullptr;
     if constexpr (needs_steps<Optimizer>) {
       if (opt_.bias_correction == adam_bias_correction::per_row) { steps = steps_->local_view().data; }
     }
-    detail::update_rows_kernel<<<blocks, 256, 0, s>>>(opt_, weights_.local_view(), st, steps, global_step_, uniq, offsets,
-                                                      lens, runs, sorted_pos, reinterpret_cast<T const*>(recv_grads), lr,
-                                                      group);
-    WM_CHECK_LAUNCH();
+    // Widest access (4, 2 or 1 values) that every row start and the row width allow.
+    auto aligned = [&](int v) {
+      auto ok = [&](void const* ptr, std::size_t elem) { return reinterpret_cast<std::uintptr_t>(ptr) % (elem * static_cast<std::size_t>(v)) == 0; };
+      auto const uv = static_cast<std::size_t>(v);
+      return dim() % uv == 0 && local.stride % uv == 0 && ok(local.data, sizeof(T)) && ok(g, sizeof(T)) &&
+             (st.data == nullptr || (st.stride % uv == 0 && ok(st.data, sizeof(float))));
+    };
+    int const vec = aligned(4) ? 4 : aligned(2) ? 2 : 1;
+    auto const lanes_for = [&](int v) {
+      int group = 1;
+      while (group < 32 && static_cast<std::size_t>(group * v) < dim()) { group *= 2; }
+      return group;
+    };
+    int const group = lanes_for(vec);
+    int const blocks = static_cast<int>(std::max<std::size_t>(
+      1, std::min<std::size_t>((m + 256 / static_cast<std::size_t>(group) - 1) / (256 / static_cast<std::size_t>(group)),
+                               static_cast<std::size_t>(detail::sm_count()) * 8)));
+    detail::update_launch<T, Optimizer, Index> const u{opt_, local, st, steps, step, uniq, offsets, lens, runs, sorted_pos,
+                                                       g, longs, lr, group, blocks, err};
+    if (vec == 4) {
+      u.template run<4>(s);
+    } else if (vec == 2) {
+      u.template run<2>(s);
+    } else {
+      u.template run<1>(s);
+    }
   }
+  // 3. One rank: a bad key stopped the update kernels; say so. Several: checked before sending.
+  WM_CUDA_TRY(cudaMemcpyAsync(scratch_->plan.err_host, err, sizeof(unsigned), cudaMemcpyDeviceToHost, s));
   WM_CUDA_TRY(cudaStreamSynchronize(s));
+  if (*scratch_->plan.err_host != 0) {
+    WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
+    WM_CUDA_TRY(cudaStreamSynchronize(s));
+    throw logic_error{"wm: apply_gradients: an index was outside [0, " + std::to_string(rows()) + "); nothing was updated"};
+  }
+  global_step_ = step;
   // Mapped layouts: peers read this rank's rows directly in their next gather; they must not
   // start before every owner has finished its update (seen as stale rows without this).
   if constexpr (Layout::mapped) { comm.barrier(); }

@@ -245,8 +245,9 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     // Host memory and CUDA IPC mappings (chunked device) are slow to translate for random reads
     // over many GiB; reading long batches in ascending row order keeps the pages in flight few.
     // Output order is kept by writing each row to its original position.
-    constexpr bool sort_long = Location::is_host || std::same_as<Layout, chunked>;
-    bool const fresh         = Location::is_host;  // other GPUs may have written these rows
+    // One rank's chunked memory is its own plain allocation: nothing to translate.
+    bool const sort_long = Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
+    bool const fresh     = Location::is_host;  // other GPUs may have written these rows
     if (sort_long && n >= detail::host_sort_threshold) {
       auto const sorted = detail::sort_with_positions(indices.data(), n, detail::row_bits(rows_), scratch_->a, s);
       detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err, s, fresh);
