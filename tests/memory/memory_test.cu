@@ -462,7 +462,13 @@ TEST_CASE("ranks: host memory rewritten by a peer GPU is read fresh", "[multi_gp
       }
       WM_CUDA_TRY(cudaDeviceSynchronize());
       comm.barrier();
-      RANK_REQUIRE_MSG(wrong(all, s1, true) == 0, "first read after " << how << " writes");
+      // Plain loads first, so this GPU's L2 may hold these lines when rank 0 rewrites them below.
+      // The library reads host rows with ld.cv; plain-load staleness is reported, not required.
+      auto const plain1 = wrong(all, s1, false);
+      auto const cv1    = wrong(all, s1, true);
+      std::printf("host coherence, rank %d, first read after %s writes: %llu stale words with plain loads, %llu with ld.cv\n",
+                  me, how, plain1, cv1);
+      RANK_REQUIRE_MSG(cv1 == 0, "first read after " << how << " writes: " << cv1 << " stale words with ld.cv loads");
       comm.barrier();
       // 2. Rank 0 rewrites everything (write-through); then every rank reads again.
       std::uint32_t const s2 = seed ^ 0x2222u;

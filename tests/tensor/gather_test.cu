@@ -175,8 +175,12 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     check_gather(batch_of(shared, 70000, -1), "long host gather");
   }
 
-  // 2. Scatter: rank r writes only rows it owns... no: rows whose owner is (r + 1) % world, so
-  //    writes cross ranks; batches of different ranks touch disjoint rows. Last occurrence wins.
+  // Every rank has checked its gathers against the unchanged table before anyone scatters
+  // (without this a fast rank's scatter below rewrote rows a slow rank was still checking).
+  comm.barrier();
+
+  // 2. Scatter: rank r writes rows whose owner is (r + 1) % world, so writes cross ranks;
+  //    batches of different ranks touch disjoint rows. Last occurrence wins.
   std::vector<std::vector<Index>> targets(static_cast<std::size_t>(world));
   std::vector<std::vector<std::byte>> values(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {

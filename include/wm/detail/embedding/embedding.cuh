@@ -6,8 +6,8 @@
 #include <wm/embedding.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_run_length_encode.cuh>
-#include <cub/device/device_scan.cuh>
+#include <cub/device/device_select.cuh>
+#include <thrust/iterator/counting_iterator.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -103,12 +103,28 @@ struct long_runs {
   [[nodiscard]] WM_HOST_DEVICE int segments(int len) const { return (len + segment - 1) / segment; }
 };
 
+/// Runs of equal sorted keys: run u is [offsets[u], offsets[u + 1]), the last one ends at m.
+struct runs_view {
+  int const* offsets;
+  int const* count;  // device
+  int m;
+  [[nodiscard]] __device__ int end(int u, int runs) const { return u + 1 < runs ? offsets[u + 1] : m; }
+};
+
+/// Selects the first position of each run of equal sorted keys.
+template <class Index>
+struct run_head {
+  Index const* keys;
+  [[nodiscard]] __device__ bool operator()(int i) const { return i == 0 || keys[i] != keys[i - 1]; }
+};
+
 /// Cuts the long runs into segments (the order of runs in the list does not matter).
-__global__ inline void make_segments_kernel(long_runs lr, int const* offsets, int const* lens, int const* num_runs)
+__global__ inline void make_segments_kernel(long_runs lr, runs_view rv)
 {
-  int const runs = *num_runs;
+  int const runs    = *rv.count;
+  int const* offsets = rv.offsets;
   for (int u = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); u < runs; u += static_cast<int>(gridDim.x * blockDim.x)) {
-    int const len = lens[u];
+    int const len = rv.end(u, runs) - offsets[u];
     if (len <= lr.long_run) { continue; }
     int const n    = lr.segments(len);
     int const base = atomicAdd(lr.count, n);
@@ -159,21 +175,21 @@ __global__ void __launch_bounds__(256) sum_segments_kernel(long_runs lr, int con
 }
 
 /**
- * One group of lanes per unique row: sums the row's gradients (float), reads its weight and
- * state once, applies the optimizer, writes them once; each lane moves V values per access.
- * Runs are given by (uniq, offsets, lens); their count is read from device memory (no host
- * round trip). Nothing is written when *abort is set (an invalid index was found).
+ * One group of lanes per unique row, two rows per group at a time: sums each row's gradients
+ * (float), reads its weight and state once, applies the optimizer, writes them once; each lane
+ * moves V values per access. The loads of both rows are issued before any arithmetic (three
+ * dependent round trips per pair: run, then row and first gradient position, then gradient).
+ * Runs are given by their first sorted position; their count is read from device memory (no
+ * host round trip). Nothing is written when *abort is set (an invalid index was found).
  */
 template <class T, int V, class Opt, class Index>
-__global__ void __launch_bounds__(256) update_rows_kernel(Opt opt,
+__global__ void __launch_bounds__(256, 3) update_rows_kernel(Opt opt,
                                                           matrix_view<T> w,
                                                           matrix_view<float> st,
                                                           std::int64_t* steps,
                                                           std::int64_t global_step,
-                                                          Index const* uniq,
-                                                          int const* offsets,
-                                                          int const* lens,
-                                                          int const* num_runs,
+                                                          Index const* sorted_keys,
+                                                          runs_view rv,
                                                           int const* sorted_pos,
                                                           T const* grads,
                                                           long_runs lr,
@@ -183,56 +199,112 @@ __global__ void __launch_bounds__(256) update_rows_kernel(Opt opt,
 {
   if (*abort != 0) { return; }
   constexpr int S          = Opt::states > 0 ? Opt::states : 1;
+  constexpr int U          = 2;  // rows per group in flight
   std::size_t const dim    = w.cols;
   std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
   int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
   unsigned const lane_base = (threadIdx.x % 32) / static_cast<unsigned>(group) * static_cast<unsigned>(group);
   unsigned const mask      = (group == 32 ? 0xffffffffu : ((1u << group) - 1u)) << lane_base;
-  auto const runs          = static_cast<std::size_t>(*num_runs);
-  for (std::size_t u = tid / static_cast<std::size_t>(group); u < runs; u += groups) {
-    auto const key       = static_cast<std::size_t>(uniq[u]);
-    int const off        = offsets[u];
-    int const len        = lens[u];
-    std::int64_t const t = steps != nullptr ? steps[key] + 1 : global_step;
+  int const runs_i         = *rv.count;
+  auto const runs          = static_cast<std::size_t>(runs_i);
+  using wvec               = vec_of<T, V>;
+  using fvec               = vec_of<float, V>;
+  for (std::size_t u0 = tid / static_cast<std::size_t>(group); u0 < runs; u0 += groups * U) {
+    std::size_t run[U];
+    std::size_t key[U];
+    int off[U];
+    int len[U];  // 0: no row here
+    std::int64_t t[U];
+#pragma unroll
+    for (int r = 0; r < U; ++r) {
+      run[r] = u0 + static_cast<std::size_t>(r) * groups;
+      key[r] = 0;
+      off[r] = 0;
+      len[r] = 0;
+      if (run[r] < runs) {
+        int const u = static_cast<int>(run[r]);
+        off[r]      = rv.offsets[u];
+        len[r]      = rv.end(u, runs_i) - off[r];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < U; ++r) {
+      if (len[r] > 0) { key[r] = static_cast<std::size_t>(sorted_keys[off[r]]); }
+    }
+#pragma unroll
+    for (int r = 0; r < U; ++r) { t[r] = steps != nullptr && len[r] > 0 ? steps[key[r]] + 1 : global_step; }
     for (std::size_t j = static_cast<std::size_t>(lane) * V; j < dim; j += static_cast<std::size_t>(group) * V) {
-      auto wv = *reinterpret_cast<vec_of<T, V> const*>(&w(key, j));
-      vec_of<float, V> s[S];
+      wvec wv[U];
+      fvec s[U][S];
+      float g[U][V];
 #pragma unroll
-      for (int k = 0; k < Opt::states; ++k) { s[k] = *reinterpret_cast<vec_of<float, V> const*>(&st(key, static_cast<std::size_t>(k) * dim + j)); }
-      float g[V] = {};
-      if (len > lr.long_run) {
-        int const first = lr.first[u];
-        for (int q = 0; q < lr.segments(len); ++q) {
-          auto const p = *reinterpret_cast<vec_of<float, V> const*>(lr.sums + static_cast<std::size_t>(first + q) * dim + j);
+      for (int r = 0; r < U; ++r) {
 #pragma unroll
-          for (int e = 0; e < V; ++e) { g[e] += p.v[e]; }
+        for (int e = 0; e < V; ++e) { g[r][e] = 0.0f; }
+        if (len[r] > 0) {
+          wv[r] = *reinterpret_cast<wvec const*>(&w(key[r], j));
+#pragma unroll
+          for (int k = 0; k < Opt::states; ++k) {
+            s[r][k] = *reinterpret_cast<fvec const*>(&st(key[r], static_cast<std::size_t>(k) * dim + j));
+          }
         }
-      } else {
+      }
+      // The first gradient of every short run first (most runs have one), then the rest.
+#pragma unroll
+      for (int r = 0; r < U; ++r) {
+        if (len[r] > 0 && len[r] <= lr.long_run) {
+          auto const p = *reinterpret_cast<wvec const*>(grads + static_cast<std::size_t>(sorted_pos[off[r]]) * dim + j);
+#pragma unroll
+          for (int e = 0; e < V; ++e) { g[r][e] += to_float(p.v[e]); }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < U; ++r) {
+        if (len[r] > lr.long_run) {
+          int const first = lr.first[run[r]];
+          for (int q = 0; q < lr.segments(len[r]); ++q) {
+            auto const p = *reinterpret_cast<fvec const*>(lr.sums + static_cast<std::size_t>(first + q) * dim + j);
+#pragma unroll
+            for (int e = 0; e < V; ++e) { g[r][e] += p.v[e]; }
+          }
+        } else {
 #pragma unroll 4
-        for (int q = 0; q < len; ++q) {
-          auto const p = *reinterpret_cast<vec_of<T, V> const*>(grads + static_cast<std::size_t>(sorted_pos[off + q]) * dim + j);
+          for (int q = 1; q < len[r]; ++q) {
+            auto const p = *reinterpret_cast<wvec const*>(grads + static_cast<std::size_t>(sorted_pos[off[r] + q]) * dim + j);
 #pragma unroll
-          for (int e = 0; e < V; ++e) { g[e] += to_float(p.v[e]); }
+            for (int e = 0; e < V; ++e) { g[r][e] += to_float(p.v[e]); }
+          }
         }
       }
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        float x = to_float(wv.v[e]);
-        float se[S];
+      for (int r = 0; r < U; ++r) {
+        if (len[r] == 0) { continue; }
 #pragma unroll
-        for (int k = 0; k < Opt::states; ++k) { se[k] = s[k].v[e]; }
-        opt.update(x, g[e], se, update_step<float>{lr_rate, t});
-        wv.v[e] = from_float<T>(x);
+        for (int e = 0; e < V; ++e) {
+          float x = to_float(wv[r].v[e]);
+          float se[S];
 #pragma unroll
-        for (int k = 0; k < Opt::states; ++k) { s[k].v[e] = se[k]; }
+          for (int k = 0; k < Opt::states; ++k) { se[k] = s[r][k].v[e]; }
+          opt.update(x, g[r][e], se, update_step<float>{lr_rate, t[r]});
+          wv[r].v[e] = from_float<T>(x);
+#pragma unroll
+          for (int k = 0; k < Opt::states; ++k) { s[r][k].v[e] = se[k]; }
+        }
+        *reinterpret_cast<wvec*>(&w(key[r], j)) = wv[r];
+#pragma unroll
+        for (int k = 0; k < Opt::states; ++k) {
+          *reinterpret_cast<fvec*>(&st(key[r], static_cast<std::size_t>(k) * dim + j)) = s[r][k];
+        }
       }
-      *reinterpret_cast<vec_of<T, V>*>(&w(key, j)) = wv;
-#pragma unroll
-      for (int k = 0; k < Opt::states; ++k) { *reinterpret_cast<vec_of<float, V>*>(&st(key, static_cast<std::size_t>(k) * dim + j)) = s[k]; }
     }
     __syncwarp(mask);  // every lane of the group has read steps[key]
-    if (steps != nullptr && lane == 0) { steps[key] = t; }
+    if (steps != nullptr && lane == 0) {
+#pragma unroll
+      for (int r = 0; r < U; ++r) {
+        if (len[r] > 0) { steps[key[r]] = t[r]; }
+      }
+    }
   }
 }
 
@@ -244,10 +316,8 @@ struct update_launch {
   matrix_view<float> st;
   std::int64_t* steps;
   std::int64_t step;
-  Index const* uniq;
-  int const* offsets;
-  int const* lens;
-  int const* runs;
+  Index const* sorted_keys;
+  runs_view rv;
   int const* sorted_pos;
   T const* grads;
   long_runs longs;
@@ -260,7 +330,11 @@ struct update_launch {
   {
     sum_segments_kernel<T, V><<<sm_count() * 4, 256, 0, s>>>(longs, sorted_pos, grads, w.cols, group);
     WM_CHECK_LAUNCH();
-    update_rows_kernel<T, V><<<blocks, 256, 0, s>>>(opt, w, st, steps, step, uniq, offsets, lens, runs, sorted_pos, grads, longs,
+    // As many blocks as fit at once: the loop strides over the runs (no second wave).
+    int per_sm = 0;
+    WM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, update_rows_kernel<T, V, Opt, Index>, 256, 0));
+    int const grid = std::max(1, std::min(blocks, std::max(per_sm, 1) * sm_count()));
+    update_rows_kernel<T, V><<<grid, 256, 0, s>>>(opt, w, st, steps, step, sorted_keys, rv, sorted_pos, grads, longs,
                                                     lr, group, abort);
     WM_CHECK_LAUNCH();
   }
@@ -400,31 +474,27 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     // Runs of more than 128 gradients: segments of 128, so at most 2 m / 129 of them.
     detail::long_runs longs{128, 128, nullptr, nullptr, nullptr, nullptr, nullptr, 0};
     longs.bound = 2 * m / static_cast<std::size_t>(longs.long_run + 1) + 1;
-    std::size_t cub_sort = 0, cub_rle = 0, cub_scan = 0;
+    std::size_t cub_sort = 0, cub_select = 0;
+    thrust::counting_iterator<int> const positions{0};
     WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
                                                 static_cast<int const*>(nullptr), static_cast<int*>(nullptr), mi, 0, bits, s));
-    WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(nullptr, cub_rle, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
-                                                   static_cast<int*>(nullptr), static_cast<int*>(nullptr), mi, s));
-    WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, cub_scan, static_cast<int const*>(nullptr), static_cast<int*>(nullptr), mi, s));
+    WM_CUDA_TRY(cub::DeviceSelect::If(nullptr, cub_select, positions, static_cast<int*>(nullptr), static_cast<int*>(nullptr), mi,
+                                      detail::run_head<Index>{nullptr}, s));
     detail::carver c;
     auto const o_pos   = c.add<int>(m);
     auto const o_skeys = c.add<Index>(m);
     auto const o_spos  = c.add<int>(m);
-    auto const o_uniq  = c.add<Index>(m);
-    auto const o_lens  = c.add<int>(m);
     auto const o_offs  = c.add<int>(m);
     auto const o_runs  = c.add<int>(2);  // runs, segments
     auto const o_first = c.add<int>(m);
     auto const o_sbeg  = c.add<int>(longs.bound);
     auto const o_slen  = c.add<int>(longs.bound);
     auto const o_sums  = c.add<float>(longs.bound * dim());
-    auto const o_cub   = c.add<std::byte>(std::max({cub_sort, cub_rle, cub_scan}));
+    auto const o_cub   = c.add<std::byte>(std::max(cub_sort, cub_select));
     std::byte* base    = scratch_->owner.reserve(c.total(), s);
     auto* pos          = c.take<int>(base, o_pos);
     auto* sorted_keys  = c.take<Index>(base, o_skeys);
     auto* sorted_pos   = c.take<int>(base, o_spos);
-    auto* uniq         = c.take<Index>(base, o_uniq);
-    auto* lens         = c.take<int>(base, o_lens);
     auto* offsets      = c.take<int>(base, o_offs);
     auto* runs         = c.take<int>(base, o_runs);
     auto* temp         = c.take<std::byte>(base, o_cub);
@@ -433,15 +503,14 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     longs.seg_begin    = c.take<int>(base, o_sbeg);
     longs.seg_len      = c.take<int>(base, o_slen);
     longs.sums         = c.take<float>(base, o_sums);
+    detail::runs_view const rv{offsets, runs, mi};
 
     detail::positions_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(keys, m, one_rank ? rows() : local.rows, pos, err);
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, cub_sort, keys, sorted_keys, pos, sorted_pos, mi, 0, bits, s));
-    WM_CUDA_TRY(cudaMemsetAsync(lens, 0, m * sizeof(int), s));
-    WM_CUDA_TRY(cudaMemsetAsync(runs, 0, 2 * sizeof(int), s));
-    WM_CUDA_TRY(cub::DeviceRunLengthEncode::Encode(temp, cub_rle, sorted_keys, uniq, lens, runs, mi, s));
-    WM_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp, cub_scan, lens, offsets, mi, s));
-    detail::make_segments_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(longs, offsets, lens, runs);
+    WM_CUDA_TRY(cudaMemsetAsync(runs + 1, 0, sizeof(int), s));
+    WM_CUDA_TRY(cub::DeviceSelect::If(temp, cub_select, positions, offsets, runs, mi, detail::run_head<Index>{sorted_keys}, s));
+    detail::make_segments_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(longs, rv);
     WM_CHECK_LAUNCH();
 
     matrix_view<float> st{};
@@ -467,7 +536,7 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     int const blocks = static_cast<int>(std::max<std::size_t>(
       1, std::min<std::size_t>((m + 256 / static_cast<std::size_t>(group) - 1) / (256 / static_cast<std::size_t>(group)),
                                static_cast<std::size_t>(detail::sm_count()) * 8)));
-    detail::update_launch<T, Optimizer, Index> const u{opt_, local, st, steps, step, uniq, offsets, lens, runs, sorted_pos,
+    detail::update_launch<T, Optimizer, Index> const u{opt_, local, st, steps, step, sorted_keys, rv, sorted_pos,
                                                        g, longs, lr, group, blocks, err};
     if (vec == 4) {
       u.template run<4>(s);

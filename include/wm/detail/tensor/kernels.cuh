@@ -64,7 +64,7 @@ template <bool Fresh, class Vec>
   if constexpr (Fresh) {
     return __ldcv(p);
   } else {
-    return *p;
+    return __ldg(p);  // rows are read-only while a gather runs
   }
 }
 
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
       }
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
-        if (dst[u] != nullptr) { dst[u][c] = src[u] != nullptr ? v[u] : Vec{}; }
+        if (dst[u] != nullptr) { __stcs(dst[u] + c, src[u] != nullptr ? v[u] : Vec{}); }  // streamed: not read back here
       }
     }
   }
