@@ -98,11 +98,16 @@ struct shape {
   std::size_t batch;  // rank r passes batch + 37 r keys
   unsigned hot_every;
   std::size_t hot_rows;
+  // Absolute scale under the relative tolerances: float sums of n gradients of size ~1 carry
+  // rounding that grows with n, however small the sum (seen: 1.3e-6 on a state of 0.007 after
+  // summing 1,600 gradients), so the skewed shape's scale is the hot row's gradient mass.
+  double weight_scale;
+  double state_scale;
 };
 // Odd width (no vector access), a few hot rows with short runs of duplicates.
-constexpr shape small_odd{301, 19, 200, 4, 8};
+constexpr shape small_odd{301, 19, 200, 4, 8, 0.5, 0.1};
 // Vector-wide rows and one row hit ~800 times per rank: its gradients are summed in segments.
-constexpr shape skewed{1000, 32, 1500, 2, 1};
+constexpr shape skewed{1000, 32, 1500, 2, 1, 2.0, 2.0};
 
 template <class T>
 step_data<T> draw_step(std::mt19937_64& rng, int world, shape sh, int step)
@@ -204,7 +209,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   for (std::size_t i = 0; i < w.size(); ++i) {
     // Relative to the weights' scale (init range 0.5): one rounding of T taken differently while
     // a weight was ~0.4 stays as an absolute difference after it shrinks (seen: 1 half ulp).
-    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), 0.5), what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
+    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), sh.weight_scale), what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
   }
   if constexpr (Opt::states > 0) {
     auto const st = read_all<float>(*e.states(), rows, dim * Opt::states, s);
@@ -212,7 +217,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
     // absolute rounding of ~1e-7 however small the sum. Half/bfloat16: states see rounded weights.
     double const rel = std::is_same_v<T, float> ? 1e-5 : 2e-2;
     for (std::size_t i = 0; i < st.size(); ++i) {
-      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, 0.1), what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
+      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, sh.state_scale), what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
     }
   }
 
