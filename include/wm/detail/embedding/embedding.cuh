@@ -330,12 +330,16 @@ struct update_launch {
   template <int V>
   void run(cudaStream_t s) const
   {
-    sum_segments_kernel<T, V><<<sm_count() * 4, 256, 0, s>>>(longs, sorted_pos, grads, w.cols, group);
+    static int const sms = sm_count();
+    sum_segments_kernel<T, V><<<sms * 4, 256, 0, s>>>(longs, sorted_pos, grads, w.cols, group);
     WM_CHECK_LAUNCH();
     // As many blocks as fit at once: the loop strides over the runs (no second wave).
-    int per_sm = 0;
-    WM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, update_rows_kernel<T, V, Opt, Index>, 256, 0));
-    int const grid = std::max(1, std::min(blocks, std::max(per_sm, 1) * sm_count()));
+    static int const resident = [] {
+      int per_sm = 0;
+      WM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, update_rows_kernel<T, V, Opt, Index>, 256, 0));
+      return std::max(per_sm, 1) * sm_count();
+    }();
+    int const grid = std::max(1, std::min(blocks, resident));
     update_rows_kernel<T, V><<<grid, 256, 0, s>>>(opt, w, st, steps, step, sorted_keys, rv, sorted_pos, grads, longs,
                                                     lr, group, abort);
     WM_CHECK_LAUNCH();
@@ -534,10 +538,11 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
       while (group < 32 && static_cast<std::size_t>(group * v) < dim()) { group *= 2; }
       return group;
     };
-    int const group = lanes_for(vec);
-    int const blocks = static_cast<int>(std::max<std::size_t>(
+    int const group      = lanes_for(vec);
+    static int const sms = detail::sm_count();
+    int const blocks     = static_cast<int>(std::max<std::size_t>(
       1, std::min<std::size_t>((m + 256 / static_cast<std::size_t>(group) - 1) / (256 / static_cast<std::size_t>(group)),
-                               static_cast<std::size_t>(detail::sm_count()) * 8)));
+                               static_cast<std::size_t>(sms) * 8)));
     detail::update_launch<T, Optimizer, Index> const u{opt_, local, st, steps, step, sorted_keys, rv, sorted_pos,
                                                        g, longs, lr, group, blocks, err};
     if (vec == 4) {

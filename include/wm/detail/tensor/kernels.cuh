@@ -1,7 +1,9 @@
-// Row gather/scatter kernels of wm::tensor. They move bytes: element types only set the row size.
+// Row gather/scatter kernel of wm::tensor. It moves bytes: element types only set the row size.
 //
 // A group of G lanes (G = 1..32, a power of two) moves one row with vector accesses of
 // sizeof(Vec) bytes; each group keeps U rows in flight (U loads issued before the first store).
+// Gather and scatter differ only in where each row comes from and goes to (gather_moves,
+// scatter_moves).
 #pragma once
 
 #include <wm/error.hpp>
@@ -57,30 +59,85 @@ inline constexpr int unroll = 4;
 
 /// Loads a vector; `Fresh` (ld.cv) refetches host memory instead of trusting a line cached in
 /// this GPU's L2, so rows another GPU rewrote are always seen, whatever the caching of system
-/// memory between kernels.
+/// memory between kernels. Otherwise the read-only path: sources do not change during a copy.
 template <bool Fresh, class Vec>
 [[nodiscard]] __device__ inline Vec load_vec(Vec const* p)
 {
   if constexpr (Fresh) {
     return __ldcv(p);
   } else {
-    return __ldg(p);  // rows are read-only while a gather runs
+    return __ldg(p);
   }
 }
 
+/// Stores a vector; `Through` writes through this GPU's L2 to memory (host rows other GPUs
+/// read); otherwise a streaming store (the destination is not read back by this kernel).
+template <bool Through, class Vec>
+__device__ inline void store_vec(Vec* p, Vec v)
+{
+  if constexpr (Through) {
+    __stwt(p, v);
+  } else {
+    __stcs(p, v);
+  }
+}
+
+/// Where one row comes from and goes to: no source with a destination writes a zero row; no
+/// destination skips the row.
+struct row_move {
+  std::byte const* src;
+  std::byte* dst;
+};
+
+/// Gather: out.row(i) (or out.row(order[i])) = rows.row(idx[i]); invalid indices set *err.
+template <class Rows, class Index>
+struct gather_moves {
+  Rows rows;
+  Index const* idx;  // null: identity
+  std::size_t const* order;
+  packed_rows out;
+  unsigned* err;
+  [[nodiscard]] __device__ row_move operator()(std::size_t i, int lane) const
+  {
+    Index const k = idx != nullptr ? idx[i] : static_cast<Index>(i);
+    row_move m{nullptr, out.row(order != nullptr ? order[i] : i)};
+    if (valid_index(k, rows.rows())) {
+      m.src = rows.row(static_cast<std::size_t>(k));
+    } else if (lane == 0) {
+      atomicOr(err, 1u);
+    }
+    return m;
+  }
+};
+
+/// Scatter: rows.row(keys[j]) = values.row(pos[j]) for the last j of each run of equal keys
+/// (keys sorted stably, so the last occurrence in the caller's order wins); invalid keys set *err.
+template <class Rows, class Index>
+struct scatter_moves {
+  Rows rows;
+  Index const* keys;
+  std::size_t const* pos;
+  std::size_t n;
+  packed_rows values;
+  unsigned* err;
+  [[nodiscard]] __device__ row_move operator()(std::size_t j, int lane) const
+  {
+    Index const k = keys[j];
+    if (!valid_index(k, rows.rows())) {
+      if (lane == 0) { atomicOr(err, 1u); }
+      return {nullptr, nullptr};
+    }
+    if (j + 1 < n && keys[j + 1] == k) { return {nullptr, nullptr}; }
+    return {values.row(pos[j]), rows.row(static_cast<std::size_t>(k))};
+  }
+};
+
 /**
- * out.row(i) = rows.row(idx[i]) for i < n. Invalid indices set bit 1 of *err and produce a zero
- * row. With `order` set, output row order[i] is written instead of row i (restoring order).
+ * Moves rows i < n as @p moves says. A group of `group` lanes moves one row in vectors of Vec;
+ * each group keeps `unroll` rows in flight (all their loads issued before the first store).
  */
-template <class Vec, bool Fresh, class Rows, class Index>
-__global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
-                                                          Index const* idx,
-                                                          std::size_t const* order,
-                                                          std::size_t n,
-                                                          packed_rows out,
-                                                          std::size_t row_vecs,
-                                                          int group,
-                                                          unsigned* err)
+template <class Vec, bool Fresh, bool Through, class Moves>
+__global__ void __launch_bounds__(256) move_rows_kernel(Moves moves, std::size_t n, std::size_t row_vecs, int group)
 {
   std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
@@ -95,13 +152,9 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
       src[u]              = nullptr;
       dst[u]              = nullptr;
       if (i < n) {
-        Index const k = idx != nullptr ? idx[i] : static_cast<Index>(i);  // null: identity
-        if (valid_index(k, rows.rows())) {
-          src[u] = reinterpret_cast<Vec const*>(rows.row(static_cast<std::size_t>(k)));
-        } else if (lane == 0) {
-          atomicOr(err, 1u);
-        }
-        dst[u] = reinterpret_cast<Vec*>(out.row(order != nullptr ? order[i] : i));
+        auto const m = moves(i, lane);
+        src[u]       = reinterpret_cast<Vec const*>(m.src);
+        dst[u]       = reinterpret_cast<Vec*>(m.dst);
       }
     }
     for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs; c += static_cast<std::size_t>(group)) {
@@ -112,68 +165,7 @@ __global__ void __launch_bounds__(256) gather_rows_kernel(Rows rows,
       }
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
-        if (dst[u] != nullptr) { __stcs(dst[u] + c, src[u] != nullptr ? v[u] : Vec{}); }  // streamed: not read back here
-      }
-    }
-  }
-}
-
-/// Stores a vector; `Through` writes through this GPU's L2 to memory (host rows other GPUs read).
-template <bool Through, class Vec>
-__device__ inline void store_vec(Vec* p, Vec v)
-{
-  if constexpr (Through) {
-    __stwt(p, v);
-  } else {
-    *p = v;
-  }
-}
-
-/**
- * rows.row(keys[j]) = values.row(pos[j]) for the last j of each run of equal keys (keys sorted,
- * stably, so the last occurrence in the caller's order wins). Invalid keys set bit 1 of *err.
- */
-template <class Vec, bool Through, class Rows, class Index>
-__global__ void __launch_bounds__(256) scatter_rows_kernel(Rows rows,
-                                                           Index const* keys,
-                                                           std::size_t const* pos,
-                                                           std::size_t n,
-                                                           packed_rows values,
-                                                           std::size_t row_vecs,
-                                                           int group,
-                                                           unsigned* err)
-{
-  std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
-  std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
-  std::size_t const g      = tid / static_cast<std::size_t>(group);
-  int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
-  for (std::size_t i0 = g; i0 < n; i0 += groups * unroll) {
-    Vec const* src[unroll];
-    Vec* dst[unroll];
-#pragma unroll
-    for (int u = 0; u < unroll; ++u) {
-      std::size_t const j = i0 + static_cast<std::size_t>(u) * groups;
-      src[u]              = nullptr;
-      dst[u]              = nullptr;
-      if (j < n) {
-        Index const k = keys[j];
-        if (!valid_index(k, rows.rows())) {
-          if (lane == 0) { atomicOr(err, 1u); }
-        } else if (j + 1 == n || keys[j + 1] != k) {
-          src[u] = reinterpret_cast<Vec const*>(values.row(pos[j]));
-          dst[u] = reinterpret_cast<Vec*>(rows.row(static_cast<std::size_t>(k)));
-        }
-      }
-    }
-    for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs; c += static_cast<std::size_t>(group)) {
-      Vec v[unroll];
-#pragma unroll
-      for (int u = 0; u < unroll; ++u) {
-        if (src[u] != nullptr) { v[u] = src[u][c]; }
-      }
-#pragma unroll
-      for (int u = 0; u < unroll; ++u) {
-        if (dst[u] != nullptr) { store_vec<Through>(dst[u] + c, v[u]); }
+        if (dst[u] != nullptr) { store_vec<Through>(dst[u] + c, src[u] != nullptr ? v[u] : Vec{}); }
       }
     }
   }
@@ -237,7 +229,19 @@ void with_vector(int vec_bytes, F&& f)
   }
 }
 
-/// Launches gather_rows_kernel; @p fresh: the rows are host memory other GPUs may have written.
+/// Launches a row kernel over @p n rows of @p row_bytes: @p launch is called as
+/// `launch.template operator()<Vec>(row_launch)` with the widest vector type that every size and
+/// address in @p alignment allows.
+template <class Launch>
+void launch_rows(std::size_t n, std::size_t row_bytes, std::initializer_list<std::uintptr_t> alignment, Launch&& launch)
+{
+  if (n == 0) { return; }
+  auto const l = plan_row_launch(n, row_bytes, alignment);
+  with_vector(l.vec_bytes, [&]<class Vec>() { launch.template operator()<Vec>(l); });
+  WM_CHECK_LAUNCH();
+}
+
+/// Launches move_rows_kernel for a gather; @p fresh: the rows are host memory other GPUs may have written.
 template <class Rows, class Index>
 void launch_gather(Rows rows,
                    Index const* idx,
@@ -250,19 +254,15 @@ void launch_gather(Rows rows,
                    cudaStream_t stream,
                    bool fresh = false)
 {
-  if (n == 0) { return; }
-  auto const l = plan_row_launch(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes});
-  with_vector(l.vec_bytes, [&]<class Vec>() {
-    if (fresh) {
-      gather_rows_kernel<Vec, true><<<l.blocks, 256, 0, stream>>>(rows, idx, order, n, out, l.row_vecs, l.group, err);
-    } else {
-      gather_rows_kernel<Vec, false><<<l.blocks, 256, 0, stream>>>(rows, idx, order, n, out, l.row_vecs, l.group, err);
-    }
-  });
-  WM_CHECK_LAUNCH();
+  launch_rows(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
+              [&]<class Vec>(row_launch const& l) {
+                using M            = gather_moves<Rows, Index>;
+                auto* const kernel = fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
+                kernel<<<l.blocks, 256, 0, stream>>>(M{rows, idx, order, out, err}, n, l.row_vecs, l.group);
+              });
 }
 
-/// Launches scatter_rows_kernel; @p through: the rows are host memory other GPUs may read.
+/// Launches move_rows_kernel for a scatter; @p through: the rows are host memory other GPUs may read.
 template <class Rows, class Index>
 void launch_scatter(Rows rows,
                     Index const* keys,
@@ -275,16 +275,12 @@ void launch_scatter(Rows rows,
                     cudaStream_t stream,
                     bool through = false)
 {
-  if (n == 0) { return; }
-  auto const l = plan_row_launch(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base), values.stride_bytes});
-  with_vector(l.vec_bytes, [&]<class Vec>() {
-    if (through) {
-      scatter_rows_kernel<Vec, true><<<l.blocks, 256, 0, stream>>>(rows, keys, pos, n, values, l.row_vecs, l.group, err);
-    } else {
-      scatter_rows_kernel<Vec, false><<<l.blocks, 256, 0, stream>>>(rows, keys, pos, n, values, l.row_vecs, l.group, err);
-    }
-  });
-  WM_CHECK_LAUNCH();
+  launch_rows(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base), values.stride_bytes},
+              [&]<class Vec>(row_launch const& l) {
+                using M            = scatter_moves<Rows, Index>;
+                auto* const kernel = through ? move_rows_kernel<Vec, false, true, M> : move_rows_kernel<Vec, false, false, M>;
+                kernel<<<l.blocks, 256, 0, stream>>>(M{rows, keys, pos, n, values, err}, n, l.row_vecs, l.group);
+              });
 }
 
 /// For the dispatch path: owner rank (world for an invalid index) and local row of each index.
