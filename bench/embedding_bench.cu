@@ -11,24 +11,28 @@
  *   uniform: splitmix64(seed + i) mod 10M;
  *   zipf:    exact discrete Zipf(alpha = 1.05) over ranks 1..10M (inverse CDF: binary search in the
  *            table of cumulative k^-alpha), rank k-1 scattered to row (k-1) * 7368787 mod 10M (a
- *            bijection), so the hot rows are spread over the table and over both owners.
- * Cases: 1 GPU (wm::launch(1)): each optimizer x {uniform, zipf}; 2 GPUs (wm::launch(2), both
- * ranks step at once, each with its own 1M keys): adam x {uniform, zipf}, sgd x uniform.
+ *            bijection), so the hot rows are spread over the table and over all owners.
+ * Rank r's keys use seeds 1000 + r (uniform) and 2000 + r (zipf).
+ * Cases: 1 GPU (wm::launch(1)): each optimizer x {uniform, zipf}; N GPUs (wm::launch(N), all
+ * ranks step at once, each with its own 1M keys): adam x {uniform, zipf}, sgd x uniform, for
+ * every N in 2, 4, 8, ... up to the GPUs present, and N = the GPU count if that is not a power of
+ * two. `embedding_bench --ranks N` runs the N-GPU cases for that N only (none for N = 1); exit
+ * status 2 if N is not between 1 and the GPUs present.
  *
  * Timing: a step = e.gather(keys, out) + e.apply_gradients(keys, grads, lr) (both synchronize),
  * timed with std::chrono; the stream is synchronized and the ranks pass a barrier before each
  * step (not timed). 2 warm-up steps, then the median of 10. "apply ms" is the median of the
- * apply_gradients part of the same steps. With 2 ranks: max over ranks of the per-rank medians.
+ * apply_gradients part of the same steps. With N ranks: max over ranks of the per-rank medians.
  *
  * Figures (U = distinct rows in the step's keys, over all ranks; S = optimizer states per row):
  *   uniq GB/s  = 2 x U x 512 B x (1 + S) / apply ms: each touched row's weight and state read
  *                once and written once (Adam's 8-byte per-row step count is not counted).
  *   copy GB/s  = cudaMemcpyAsync device-to-device of 2 GiB, read + write counted (2 x 2 GiB /
- *                time), median of 10 with CUDA events; with 2 ranks both copy at once, the min.
+ *                time), median of 10 with CUDA events; with N ranks all copy at once, the min.
  *   ratio      = uniq GB/s / copy GB/s.
  *   step GB/s  = (gather 2 x n x 512 B + unique-row bytes + gradients read once n x 512 B)
  *                / ms/step: the floor of a step; dispatch copies, sort and keys not counted.
- *   2 GPUs: n = keys of both ranks; both GB/s figures are per GPU (the sum over GPUs / 2),
+ *   N GPUs: n = keys of all N ranks; both GB/s figures are per GPU (the sum over GPUs / N),
  *   so the ratios compare with one GPU's copy bandwidth; the NVLink exchange is not a byte
  *   the floor counts.
  *   torch ms   = the peer's median step (out = emb(keys); out.backward(grads); opt.step();
@@ -78,7 +82,7 @@ constexpr float lr = 0.01f;
 constexpr int warmups = 2;
 constexpr int reps = 10;
 constexpr int threads = 256;
-constexpr int max_cases = 16;
+constexpr int max_cases = 64;
 constexpr double nan = std::numeric_limits<double>::quiet_NaN();
 
 enum dist { uniform = 0, zipf = 1 };
@@ -146,34 +150,40 @@ std::vector<std::int64_t> zipf_keys(std::vector<double> const& cdf, std::uint64_
 }
 
 struct key_sets {
-  std::vector<std::int64_t> keys[2][2];  // [dist][rank]
-  std::size_t uniq[2][2]{};              // [dist][ranks - 1]: distinct rows over ranks 0..ranks-1
-  std::size_t hottest[2]{};              // [dist]: most repeats of one row in rank 0's keys
+  std::vector<std::vector<std::int64_t>> keys[2];  // [dist][rank]
+  std::vector<std::size_t> uniq[2];  // [dist][ranks - 1]: distinct rows over ranks 0..ranks-1
+  std::size_t hottest[2]{};          // [dist]: most repeats of one row in rank 0's keys
 };
 
-key_sets make_keys() {
+/// The keys of ranks 0..ranks-1.
+key_sets make_keys(int ranks) {
   key_sets s;
   std::vector<double> cdf(table_rows);
   double sum = 0;
   for (std::size_t r = 0; r < table_rows; ++r) {
     cdf[r] = sum += std::pow(static_cast<double>(r + 1), -zipf_alpha);
   }
-  for (int rank = 0; rank < 2; ++rank) {
-    s.keys[uniform][rank] = uniform_keys(1000 + rank);
-    s.keys[zipf][rank] = zipf_keys(cdf, 2000 + rank);
+  for (int rank = 0; rank < ranks; ++rank) {
+    s.keys[uniform].push_back(uniform_keys(1000 + rank));
+    s.keys[zipf].push_back(zipf_keys(cdf, 2000 + rank));
   }
   for (int d = 0; d < 2; ++d) {
-    std::vector<std::int64_t> all = s.keys[d][0];
-    std::sort(all.begin(), all.end());
-    std::size_t run = 0;
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      run = i > 0 && all[i] == all[i - 1] ? run + 1 : 1;
-      s.hottest[d] = std::max(s.hottest[d], run);
+    std::vector<std::int64_t> all;  // the keys of ranks 0..rank, sorted
+    for (int rank = 0; rank < ranks; ++rank) {
+      auto const mid = static_cast<std::ptrdiff_t>(all.size());
+      all.insert(all.end(), s.keys[d][rank].begin(), s.keys[d][rank].end());
+      std::sort(all.begin() + mid, all.end());
+      std::inplace_merge(all.begin(), all.begin() + mid, all.end());
+      std::size_t distinct = 0, run = 0;
+      for (std::size_t i = 0; i < all.size(); ++i) {
+        run = i > 0 && all[i] == all[i - 1] ? run + 1 : 1;
+        distinct += run == 1 ? 1 : 0;
+        if (rank == 0) {
+          s.hottest[d] = std::max(s.hottest[d], run);
+        }
+      }
+      s.uniq[d].push_back(distinct);
     }
-    s.uniq[d][0] = static_cast<std::size_t>(std::unique(all.begin(), all.end()) - all.begin());
-    all.insert(all.end(), s.keys[d][1].begin(), s.keys[d][1].end());
-    std::sort(all.begin(), all.end());
-    s.uniq[d][1] = static_cast<std::size_t>(std::unique(all.begin(), all.end()) - all.begin());
   }
   return s;
 }
@@ -460,12 +470,12 @@ peer_result run_torch_peer(key_sets const& keys) {
   return p;
 }
 
-void print_table(results const& r, int gpus, key_sets const& keys, peer_result const& p,
+void print_table(results const& r, int gpus, int ranks, key_sets const& keys, peer_result const& p,
                  double seconds) {
   std::printf(
       "== embedding_bench: %d x %s, 10M x 128 float, 1M keys/step/rank, lr %.2g (%.0f s in all)\n",
       gpus, r.gpu, double(lr), seconds);
-  std::printf("   median of %d steps after %d warm-ups; 2 GPU: slowest rank, GB/s per GPU\n", reps,
+  std::printf("   median of %d steps after %d warm-ups; N GPU: slowest rank, GB/s per GPU\n", reps,
               warmups);
   std::printf(
       "   zipf(%.2f): %zu distinct rows in rank 0's 1M keys (uniform %zu); hottest row %zu times\n",
@@ -474,7 +484,9 @@ void print_table(results const& r, int gpus, key_sets const& keys, peer_result c
     std::printf("   %s\n", p.note.c_str());
   }
   if (gpus < 2) {
-    std::printf("   2 GPU cases not run: 1 GPU visible\n");
+    std::printf("   multi-GPU cases not run: 1 GPU visible\n");
+  } else if (ranks == 1) {
+    std::printf("   multi-GPU cases not run: --ranks 1\n");
   }
   std::printf("%-24s %8s %8s %9s %9s %9s %6s %9s %6s %8s %7s  %s\n", "case", "ms/step", "apply ms",
               "uniq rows", "uniq GB/s", "copy GB/s", "ratio", "step GB/s", "step r", "torch ms",
@@ -506,9 +518,28 @@ void print_table(results const& r, int gpus, key_sets const& keys, peer_result c
   std::fflush(stdout);
 }
 
+/// The N of `--ranks N` (0 without it); -1, after saying why, if the arguments are wrong.
+int ranks_argument(int argc, char** argv, int gpus) {
+  int ranks = 0;
+  for (int i = 1; i < argc; ++i) {
+    char* end = nullptr;
+    long const n =
+        std::strcmp(argv[i], "--ranks") == 0 && i + 1 < argc ? std::strtol(argv[++i], &end, 10) : 0;
+    if (end == nullptr || *end != '\0' || n < 1 || n > gpus) {
+      std::fprintf(stderr,
+                   "embedding_bench: usage: embedding_bench [--ranks N], N from 1 to the %d GPUs "
+                   "present; got '%s'\n",
+                   gpus, argv[i]);
+      return -1;
+    }
+    ranks = static_cast<int>(n);
+  }
+  return ranks;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   // NVLink multicast stays off here and in the torch peer (see the GPU machine's notes).
   ::setenv("NCCL_NVLS_ENABLE", "0", 1);
   ::setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
@@ -516,6 +547,10 @@ int main() {
   ::setenv("PYTHONUNBUFFERED", "1", 1);
   auto const t0 = clock_type::now();
   int const gpus = wm::local_device_count();  // before any CUDA call in this process
+  int const ranks = ranks_argument(argc, argv, gpus);
+  if (ranks < 0) {
+    return 2;
+  }
   if (gpus == 0) {
     std::printf("embedding_bench: no GPU found, nothing to measure\n");
     return 0;
@@ -527,7 +562,19 @@ int main() {
     return 1;
   }
   results& res = *new (shared) results{};
-  key_sets const keys = make_keys();  // host only; the forked ranks inherit them
+  std::vector<int> counts;  // rank counts of the multi-GPU cases, ascending
+  if (ranks >= 2) {
+    counts.push_back(ranks);
+  } else if (ranks == 0) {
+    for (int n = 2; n <= gpus; n *= 2) {
+      counts.push_back(n);
+    }
+    if (gpus > 2 && (gpus & (gpus - 1)) != 0) {
+      counts.push_back(gpus);
+    }
+  }
+  // host only; the forked ranks inherit them
+  key_sets const keys = make_keys(counts.empty() ? 1 : counts.back());
   try {
     wm::launch_options options;
     options.timeout = std::chrono::seconds{80};  // expected: well under a minute each
@@ -542,9 +589,9 @@ int main() {
           b.run(wm::adagrad{}, {uniform, zipf});
         },
         options);
-    if (gpus >= 2) {
+    for (int const n : counts) {
       wm::launch(
-          2,
+          n,
           [&](wm::communicator& comm) {
             bench b{comm, res, keys};
             b.copy_limit();
@@ -559,6 +606,7 @@ int main() {
     return 1;
   }
   peer_result const peer = run_torch_peer(keys);
-  print_table(res, gpus, keys, peer, std::chrono::duration<double>(clock_type::now() - t0).count());
+  print_table(res, gpus, ranks, keys, peer,
+              std::chrono::duration<double>(clock_type::now() - t0).count());
   return peer.failed ? 1 : 0;
 }

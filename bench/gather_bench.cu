@@ -5,25 +5,32 @@
  * Rows are 128 float (512 B). Indices are uniform random int64 made on the device (a hash of the
  * position, seeded per rank and case). Bytes counted: output bytes = indices x 512 B (each row read
  * once and written once); "r+w" counts both. 10M and 4M are decimal (10,000,000 / 4,000,000 rows).
+ * R = the rank count of (b), (c), (d): every GPU present, or N with `gather_bench --ranks N`
+ * (exit status 2 if N is not between 1 and the GPUs present); (b) and (d) need R >= 2.
  *
  * (a) 1 GPU (wm::launch(1)): tensor<float, device, continuous> of 10M rows (5.12 GB), 4M indices
  *     (2.05 GB out). Figure: output GB/s and r+w GB/s. Limit: cudaMemcpyAsync device-to-device of
  *     2 GiB, counted read+write. Targets: r+w >= 0.85 x copy; output GB/s >= 2 x torch.index_select
  *     (peer, same sizes).
- * (b) 2 GPUs: device tensors of 10M rows over both ranks, layouts continuous / chunked /
+ * (b) R GPUs: device tensors of 10M rows over the R ranks, layouts continuous / chunked /
  *     distributed; each rank gathers 4M indices at the same time. Floor: the bytes of the output
- *     rows the other rank owns (counted exactly from the indices with t.locate) / the peer-copy
- *     bandwidth (cudaMemcpyAsync of the peer's 2 GiB part of a chunked.device memory, both ranks
- *     copying at once). Ratio = floor / time: target >= 0.80 for the mapped layouts; reported
- *     only for distributed (NCCL all-to-all). Local rows and output writes are not counted.
+ *     rows other ranks own (counted exactly from the indices with t.locate; about (R-1)/R of
+ *     them) / the peer-copy bandwidth (cudaMemcpyAsync of the next rank's 2 GiB part of a
+ *     chunked.device memory, every rank copying at once, so each GPU sends and receives one
+ *     copy). The gather reads from all R-1 peers, the copy from one: with NVSwitch (HGX) a GPU's
+ *     NVLink bandwidth is the same whichever peers it reads, but where GPUs are linked directly
+ *     one peer's links carry only part of it and this floor is too long (the ratio flatters).
+ *     Ratio = floor / time: target >= 0.80 for the mapped layouts; reported only for distributed
+ *     (NCCL all-to-all). Local rows and output writes are not counted.
  * (c) host: tensor<float, host, chunked> of 2M rows (1 GiB) and of 16M rows (8 GiB); each rank
  *     gathers 4M indices at once. Limit: pinned host-to-device cudaMemcpyAsync of 1 GiB, all ranks
  *     at once. 1 GiB target: output GB/s >= 0.80 x that copy. 8 GiB target: >= 2 x a plain kernel
  *     (one warp per output row, 16 B per lane, no unrolling, the same unsorted indices); wm's time
  *     includes the sort it does for long host batches.
- * (d) 2 GPUs: distributed tensor of 10M rows, 1M indices per rank at once. Figure: ms per lookup
+ * (d) R GPUs: distributed tensor of 10M rows, 1M indices per rank at once. Figure: ms per lookup
  *     and output GB/s. Peer: the model-parallel lookup a PyTorch user writes with
- *     all_to_all_single (2 processes, NCCL). Target: wm >= 3 x faster.
+ *     all_to_all_single (R processes, NCCL: `torch_gather.py --world R`). Target: wm >= 3 x
+ *     faster.
  *
  * Each case is checked once before timing (output poisoned; every output element compared on the
  * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
@@ -229,7 +236,7 @@ class bench {
     res.copy_gbps = 2 * copy_gbps(dst.get(), src.get(), 2 * gib, cudaMemcpyDeviceToDevice);
   }
 
-  /// (b) limit: every rank copies its peer's 2 GiB part at the same time.
+  /// (b) limit: every rank copies the next rank's 2 GiB part at the same time.
   void peer_copy()
   {
     wm::memory<wm::device, wm::chunked> mem{comm_, 2 * gib * comm_.size(), row_bytes};
@@ -248,7 +255,7 @@ class bench {
 
   /// (b) for one layout (slot 0, 1, 2); for distributed also (d), on the same table.
   template <class Layout>
-  void two_gpus(int slot)
+  void multi_gpu(int slot)
   {
     wm::tensor<float, wm::device, Layout> t{comm_, table_rows, cols};
     fill(t);
@@ -471,7 +478,8 @@ double json_number(std::string const& line, std::string const& key)
   return end == s ? nan : v;
 }
 
-peer_result run_torch_peer()
+/// Runs the peer; its all-to-all lookup on @p world ranks (none if 1).
+peer_result run_torch_peer(int world)
 {
   peer_result p;
   fs::path const script = peer_script();
@@ -484,7 +492,8 @@ peer_result run_torch_peer()
     p.note = "torch peer not run: python3 cannot import torch";
     return p;
   }
-  std::string const cmd = "timeout 180 python3 '" + script.string() + "' --json";
+  std::string const cmd =
+    "timeout 180 python3 '" + script.string() + "' --json --world " + std::to_string(world);
   std::FILE* pipe       = ::popen(cmd.c_str(), "r");
   std::string json;  // its stdout: the JSON line (anything else is passed on)
   static char buf[1 << 16];
@@ -537,11 +546,12 @@ void print_table(results const& r, peer_result const& p, double seconds)
         ? no_peer
         : fmt("%.0f GB/s out (%.3f ms)", p.index_select_gbps, p.index_select_ms),
       out / p.index_select_gbps, 2);
-  char const* names[] = {"(b) continuous 2 GPUs", "(b) chunked 2 GPUs",
-                         "(b) distributed 2 GPUs (NCCL)"};
+  std::string const on      = two ? fmt("%d GPUs", r.ranks) : "N GPUs";
+  std::string const names[] = {"(b) continuous " + on, "(b) chunked " + on,
+                               "(b) distributed " + on + " (NCCL)"};
   for (int i = 0; i < 3; ++i) {
     auto const& b = r.b[i];
-    row(names[i], two ? fmt("%.3f ms (r0 %.3f)", b.max_ms, b.r0_ms) : "n/a (1 GPU)",
+    row(names[i].c_str(), two ? fmt("%.3f ms (r0 %.3f)", b.max_ms, b.r0_ms) : "n/a (1 GPU)",
         two ? fmt("floor %.3f ms (peer copy %.0f GB/s)", b.bound_ms, r.peer_gbps) : "-",
         b.bound_ms / b.max_ms, i < 2 ? 0.80 : 0);
   }
@@ -553,15 +563,36 @@ void print_table(results const& r, peer_result const& p, double seconds)
       r.c_plain_ms / r.c_large_ms, 2);
   row("(c) host 8 GiB vs pinned H2D", fmt("%.1f GB/s out", large),
       fmt("%.1f GB/s pinned H2D", r.h2d_gbps), large / r.h2d_gbps, 0);
-  row("(d) distributed 1M keys",
+  row(("(d) distributed " + on + " 1M keys").c_str(),
       two ? fmt("%.3f ms (%.0f GB/s out)", r.d_ms, gbps(keys, r.d_ms)) : "n/a (1 GPU)",
       std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_ms, 3);
   std::fflush(stdout);
 }
 
+/// The N of `--ranks N` (0 without it); -1, after saying why, if the arguments are wrong.
+int ranks_argument(int argc, char** argv, int gpus)
+{
+  int ranks = 0;
+  for (int i = 1; i < argc; ++i) {
+    char* end    = nullptr;
+    long const n = std::strcmp(argv[i], "--ranks") == 0 && i + 1 < argc
+                     ? std::strtol(argv[++i], &end, 10)
+                     : 0;
+    if (end == nullptr || *end != '\0' || n < 1 || n > gpus) {
+      std::fprintf(stderr,
+                   "gather_bench: usage: gather_bench [--ranks N], N from 1 to the %d GPUs "
+                   "present; got '%s'\n",
+                   gpus, argv[i]);
+      return -1;
+    }
+    ranks = static_cast<int>(n);
+  }
+  return ranks;
+}
+
 }  // namespace
 
-int main()
+int main(int argc, char** argv)
 {
   // NVLink multicast stays off here and in the torch peer (see the GPU machine's notes).
   ::setenv("NCCL_NVLS_ENABLE", "0", 1);
@@ -570,7 +601,10 @@ int main()
   ::setenv("PYTHONUNBUFFERED", "1", 1);
   using clock    = std::chrono::steady_clock;
   auto const t0  = clock::now();
-  int const gpus = wm::local_device_count();  // before any CUDA call in this process
+  int const gpus  = wm::local_device_count();  // before any CUDA call in this process
+  int const ranks = ranks_argument(argc, argv, gpus);
+  if (ranks < 0) { return 2; }
+  int const world = ranks > 0 ? ranks : gpus;  // (b), (c), (d)
   if (gpus == 0) {
     std::printf("gather_bench: no GPU found, nothing to measure\n");
     return 0;
@@ -592,21 +626,21 @@ int main()
       bench b{comm, res};
       if (comm.size() >= 2) {
         b.peer_copy();
-        b.two_gpus<wm::continuous>(0);
-        b.two_gpus<wm::chunked>(1);
-        b.two_gpus<wm::distributed>(2);
+        b.multi_gpu<wm::continuous>(0);
+        b.multi_gpu<wm::chunked>(1);
+        b.multi_gpu<wm::distributed>(2);
       }
       b.pinned_h2d();
       b.host_table(host_small);
       b.host_table(host_large);
     };
-    wm::launch(std::min(gpus, 2), multi, options);
+    wm::launch(world, multi, options);
   } catch (std::exception const& e) {
     std::fprintf(stderr, "gather_bench: %s\n", e.what());
     std::printf("gather_bench: FAILED: %s\n", e.what());
     return 1;
   }
-  peer_result const peer = run_torch_peer();
+  peer_result const peer = run_torch_peer(world);
   print_table(res, peer, std::chrono::duration<double>(clock::now() - t0).count());
   return peer.failed ? 1 : 0;
 }

@@ -3,15 +3,16 @@
 
 (a) torch.index_select on one GPU: a 10M x 128 float32 table (5.12 GB), 4M uniform random int64
     indices; output GB/s = 4M x 512 B / time.
-(d) the model-parallel lookup on 2 GPUs (2 processes, torch.multiprocessing spawn, NCCL): a
-    10M x 128 float32 table split in contiguous blocks of ceil(10M / 2) rows, 1M uniform random
-    int64 keys per rank; owner = key // rows_per_rank, argsort by owner, bincount counts,
-    all_to_all_single of the counts, .tolist() splits, all_to_all_single of the keys, local
-    index_select, all_to_all_single of the rows back, inverse permutation. ms per lookup: the max
-    over ranks of each rank's median.
+(d) the model-parallel lookup on W GPUs (--world W, default: every GPU present; skipped if W < 2;
+    W processes, torch.multiprocessing spawn, NCCL): a 10M x 128 float32 table split in
+    contiguous blocks of ceil(10M / W) rows, 1M uniform random int64 keys per rank;
+    owner = key // rows_per_rank, argsort by owner, bincount counts, all_to_all_single of the
+    counts, .tolist() splits, all_to_all_single of the keys, local index_select,
+    all_to_all_single of the rows back, inverse permutation. ms per lookup: the max over ranks of
+    each rank's median.
 
 Both are checked once, then timed with CUDA events: 2 warm-ups, the median of 10 runs.
-Usage: python3 bench/peers/torch_gather.py [--json]   (--json: one JSON line on stdout)
+Usage: python3 bench/peers/torch_gather.py [--json] [--world W]   (--json: one JSON line on stdout)
 """
 import argparse
 import json
@@ -126,6 +127,8 @@ def a2a_case(world):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line on stdout")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks of the all-to-all lookup (default: every GPU present)")
     args = parser.parse_args()
     for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -133,17 +136,21 @@ def main():
     gpus = torch.cuda.device_count()
     if gpus == 0:
         raise SystemExit("torch_gather: no GPU")
+    world = gpus if args.world is None else args.world
+    if not 1 <= world <= gpus:
+        raise SystemExit(f"torch_gather: --world {world}: expected 1 to the {gpus} GPUs present")
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "gpus": gpus}
     res["index_select_ms"], res["index_select_gbps"] = index_select_case()
     log(f"torch_gather: index_select {res['index_select_ms']:.3f} ms, "
         f"{res['index_select_gbps']:.1f} GB/s out")
     res["a2a_ms"] = res["a2a_r0_ms"] = None
-    if gpus >= 2:
-        res["a2a_ms"], res["a2a_r0_ms"] = a2a_case(2)
-        log(f"torch_gather: all-to-all lookup {res['a2a_ms']:.3f} ms (max over 2 ranks; "
+    res["world"] = world
+    if world >= 2:
+        res["a2a_ms"], res["a2a_r0_ms"] = a2a_case(world)
+        log(f"torch_gather: all-to-all lookup {res['a2a_ms']:.3f} ms (max over {world} ranks; "
             f"rank 0 {res['a2a_r0_ms']:.3f} ms)")
     else:
-        log("torch_gather: all-to-all lookup skipped (needs 2 GPUs)")
+        log("torch_gather: all-to-all lookup skipped (needs --world >= 2)")
     if args.json:
         print(json.dumps(res), flush=True)
 
