@@ -118,8 +118,10 @@ struct run_head {
   [[nodiscard]] __device__ bool operator()(int i) const { return i == 0 || keys[i] != keys[i - 1]; }
 };
 
-/// Cuts the long runs into segments (the order of runs in the list does not matter).
-__global__ inline void make_segments_kernel(long_runs lr, runs_view rv)
+/// Cuts the long runs into segments (the order of runs in the list does not matter). A template
+/// only so that every translation unit including this header may define it.
+template <class Runs>
+__global__ void make_segments_kernel(long_runs lr, Runs rv)
 {
   int const runs    = *rv.count;
   int const* offsets = rv.offsets;

@@ -317,7 +317,9 @@ __global__ void permute_kernel(T const* in, std::size_t const* order, std::size_
 }
 
 /// Identity positions 0..n-1.
-__global__ inline void iota_kernel(std::size_t* out, std::size_t n)
+/// (A template only so that every translation unit including this header may define it.)
+template <class Position>
+__global__ void iota_kernel(Position* out, std::size_t n)
 {
   for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
     out[j] = j;

@@ -510,6 +510,23 @@ struct row_piece_buffers {
   }
 };
 
+/**
+ * Calls f(first, n) for the pieces of this rank's share of rows [0, rows) in global order (file
+ * order: a block partition), `piece` rows at a time; every rank makes the same number of calls
+ * (n = 0 once its share is done), so f may run collectives.
+ */
+template <class F>
+void for_each_row_piece(std::size_t rows, communicator const& comm, std::size_t piece, F&& f)
+{
+  block_partition const plan{rows, comm.size()};
+  std::size_t const begin = plan.begin(comm.rank());
+  std::size_t const end   = plan.end(comm.rank());
+  for (std::size_t it = 0, pieces = row_pieces(rows, comm.size(), piece); it < pieces; ++it) {
+    std::size_t const first = begin + it * piece;
+    f(first, first < end ? std::min(piece, end - first) : std::size_t{0});
+  }
+}
+
 }  // namespace detail
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -522,15 +539,12 @@ void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path 
   std::vector<std::uint64_t> sizes;
   detail::collective_step<io_error>(comm, "tensor load (checking files)",
                                     [&] { sizes = detail::checked_sizes(files, rows_ * rb, rb); });
-  block_partition const plan{rows_, comm.size()};
   std::size_t const piece = std::max<std::size_t>(1, detail::staging_buffer::piece / rb);
   detail::row_piece_buffers buf{piece, rb};
   cudaStream_t stream{};
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::string failure;
-  for (std::size_t it = 0, pieces = detail::row_pieces(rows_, comm.size(), piece); it < pieces; ++it) {
-    std::size_t const first = plan.begin(comm.rank()) + it * piece;
-    std::size_t n           = first < plan.end(comm.rank()) ? std::min(piece, plan.end(comm.rank()) - first) : 0;
+  detail::for_each_row_piece(rows_, comm, piece, [&](std::size_t first, std::size_t n) {
     if (!failure.empty()) { n = 0; }  // keep taking part in the collective scatters
     try {
       if (n > 0) { detail::read_concatenated(files, sizes, first * rb, (first + n) * rb, buf.host); }
@@ -544,7 +558,7 @@ void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path 
       WM_CHECK_LAUNCH();
     }
     scatter(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T const*>(buf.dev), cuda::stream_ref{stream});
-  }
+  });
   WM_CUDA_TRY(cudaStreamDestroy(stream));
   detail::collective_step<io_error>(comm, "tensor load (reading)", [&] {
     if (!failure.empty()) { throw io_error{failure}; }
@@ -566,15 +580,12 @@ void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path
     fd.reset(::open(f.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!fd.valid()) { throw io_error{"cannot create '" + f.string() + "': " + detail::errno_text()}; }
   });
-  block_partition const plan{rows_, comm.size()};
   std::size_t const piece = std::max<std::size_t>(1, detail::staging_buffer::piece / rb);
   detail::row_piece_buffers buf{piece, rb};
   cudaStream_t stream{};
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::string failure;
-  for (std::size_t it = 0, pieces = detail::row_pieces(rows_, comm.size(), piece); it < pieces; ++it) {
-    std::size_t const first = plan.begin(comm.rank()) + it * piece;
-    std::size_t const n     = first < plan.end(comm.rank()) ? std::min(piece, plan.end(comm.rank()) - first) : 0;
+  detail::for_each_row_piece(rows_, comm, piece, [&](std::size_t first, std::size_t n) {
     if (n > 0) {
       detail::iota_from_kernel<<<detail::elementwise_blocks(n), 256, 0, stream>>>(buf.idx, n, first);
       WM_CHECK_LAUNCH();
@@ -586,7 +597,7 @@ void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path
         failure = "writing '" + files[static_cast<std::size_t>(comm.rank())].string() + "': " + detail::errno_text();
       }
     }
-  }
+  });
   WM_CUDA_TRY(cudaStreamDestroy(stream));
   if (failure.empty() && ::close(fd.release()) != 0) { failure = "closing the file: " + detail::errno_text(); }
   detail::collective_step<io_error>(comm, "tensor store (writing)", [&] {
