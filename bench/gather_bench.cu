@@ -30,7 +30,10 @@
  * (d) R GPUs: distributed tensor of 10M rows, 1M indices per rank at once. Figure: ms per lookup
  *     and output GB/s. Peer: the model-parallel lookup a PyTorch user writes with
  *     all_to_all_single (R processes, NCCL: `torch_gather.py --world R`). Target: wm >= 3 x
- *     faster.
+ *     faster. Limit, reported: NCCL alone moving the rows such a batch takes from the other
+ *     ranks (keys / R rows of 512 B from each peer, grouped send/recv, every rank at once).
+ *     Reported too, to show where the time goes: the same lookup with keys of this rank's rows
+ *     only (no rows cross) and with keys of other ranks' rows only (every row crosses).
  *
  * Each case is checked once before timing (output poisoned; every output element compared on the
  * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
@@ -104,12 +107,19 @@ __global__ void fill_kernel(wm::matrix_view<float> v, std::size_t first_row)
   }
 }
 
+/// Keys drawn from the @p count rows that start at @p first (wrapping at @p rows).
+struct key_range {
+  std::size_t first{0};
+  std::size_t count{0};  // 0: every row
+};
+
 __global__ void random_kernel(std::int64_t* idx, std::size_t n, std::size_t rows,
-                              std::uint64_t seed)
+                              std::uint64_t seed, key_range range)
 {
+  std::size_t const count = range.count == 0 ? rows : range.count;
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
-    idx[i] = static_cast<std::int64_t>(mix(mix(seed) + i) % rows);
+    idx[i] = static_cast<std::int64_t>((range.first + mix(mix(seed) + i) % count) % rows);
   }
 }
 
@@ -182,6 +192,8 @@ struct results {
   double h2d_gbps{nan};  // (c) pinned H2D copy, slowest rank
   double c_small_ms{nan}, c_large_ms{nan}, c_plain_ms{nan};
   double d_ms{nan}, d_r0_ms{nan};
+  double d_nccl_ms{nan};
+  double d_own_ms{nan}, d_remote_ms{nan};  // (d) with keys of this rank only / of others only  // (d) limit: NCCL moving a uniform batch's remote rows alone
 };
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
@@ -267,7 +279,29 @@ class bench {
       auto const d = comm_.all_gather(gather_case(t, keys, 200));
       res.d_r0_ms  = d[0].ms;
       res.d_ms     = max_of(d, &rank_figures::ms);
+      auto const n = comm_.all_gather(nccl_rows_ms());
+      res.d_nccl_ms = *std::max_element(n.begin(), n.end());
+      // Where the time goes: the same lookup with only this rank's rows, then only others'.
+      auto const own  = t.storage().local_entry_range();
+      auto const size = own.end - own.begin;
+      auto const mine_only = comm_.all_gather(gather_case(t, keys, 210, false, {own.begin, size}));
+      auto const others    = comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
+      res.d_own_ms    = max_of(mine_only, &rank_figures::ms);
+      res.d_remote_ms = max_of(others, &rank_figures::ms);
     }
+  }
+
+  /// (d) limit: ms for NCCL alone to move the rows a uniform batch of `keys` takes from other
+  /// ranks (keys / R rows of 512 B from each peer, every rank at once, grouped send/recv).
+  double nccl_rows_ms()
+  {
+    auto const r        = static_cast<std::size_t>(comm_.size());
+    std::size_t const b = keys / r * row_bytes;
+    auto const send = allocate<std::byte>(b * r), recv = allocate<std::byte>(b * r);
+    std::vector<std::size_t> counts(r, b);
+    counts[static_cast<std::size_t>(comm_.rank())] = 0;
+    std::span<std::size_t const> const c{counts};
+    return median_ms([&] { comm_.all_to_all_v(send.get(), c, recv.get(), c, sref()); });
   }
 
   /// (c) limit: every rank copies 1 GiB of pinned host memory to its GPU at the same time.
@@ -357,12 +391,13 @@ class bench {
 
   /// Gathers n random rows of @p t: checks once, then times (and the plain kernel if asked).
   template <class Tensor>
-  rank_figures gather_case(Tensor& t, std::size_t n, std::uint64_t seed, bool plain = false)
+  rank_figures gather_case(Tensor& t, std::size_t n, std::uint64_t seed, bool plain = false,
+                           key_range range = {})
   {
     auto const idx = allocate<std::int64_t>(n);  // and a host copy, for checks and counts
     std::vector<std::int64_t> host_idx(n);
     random_kernel<<<blocks_, threads, 0, stream_>>>(idx.get(), n, t.rows(),
-                                                    seed * 100 + comm_.rank());
+                                                    seed * 100 + comm_.rank(), range);
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(
       cudaMemcpyAsync(host_idx.data(), idx.get(), n * 8, cudaMemcpyDeviceToHost, stream_));
@@ -566,6 +601,17 @@ void print_table(results const& r, peer_result const& p, double seconds)
   row(("(d) distributed " + on + " 1M keys").c_str(),
       two ? fmt("%.3f ms (%.0f GB/s out)", r.d_ms, gbps(keys, r.d_ms)) : "n/a (1 GPU)",
       std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_ms, 3);
+  row("(d) vs NCCL moving its rows", two ? fmt("%.3f ms", r.d_ms) : "n/a (1 GPU)",
+      two ? fmt("NCCL send/recv alone %.3f ms (%.0f GB/s)", r.d_nccl_ms,
+                gbps(keys / std::size_t(r.ranks) * std::size_t(r.ranks - 1), r.d_nccl_ms))
+          : "-",
+      r.d_nccl_ms / r.d_ms, 0);
+  row("(d) own rows only", two ? fmt("%.3f ms", r.d_own_ms) : "n/a (1 GPU)", "-", nan, 0);
+  row("(d) others' rows only", two ? fmt("%.3f ms", r.d_remote_ms) : "n/a (1 GPU)",
+      two ? fmt("NCCL alone, scaled to 1M rows: %.3f ms",
+                r.d_nccl_ms * double(r.ranks) / double(r.ranks - 1))
+          : "-",
+      nan, 0);
   std::fflush(stdout);
 }
 

@@ -141,6 +141,28 @@ class communicator {
    */
   void expect_same(std::string_view what, std::uint64_t args) { (void)exchange(what, args, {}); }
 
+  /// One piece of a grouped exchange: @p bytes at @p data go to rank @p peer.
+  struct send_part {
+    int peer{};
+    void const* data{};
+    std::size_t bytes{};
+  };
+  /// One piece of a grouped exchange: @p bytes from rank @p peer arrive at @p data.
+  struct recv_part {
+    int peer{};
+    void* data{};
+    std::size_t bytes{};
+  };
+
+  /**
+   * @brief Grouped point-to-point exchange: every send and receive below is one `ncclSend` /
+   * `ncclRecv` of one NCCL group, enqueued on @p stream (returns without synchronizing). Pieces
+   * of zero bytes are skipped; several pieces may name the same peer (they pair up in order).
+   * Each pair of ranks must agree on what it exchanges (the sizes one sends are what the other
+   * receives, in the same order); this hot-path call does not check that across ranks.
+   */
+  void send_recv(std::span<send_part const> sends, std::span<recv_part const> recvs, cuda::stream_ref stream) const;
+
   /**
    * @brief Device all-to-all with per-peer counts (collective), grouped `ncclSend`/`ncclRecv`.
    *

@@ -342,3 +342,15 @@ TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gp
 {
   run_suite(wm::local_device_count());
 }
+
+// The distributed gather sends each peer's rows in pieces of 32 MiB (up to 4) while it gathers
+// the next piece: a gather of every row of a 140 MB table moves 70 MB per peer on 2 ranks, so
+// three pieces, with row counts that do not divide evenly.
+TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
+    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
+    exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+  });
+}

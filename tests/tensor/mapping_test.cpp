@@ -4,6 +4,7 @@
 #include <wm/detail/tensor/plan.hpp>
 #include <wm/partition.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -102,4 +103,33 @@ TEMPLATE_TEST_CASE("the dispatch plan groups indices by owner, stably", "[host]"
   auto const p = wm::detail::plan_dispatch<wm::cyclic, Index>(only_zero, wm::mapping_ref<wm::cyclic>{12, 4}, 4);
   CHECK(p.send_counts == std::vector<std::size_t>{4, 0, 0, 0});
   CHECK(p.send_keys == std::vector<Index>{0, 1, 2, 1});
+}
+
+TEST_CASE("the distributed gather's pieces cover each peer's rows once, the same at both ends", "[host]")
+{
+  std::mt19937_64 rng{Catch::rngSeed()};
+  std::size_t const mib = std::size_t{1} << 20;
+  // Edge counts (none, one row, exactly 32 MiB, one row more, huge) and random ones.
+  std::vector<std::pair<std::size_t, std::size_t>> cases{{0, 512}, {1, 512}, {65536, 512}, {65537, 512},
+                                                         {std::size_t{1} << 31, 4}, {3, 64 * mib}};
+  for (int i = 0; i < 200; ++i) { cases.emplace_back(rng() % 2'000'000, std::size_t{4} << (rng() % 10)); }
+  for (auto const [count, rb] : cases) {
+    int const n = wm::detail::pieces_of(count, rb);
+    INFO("count " << count << ", row bytes " << rb << ", pieces " << n);
+    REQUIRE(n >= (count > 0 ? 1 : 0));
+    REQUIRE(n <= wm::detail::max_pieces);
+    // One piece per started 32 MiB, up to the cap.
+    std::size_t const want = std::min({(count * rb + 32 * mib - 1) / (32 * mib), std::size_t{4}, count});
+    REQUIRE(static_cast<std::size_t>(n) == want);
+    std::size_t next = 0;
+    for (int k = 0; k < wm::detail::max_pieces + 1; ++k) {
+      auto const p = wm::detail::piece_of(count, rb, k);
+      REQUIRE(p.first == next);  // in order, no gap, no overlap
+      REQUIRE(p.last >= p.first);
+      if (k >= n) { REQUIRE(p.first == p.last); }
+      if (k < n && count > 0) { REQUIRE(p.last > p.first); }
+      next = p.last;
+    }
+    REQUIRE(next == count);
+  }
 }

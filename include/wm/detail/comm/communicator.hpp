@@ -147,6 +147,7 @@ inline void communicator::abort() noexcept
 inline void communicator::wait_nccl(std::string_view what) const
 {
   auto const deadline = detail::clock_type::now() + s_->timeout;
+  detail::backoff wait{std::chrono::microseconds{50}};
   while (true) {
     ncclResult_t r{};
     ncclResult_t const q = ncclCommGetAsyncError(s_->comm, &r);
@@ -164,13 +165,14 @@ inline void communicator::wait_nccl(std::string_view what) const
                        std::to_string(s_->timeout.count()) + " ms in " + std::string{what} +
                        "; a peer may have died or not joined. The communicator was aborted"};
     }
-    std::this_thread::sleep_for(std::chrono::microseconds{50});
+    wait.pause();
   }
 }
 
 inline void communicator::wait_stream(std::string_view what) const
 {
   auto const deadline = detail::clock_type::now() + s_->timeout;
+  detail::backoff wait{std::chrono::microseconds{20}};
   while (true) {
     cudaError_t const q = cudaStreamQuery(s_->stream);
     if (q == cudaSuccess) { return; }
@@ -189,7 +191,7 @@ inline void communicator::wait_stream(std::string_view what) const
                        "; a peer may have died or called a different collective. The "
                        "communicator was aborted"};
     }
-    std::this_thread::sleep_for(std::chrono::microseconds{20});
+    wait.pause();
   }
 }
 
@@ -270,6 +272,31 @@ inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_vi
   return out;
 }
 
+inline void communicator::send_recv(std::span<send_part const> sends,
+                                     std::span<recv_part const> recvs,
+                                     cuda::stream_ref stream) const
+{
+  check_usable();
+  auto known = [&](int peer) { return peer >= 0 && peer < s_->size; };
+  for (auto const& x : sends) {
+    WM_EXPECTS(known(x.peer), "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
+    WM_EXPECTS(x.bytes == 0 || x.data != nullptr, "send_recv: send buffer is null");
+  }
+  for (auto const& x : recvs) {
+    WM_EXPECTS(known(x.peer), "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
+    WM_EXPECTS(x.bytes == 0 || x.data != nullptr, "send_recv: receive buffer is null");
+  }
+  WM_NCCL_TRY(ncclGroupStart());
+  for (auto const& x : sends) {
+    if (x.bytes > 0) { WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, s_->comm, stream.get())); }
+  }
+  for (auto const& x : recvs) {
+    if (x.bytes > 0) { WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, s_->comm, stream.get())); }
+  }
+  WM_NCCL_TRY(ncclGroupEnd());
+  wait_nccl("send_recv");
+}
+
 template <class T>
 void communicator::all_to_all_v(T const* send,
                                 std::span<std::size_t const> send_counts,
@@ -283,27 +310,17 @@ void communicator::all_to_all_v(T const* send,
              "all_to_all_v needs one send and one receive count per rank (" + std::to_string(n) +
                "), got " + std::to_string(send_counts.size()) + " and " +
                std::to_string(recv_counts.size()));
-  std::size_t const total_send = std::accumulate(send_counts.begin(), send_counts.end(), std::size_t{0});
-  std::size_t const total_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0});
-  WM_EXPECTS(total_send == 0 || send != nullptr, "all_to_all_v: send buffer is null");
-  WM_EXPECTS(total_recv == 0 || recv != nullptr, "all_to_all_v: receive buffer is null");
+  std::vector<send_part> sends(n);
+  std::vector<recv_part> recvs(n);
   std::size_t send_offset = 0;
   std::size_t recv_offset = 0;
-  WM_NCCL_TRY(ncclGroupStart());
   for (std::size_t p = 0; p < n; ++p) {
-    if (send_counts[p] > 0) {
-      WM_NCCL_TRY(ncclSend(send + send_offset, send_counts[p] * sizeof(T), ncclUint8,
-                           static_cast<int>(p), s_->comm, stream.get()));
-    }
-    if (recv_counts[p] > 0) {
-      WM_NCCL_TRY(ncclRecv(recv + recv_offset, recv_counts[p] * sizeof(T), ncclUint8,
-                           static_cast<int>(p), s_->comm, stream.get()));
-    }
+    sends[p] = {static_cast<int>(p), send + send_offset, send_counts[p] * sizeof(T)};
+    recvs[p] = {static_cast<int>(p), recv + recv_offset, recv_counts[p] * sizeof(T)};
     send_offset += send_counts[p];
     recv_offset += recv_counts[p];
   }
-  WM_NCCL_TRY(ncclGroupEnd());
-  wait_nccl("all_to_all_v");
+  send_recv(sends, recvs, stream);
 }
 
 inline communicator communicator::split(int color, int key)

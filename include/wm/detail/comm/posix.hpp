@@ -47,6 +47,25 @@ class unique_fd {
 
 [[nodiscard]] inline std::string errno_text(int err = errno) { return std::strerror(err); }
 
+/// Pauses between polls of something that usually finishes within microseconds (an NCCL enqueue,
+/// a short stream): yields for the first millisecond, then sleeps @p nap between polls.
+class backoff {
+ public:
+  explicit backoff(std::chrono::microseconds nap) : nap_{nap} {}
+  void pause()
+  {
+    if (clock_type::now() < spin_until_) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap_);
+    }
+  }
+
+ private:
+  clock_type::time_point spin_until_{clock_type::now() + std::chrono::milliseconds{1}};
+  std::chrono::microseconds nap_;
+};
+
 /// Milliseconds left until @p deadline, at least 0, at most INT_MAX/2 (for poll()).
 [[nodiscard]] inline int millis_left(clock_type::time_point deadline)
 {

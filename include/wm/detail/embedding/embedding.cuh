@@ -112,27 +112,36 @@ struct runs_view {
 };
 
 /// Selects the first position of each run of equal sorted keys.
-template <class Index>
 struct run_head {
-  Index const* keys;
+  std::uint32_t const* keys;
   [[nodiscard]] __device__ bool operator()(int i) const { return i == 0 || keys[i] != keys[i - 1]; }
 };
 
-/// Cuts the long runs into segments (the order of runs in the list does not matter). A template
-/// only so that every translation unit including this header may define it.
+/// One run of equal sorted keys, as the update reads it: one 16-byte load per row.
+struct alignas(16) run_desc {
+  std::uint32_t key;  // local row
+  int pos0;           // position of its first gradient in the caller's batch
+  int off;            // first sorted position
+  int len;            // gradients in the run (0: no run)
+};
+
+/// Describes every run and cuts the long ones into segments (the order of runs in the segment
+/// list does not matter). A template only so that every translation unit may define it.
 template <class Runs>
-__global__ void make_segments_kernel(long_runs lr, Runs rv)
+__global__ void describe_runs_kernel(long_runs lr, Runs rv, std::uint32_t const* sorted_keys, int const* sorted_pos, run_desc* desc)
 {
-  int const runs    = *rv.count;
+  int const runs     = *rv.count;
   int const* offsets = rv.offsets;
   for (int u = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); u < runs; u += static_cast<int>(gridDim.x * blockDim.x)) {
-    int const len = rv.end(u, runs) - offsets[u];
+    int const off = offsets[u];
+    int const len = rv.end(u, runs) - off;
+    desc[u]       = {sorted_keys[off], sorted_pos[off], off, len};
     if (len <= lr.long_run) { continue; }
     int const n    = lr.segments(len);
     int const base = atomicAdd(lr.count, n);
     lr.first[u]    = base;
     for (int q = 0; q < n; ++q) {
-      lr.seg_begin[base + q] = offsets[u] + q * lr.segment;
+      lr.seg_begin[base + q] = off + q * lr.segment;
       lr.seg_len[base + q]   = min(lr.segment, len - q * lr.segment);
     }
   }
@@ -179,19 +188,19 @@ __global__ void __launch_bounds__(256) sum_segments_kernel(long_runs lr, int con
 /**
  * One group of lanes per unique row, U rows per group at a time: sums each row's gradients
  * (float), reads its weight and state once, applies the optimizer, writes them once; each lane
- * moves V values per access. The loads of all U rows are issued before any arithmetic (three
- * dependent round trips: run, then key and first gradient position, then row and gradient).
- * Runs are given by their first sorted position; their count is read from device memory (no
- * host round trip). Nothing is written when *abort is set (an invalid index was found).
+ * moves V values per access. A row's loads wait on its run descriptor (one 16-byte load); the
+ * next round's descriptors are loaded before this round's rows, so each round waits on one
+ * memory trip. The run count is read from device memory (no host round trip). Nothing is
+ * written when *abort is set (an invalid index was found).
  */
-template <class T, int V, class Opt, class Index>
-__global__ void __launch_bounds__(256, Opt::states >= 2 ? 4 : 3) update_rows_kernel(Opt opt,
+template <class T, int V, class Opt>
+__global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3) update_rows_kernel(Opt opt,
                                                           matrix_view<T> w,
                                                           matrix_view<float> st,
                                                           std::int64_t* steps,
                                                           std::int64_t global_step,
-                                                          Index const* sorted_keys,
-                                                          runs_view rv,
+                                                          run_desc const* desc,
+                                                          int const* run_count,
                                                           int const* sorted_pos,
                                                           T const* grads,
                                                           long_runs lr,
@@ -201,43 +210,31 @@ __global__ void __launch_bounds__(256, Opt::states >= 2 ? 4 : 3) update_rows_ker
 {
   if (*abort != 0) { return; }
   constexpr int S          = Opt::states > 0 ? Opt::states : 1;
-  // Rows per group in flight: two where registers allow; Adam's two states and bias
-  // corrections fill them with one (measured: two rows made its update 8% slower).
-  constexpr int U          = Opt::states >= 2 ? 1 : 2;
+  // Rows per group in flight: two for stateless SGD; one where state rows fill the registers
+  // (two made Adam 8% slower; with the next descriptors held, two spilled for AdaGrad).
+  constexpr int U          = Opt::states >= 1 ? 1 : 2;
   std::size_t const dim    = w.cols;
   std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
+  std::size_t const round  = groups * U;  // runs one round of the grid covers
   int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
   unsigned const lane_base = (threadIdx.x % 32) / static_cast<unsigned>(group) * static_cast<unsigned>(group);
   unsigned const mask      = (group == 32 ? 0xffffffffu : ((1u << group) - 1u)) << lane_base;
-  int const runs_i         = *rv.count;
-  auto const runs          = static_cast<std::size_t>(runs_i);
+  auto const runs          = static_cast<std::size_t>(*run_count);
   using wvec               = vec_of<T, V>;
   using fvec               = vec_of<float, V>;
-  for (std::size_t u0 = tid / static_cast<std::size_t>(group); u0 < runs; u0 += groups * U) {
-    std::size_t run[U];
-    std::size_t key[U];
-    int off[U];
-    int len[U];  // 0: no row here
+  auto desc_of = [&](std::size_t u) { return u < runs ? desc[u] : run_desc{0u, 0, 0, 0}; };
+  std::size_t const u_first = tid / static_cast<std::size_t>(group);
+  run_desc cur[U];
+#pragma unroll
+  for (int r = 0; r < U; ++r) { cur[r] = desc_of(u_first + static_cast<std::size_t>(r) * groups); }
+  for (std::size_t u0 = u_first; u0 < runs; u0 += round) {
+    run_desc next[U];
+#pragma unroll
+    for (int r = 0; r < U; ++r) { next[r] = desc_of(u0 + round + static_cast<std::size_t>(r) * groups); }
     std::int64_t t[U];
 #pragma unroll
-    for (int r = 0; r < U; ++r) {
-      run[r] = u0 + static_cast<std::size_t>(r) * groups;
-      key[r] = 0;
-      off[r] = 0;
-      len[r] = 0;
-      if (run[r] < runs) {
-        int const u = static_cast<int>(run[r]);
-        off[r]      = rv.offsets[u];
-        len[r]      = rv.end(u, runs_i) - off[r];
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < U; ++r) {
-      if (len[r] > 0) { key[r] = static_cast<std::size_t>(sorted_keys[off[r]]); }
-    }
-#pragma unroll
-    for (int r = 0; r < U; ++r) { t[r] = steps != nullptr && len[r] > 0 ? steps[key[r]] + 1 : global_step; }
+    for (int r = 0; r < U; ++r) { t[r] = steps != nullptr && cur[r].len > 0 ? steps[cur[r].key] + 1 : global_step; }
     for (std::size_t j = static_cast<std::size_t>(lane) * V; j < dim; j += static_cast<std::size_t>(group) * V) {
       wvec wv[U];
       fvec s[U][S];
@@ -246,36 +243,36 @@ __global__ void __launch_bounds__(256, Opt::states >= 2 ? 4 : 3) update_rows_ker
       for (int r = 0; r < U; ++r) {
 #pragma unroll
         for (int e = 0; e < V; ++e) { g[r][e] = 0.0f; }
-        if (len[r] > 0) {
-          wv[r] = *reinterpret_cast<wvec const*>(&w(key[r], j));
+        if (cur[r].len > 0) {
+          wv[r] = *reinterpret_cast<wvec const*>(&w(cur[r].key, j));
 #pragma unroll
           for (int k = 0; k < Opt::states; ++k) {
-            s[r][k] = *reinterpret_cast<fvec const*>(&st(key[r], static_cast<std::size_t>(k) * dim + j));
+            s[r][k] = *reinterpret_cast<fvec const*>(&st(cur[r].key, static_cast<std::size_t>(k) * dim + j));
           }
         }
       }
       // The first gradient of every short run first (most runs have one), then the rest.
 #pragma unroll
       for (int r = 0; r < U; ++r) {
-        if (len[r] > 0 && len[r] <= lr.long_run) {
-          auto const p = *reinterpret_cast<wvec const*>(grads + static_cast<std::size_t>(sorted_pos[off[r]]) * dim + j);
+        if (cur[r].len > 0 && cur[r].len <= lr.long_run) {
+          auto const p = *reinterpret_cast<wvec const*>(grads + static_cast<std::size_t>(cur[r].pos0) * dim + j);
 #pragma unroll
           for (int e = 0; e < V; ++e) { g[r][e] += to_float(p.v[e]); }
         }
       }
 #pragma unroll
       for (int r = 0; r < U; ++r) {
-        if (len[r] > lr.long_run) {
-          int const first = lr.first[run[r]];
-          for (int q = 0; q < lr.segments(len[r]); ++q) {
+        if (cur[r].len > lr.long_run) {
+          int const first = lr.first[u0 + static_cast<std::size_t>(r) * groups];
+          for (int q = 0; q < lr.segments(cur[r].len); ++q) {
             auto const p = *reinterpret_cast<fvec const*>(lr.sums + static_cast<std::size_t>(first + q) * dim + j);
 #pragma unroll
             for (int e = 0; e < V; ++e) { g[r][e] += p.v[e]; }
           }
         } else {
 #pragma unroll 4
-          for (int q = 1; q < len[r]; ++q) {
-            auto const p = *reinterpret_cast<wvec const*>(grads + static_cast<std::size_t>(sorted_pos[off[r] + q]) * dim + j);
+          for (int q = 1; q < cur[r].len; ++q) {
+            auto const p = *reinterpret_cast<wvec const*>(grads + static_cast<std::size_t>(sorted_pos[cur[r].off + q]) * dim + j);
 #pragma unroll
             for (int e = 0; e < V; ++e) { g[r][e] += to_float(p.v[e]); }
           }
@@ -283,7 +280,7 @@ __global__ void __launch_bounds__(256, Opt::states >= 2 ? 4 : 3) update_rows_ker
       }
 #pragma unroll
       for (int r = 0; r < U; ++r) {
-        if (len[r] == 0) { continue; }
+        if (cur[r].len == 0) { continue; }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           float x = to_float(wv[r].v[e]);
@@ -295,10 +292,10 @@ __global__ void __launch_bounds__(256, Opt::states >= 2 ? 4 : 3) update_rows_ker
 #pragma unroll
           for (int k = 0; k < Opt::states; ++k) { s[r][k].v[e] = se[k]; }
         }
-        *reinterpret_cast<wvec*>(&w(key[r], j)) = wv[r];
+        *reinterpret_cast<wvec*>(&w(cur[r].key, j)) = wv[r];
 #pragma unroll
         for (int k = 0; k < Opt::states; ++k) {
-          *reinterpret_cast<fvec*>(&st(key[r], static_cast<std::size_t>(k) * dim + j)) = s[r][k];
+          *reinterpret_cast<fvec*>(&st(cur[r].key, static_cast<std::size_t>(k) * dim + j)) = s[r][k];
         }
       }
     }
@@ -306,22 +303,24 @@ __global__ void __launch_bounds__(256, Opt::states >= 2 ? 4 : 3) update_rows_ker
     if (steps != nullptr && lane == 0) {
 #pragma unroll
       for (int r = 0; r < U; ++r) {
-        if (len[r] > 0) { steps[key[r]] = t[r]; }
+        if (cur[r].len > 0) { steps[cur[r].key] = t[r]; }
       }
     }
+#pragma unroll
+    for (int r = 0; r < U; ++r) { cur[r] = next[r]; }
   }
 }
 
 /// The arguments of the two owner-side kernels, launched with V values per access.
-template <class T, class Opt, class Index>
+template <class T, class Opt>
 struct update_launch {
   Opt opt;
   matrix_view<T> w;
   matrix_view<float> st;
   std::int64_t* steps;
   std::int64_t step;
-  Index const* sorted_keys;
-  runs_view rv;
+  run_desc const* desc;
+  int const* run_count;
   int const* sorted_pos;
   T const* grads;
   long_runs longs;
@@ -338,23 +337,27 @@ struct update_launch {
     // As many blocks as fit at once: the loop strides over the runs (no second wave).
     static int const resident = [] {
       int per_sm = 0;
-      WM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, update_rows_kernel<T, V, Opt, Index>, 256, 0));
+      WM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, update_rows_kernel<T, V, Opt>, 256, 0));
       return std::max(per_sm, 1) * sm_count();
     }();
     int const grid = std::max(1, std::min(blocks, resident));
-    update_rows_kernel<T, V><<<grid, 256, 0, s>>>(opt, w, st, steps, step, sorted_keys, rv, sorted_pos, grads, longs,
+    update_rows_kernel<T, V><<<grid, 256, 0, s>>>(opt, w, st, steps, step, desc, run_count, sorted_pos, grads, longs,
                                                     lr, group, abort);
     WM_CHECK_LAUNCH();
   }
 };
 
-/// Positions 0..n-1; sets *err if a key is negative or not below @p rows.
+/// Keys as 32-bit local rows (the sort moves half the bytes of 64-bit ones) and positions
+/// 0..n-1; sets *err if a key is negative or not below @p rows (its 32-bit key is then 0).
 template <class Index>
-__global__ void positions_kernel(Index const* keys, std::size_t n, std::size_t rows, int* pos, unsigned* err)
+__global__ void positions_kernel(Index const* keys, std::size_t n, std::size_t rows, std::uint32_t* keys32, int* pos, unsigned* err)
 {
   for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
-    pos[j] = static_cast<int>(j);
-    if (!valid_index(keys[j], rows)) { atomicOr(err, 1u); }
+    Index const k = keys[j];
+    bool const ok = valid_index(k, rows);
+    keys32[j]     = ok ? static_cast<std::uint32_t>(k) : 0u;
+    pos[j]        = static_cast<int>(j);
+    if (!ok) { atomicOr(err, 1u); }
   }
 }
 
@@ -386,6 +389,11 @@ WM_EMBEDDING_TEMPLATE
 WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer, embedding_init init)
   : comm_{&comm}, opt_{optimizer}, weights_{comm, rows, dim}, scratch_{std::make_unique<detail::embedding_scratch>(comm.size())}
 {
+  // The update sorts local rows as 32-bit keys. Every rank sees the same bound: no rank throws alone.
+  auto const world = static_cast<std::size_t>(comm.size());
+  WM_EXPECTS((rows + world - 1) / world <= std::size_t{0xffffffffu},
+             "embedding: " + std::to_string(rows) + " rows over " + std::to_string(world) +
+               " ranks puts more than 2^32 - 1 rows on one rank; use more ranks");
   cudaStream_t const s = nullptr;
   auto const map       = detail::local_map_of<Mapping>(comm, weights_.storage().local_entry_range().begin);
   auto const w         = weights_.local_view();
@@ -484,15 +492,17 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     longs.bound = 2 * m / static_cast<std::size_t>(longs.long_run + 1) + 1;
     std::size_t cub_sort = 0, cub_select = 0;
     thrust::counting_iterator<int> const positions{0};
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_sort, static_cast<std::uint32_t const*>(nullptr), static_cast<std::uint32_t*>(nullptr),
                                                 static_cast<int const*>(nullptr), static_cast<int*>(nullptr), mi, 0, bits, s));
     WM_CUDA_TRY(cub::DeviceSelect::If(nullptr, cub_select, positions, static_cast<int*>(nullptr), static_cast<int*>(nullptr), mi,
-                                      detail::run_head<Index>{nullptr}, s));
+                                      detail::run_head{nullptr}, s));
     detail::carver c;
     auto const o_pos   = c.add<int>(m);
-    auto const o_skeys = c.add<Index>(m);
+    auto const o_keys  = c.add<std::uint32_t>(m);
+    auto const o_skeys = c.add<std::uint32_t>(m);
     auto const o_spos  = c.add<int>(m);
     auto const o_offs  = c.add<int>(m);
+    auto const o_desc  = c.add<detail::run_desc>(m);
     auto const o_runs  = c.add<int>(2);  // runs, segments
     auto const o_first = c.add<int>(m);
     auto const o_sbeg  = c.add<int>(longs.bound);
@@ -501,9 +511,11 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     auto const o_cub   = c.add<std::byte>(std::max(cub_sort, cub_select));
     std::byte* base    = scratch_->owner.reserve(c.total(), s);
     auto* pos          = c.take<int>(base, o_pos);
-    auto* sorted_keys  = c.take<Index>(base, o_skeys);
+    auto* keys32       = c.take<std::uint32_t>(base, o_keys);
+    auto* sorted_keys  = c.take<std::uint32_t>(base, o_skeys);
     auto* sorted_pos   = c.take<int>(base, o_spos);
     auto* offsets      = c.take<int>(base, o_offs);
+    auto* desc         = c.take<detail::run_desc>(base, o_desc);
     auto* runs         = c.take<int>(base, o_runs);
     auto* temp         = c.take<std::byte>(base, o_cub);
     longs.count        = runs + 1;
@@ -513,12 +525,12 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     longs.sums         = c.take<float>(base, o_sums);
     detail::runs_view const rv{offsets, runs, mi};
 
-    detail::positions_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(keys, m, one_rank ? rows() : local.rows, pos, err);
+    detail::positions_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(keys, m, one_rank ? rows() : local.rows, keys32, pos, err);
     WM_CHECK_LAUNCH();
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, cub_sort, keys, sorted_keys, pos, sorted_pos, mi, 0, bits, s));
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, cub_sort, keys32, sorted_keys, pos, sorted_pos, mi, 0, bits, s));
     WM_CUDA_TRY(cudaMemsetAsync(runs + 1, 0, sizeof(int), s));
-    WM_CUDA_TRY(cub::DeviceSelect::If(temp, cub_select, positions, offsets, runs, mi, detail::run_head<Index>{sorted_keys}, s));
-    detail::make_segments_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(longs, rv);
+    WM_CUDA_TRY(cub::DeviceSelect::If(temp, cub_select, positions, offsets, runs, mi, detail::run_head{sorted_keys}, s));
+    detail::describe_runs_kernel<<<detail::elementwise_blocks(m), 256, 0, s>>>(longs, rv, sorted_keys, sorted_pos, desc);
     WM_CHECK_LAUNCH();
 
     matrix_view<float> st{};
@@ -545,7 +557,7 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     int const blocks     = static_cast<int>(std::max<std::size_t>(
       1, std::min<std::size_t>((m + 256 / static_cast<std::size_t>(group) - 1) / (256 / static_cast<std::size_t>(group)),
                                static_cast<std::size_t>(sms) * 8)));
-    detail::update_launch<T, Optimizer, Index> const u{opt_, local, st, steps, step, sorted_keys, rv, sorted_pos,
+    detail::update_launch<T, Optimizer> const u{opt_, local, st, steps, step, desc, runs, sorted_pos,
                                                        g, longs, lr, group, blocks, err};
     if (vec == 4) {
       u.template run<4>(s);

@@ -6,6 +6,7 @@
 
 #include <wm/partition.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <span>
 #include <type_traits>
@@ -41,6 +42,33 @@ template <class Mapping, class Index>
   }
   p.invalid = buckets[w].size();
   return p;
+}
+
+/// Most pieces the distributed gather cuts one peer's rows into (see `pieces_of`).
+inline constexpr int max_pieces = 4;
+
+/// Pieces that @p count rows of @p row_bytes to or from one peer are cut into: one per started
+/// 32 MiB, at most `max_pieces` and at most one per row. Both ends compute it from the same
+/// count, so their pieces match.
+[[nodiscard]] inline int pieces_of(std::size_t count, std::size_t row_bytes)
+{
+  if (count == 0) { return 0; }
+  std::size_t const per = std::size_t{32} << 20;
+  std::size_t const cap = std::min<std::size_t>(max_pieces, count);
+  return static_cast<int>(std::clamp<std::size_t>((count * row_bytes + per - 1) / per, 1, cap));
+}
+
+/// Rows [first, last) of piece k of @p count rows cut into pieces_of(count) pieces.
+struct piece {
+  std::size_t first;
+  std::size_t last;
+};
+[[nodiscard]] inline piece piece_of(std::size_t count, std::size_t row_bytes, int k)
+{
+  auto const n = static_cast<std::size_t>(pieces_of(count, row_bytes));
+  auto const q = static_cast<std::size_t>(k);
+  if (q >= n) { return {count, count}; }
+  return {count * q / n, count * (q + 1) / n};
 }
 
 }  // namespace wm::detail

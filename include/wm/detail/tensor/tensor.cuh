@@ -3,6 +3,7 @@
 #pragma once
 
 #include <wm/detail/memory/plan.hpp>
+#include <wm/detail/tensor/plan.hpp>
 #include <wm/detail/tensor/kernels.cuh>
 #include <wm/tensor.cuh>
 
@@ -10,6 +11,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <numeric>
 #include <vector>
 
@@ -67,9 +69,56 @@ class carver {
   std::size_t total_{};
 };
 
+/// A second stream and its events for the distributed gather: row pieces cross NCCL there
+/// while the caller's stream gathers the next piece and reorders the last. Made on first use.
+class side_stream {
+ public:
+  side_stream() = default;
+  side_stream(side_stream const&)            = delete;
+  side_stream& operator=(side_stream const&) = delete;
+  ~side_stream()
+  {
+    // Only what was made: destroying a null handle fails, and that error would surface at the
+    // next launch check of an unrelated call.
+    for (auto e : ready_) {
+      if (e != nullptr) { (void)cudaEventDestroy(e); }
+    }
+    for (auto e : arrived_) {
+      if (e != nullptr) { (void)cudaEventDestroy(e); }
+    }
+    if (stream_ != nullptr) { (void)cudaStreamDestroy(stream_); }
+  }
+  [[nodiscard]] cudaStream_t get()
+  {
+    if (stream_ == nullptr) {
+      // Highest priority: NCCL's blocks start as soon as the gather's blocks leave an SM.
+      // Events first, the stream last: after a failure here the next call tries again.
+      for (auto* e : {&ready_, &arrived_}) {
+        for (auto& x : *e) {
+          if (x == nullptr) { WM_CUDA_TRY(cudaEventCreateWithFlags(&x, cudaEventDisableTiming)); }
+        }
+      }
+      int least = 0, greatest = 0;
+      WM_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      WM_CUDA_TRY(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    }
+    return stream_;
+  }
+  /// Piece k is gathered (recorded on the caller's stream).
+  [[nodiscard]] cudaEvent_t ready(int k) const { return ready_[static_cast<std::size_t>(k)]; }
+  /// Piece k has crossed (recorded on the side stream).
+  [[nodiscard]] cudaEvent_t arrived(int k) const { return arrived_[static_cast<std::size_t>(k)]; }
+
+ private:
+  cudaStream_t stream_{};
+  std::array<cudaEvent_t, max_pieces> ready_{};
+  std::array<cudaEvent_t, max_pieces> arrived_{};
+};
+
 struct tensor_scratch {
   workspace a;  // sized by the caller's batch
   workspace b;  // sized by what this rank receives
+  side_stream side;
   unsigned* err{};
   unsigned* err_host{};
   unsigned long long* counts_host{};  // pinned: send counts (world + 1), then receive counts
@@ -356,7 +405,8 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   auto* sowner  = c.take<int>(base, o_sowner);
   WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (2 * w + 1) * sizeof(unsigned long long), s));
   if (n > 0) {
-    locate_kernel<<<elementwise_blocks(n), 256, 0, s>>>(map, idx, n, world, p.owner, p.local, pos, counts, scratch.err);
+    std::size_t const shared = world < locate_shared_ranks ? (w + 1) * sizeof(unsigned long long) : 0;
+    locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, p.owner, p.local, pos, counts, scratch.err);
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, p.owner, sowner, pos, p.order,
                                                 n, 0, bits, s));
@@ -383,6 +433,18 @@ inline std::vector<std::size_t> scaled(std::vector<std::size_t> v, std::size_t f
 
 }  // namespace detail
 
+namespace detail {
+
+/// Exclusive prefix sums: where each peer's block starts (size + 1 entries).
+[[nodiscard]] inline std::vector<std::size_t> block_starts(std::vector<std::size_t> const& counts)
+{
+  std::vector<std::size_t> at(counts.size() + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), at.begin() + 1);
+  return at;
+}
+
+}  // namespace detail
+
 template <class T, location Location, layout Layout, mapping Mapping>
   requires std::is_trivially_copyable_v<T>
 template <class Index>
@@ -391,30 +453,80 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   auto& comm   = *comm_;
   auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, *scratch_, s);
   std::size_t const rb = row_bytes();
+  auto const world     = static_cast<std::size_t>(comm.size());
+  auto const me        = static_cast<std::size_t>(comm.rank());
+  // Rows this rank owns are served in place; only the other ranks' share crosses NCCL.
+  auto remote_send = p.send_counts;  // keys out = rows back in
+  auto remote_recv = p.recv_counts;  // keys in = rows out
+  remote_send[me]  = 0;
+  remote_recv[me]  = 0;
+  auto const key_at  = detail::block_starts(p.send_counts);  // in p.send_keys and p.order
+  auto const back_at = detail::block_starts(remote_send);    // in back
+  auto const recv_at = detail::block_starts(remote_recv);    // in recv_keys and rows_out
   detail::carver c;
-  auto const o_keys = c.add<Index>(p.n_recv);
-  auto const o_rows = c.add<std::byte>(p.n_recv * rb);
-  auto const o_back = c.add<std::byte>(p.n_sent * rb);
+  auto const o_keys = c.add<Index>(recv_at[world]);
+  auto const o_rows = c.add<std::byte>(recv_at[world] * rb);
+  auto const o_back = c.add<std::byte>(back_at[world] * rb);
   std::byte* base   = scratch_->b.reserve(c.total(), s);
   auto* recv_keys   = c.take<Index>(base, o_keys);
   auto* rows_out    = c.take<std::byte>(base, o_rows);
   auto* back        = c.take<std::byte>(base, o_back);
-
-  // Keys to their owners; owners gather their rows; rows back by the reverse path.
-  comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
-                    std::span<std::size_t const>{p.recv_counts}, cuda::stream_ref{s});
-  auto const local = mem_.local_view();
-  detail::launch_gather(detail::local_rows{local.data, local.entries, stride_bytes()}, recv_keys,
-                        static_cast<std::size_t const*>(nullptr), p.n_recv, detail::packed_rows{rows_out, rb}, rb,
-                        stride_bytes(), scratch_->err, s);
-  auto const recv_bytes = detail::scaled(p.recv_counts, rb);
-  auto const send_bytes = detail::scaled(p.send_counts, rb);
-  comm.all_to_all_v(rows_out, std::span<std::size_t const>{recv_bytes}, back, std::span<std::size_t const>{send_bytes},
-                    cuda::stream_ref{s});
-  // Restore the caller's order: back row j belongs to output row order[j].
+  auto const local  = mem_.local_view();
+  detail::local_rows const table{local.data, local.entries, stride_bytes()};
   detail::packed_rows const dst{reinterpret_cast<std::byte*>(out), rb};
-  detail::launch_gather(detail::local_rows{back, p.n_sent, rb}, static_cast<Index const*>(nullptr), p.order, p.n_sent,
-                        dst, rb, rb, scratch_->err, s);
+
+  // 1. Keys to their owners (not to this rank).
+  {
+    std::vector<communicator::send_part> sends;
+    std::vector<communicator::recv_part> recvs;
+    for (std::size_t q = 0; q < world; ++q) {
+      sends.push_back({static_cast<int>(q), p.send_keys + key_at[q], remote_send[q] * sizeof(Index)});
+      recvs.push_back({static_cast<int>(q), recv_keys + recv_at[q], remote_recv[q] * sizeof(Index)});
+    }
+    comm.send_recv(sends, recvs, cuda::stream_ref{s});
+  }
+  // 2. Pipelined rows: this stream gathers piece k of every peer's request while the side stream
+  //    sends piece k - 1; piece k is put in the caller's order once it has arrived.
+  int pieces = 0;
+  for (std::size_t q = 0; q < world; ++q) {
+    pieces = std::max({pieces, detail::pieces_of(remote_send[q], rb), detail::pieces_of(remote_recv[q], rb)});
+  }
+  cudaStream_t const side = pieces > 0 ? scratch_->side.get() : nullptr;
+  for (int k = 0; k < pieces; ++k) {
+    std::vector<communicator::send_part> sends;
+    std::vector<communicator::recv_part> recvs;
+    for (std::size_t q = 0; q < world; ++q) {
+      auto const out_piece = detail::piece_of(remote_recv[q], rb, k);
+      auto const in_piece  = detail::piece_of(remote_send[q], rb, k);
+      std::size_t const n_out = out_piece.last - out_piece.first;
+      std::byte* const rows   = rows_out + (recv_at[q] + out_piece.first) * rb;
+      if (n_out > 0) {
+        detail::launch_gather(table, recv_keys + recv_at[q] + out_piece.first, static_cast<std::size_t const*>(nullptr), n_out,
+                              detail::packed_rows{rows, rb}, rb, stride_bytes(), scratch_->err, s);
+      }
+      sends.push_back({static_cast<int>(q), rows, n_out * rb});
+      recvs.push_back({static_cast<int>(q), back + (back_at[q] + in_piece.first) * rb, (in_piece.last - in_piece.first) * rb});
+    }
+    WM_CUDA_TRY(cudaEventRecord(scratch_->side.ready(k), s));
+    WM_CUDA_TRY(cudaStreamWaitEvent(side, scratch_->side.ready(k), 0));
+    comm.send_recv(sends, recvs, cuda::stream_ref{side});
+    WM_CUDA_TRY(cudaEventRecord(scratch_->side.arrived(k), side));
+  }
+  // 3. This rank's own rows, straight from the table to their output rows.
+  detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
+                        scratch_->err, s);
+  // 4. Arrived rows to the caller's order: back row j of peer q's block is output row order[...].
+  for (int k = 0; k < pieces; ++k) {
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, scratch_->side.arrived(k), 0));
+    for (std::size_t q = 0; q < world; ++q) {
+      auto const in_piece = detail::piece_of(remote_send[q], rb, k);
+      std::size_t const n_in = in_piece.last - in_piece.first;
+      if (n_in == 0) { continue; }
+      detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
+                            static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
+                            scratch_->err, s);
+    }
+  }
   // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
   detail::launch_gather(detail::local_rows{back, 0, rb}, static_cast<Index const*>(nullptr), p.order + p.n_sent,
                         n - p.n_sent, dst, rb, rb, scratch_->err, s);
