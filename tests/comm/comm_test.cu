@@ -114,6 +114,72 @@ void check_all_to_all(wm::communicator& comm, std::uint64_t seed, bool all_zero)
   WM_CUDA_TRY(cudaFree(meta));
 }
 
+// Grouped send/recv: every rank sends every rank (itself too) two pieces, in order, of sizes
+// drawn from a shared seed (zero included); the second piece goes out before the first in
+// memory, so pairing by order (not by address) is what is checked.
+void check_send_recv(wm::communicator& comm, std::uint64_t seed)
+{
+  int const world = comm.size();
+  int const me    = comm.rank();
+  auto size_of = [&](int from, int to, int piece) {
+    std::mt19937_64 rng{seed ^ (static_cast<std::uint64_t>(from) * 1000003u + static_cast<std::uint64_t>(to) * 7919u +
+                                static_cast<std::uint64_t>(piece))};
+    return rng() % 3 == 0 ? std::size_t{0} : static_cast<std::size_t>(1 + rng() % 70000);
+  };
+  auto byte_of = [&](int from, int to, int piece, std::size_t i) {
+    return static_cast<unsigned char>((from * 31 + to * 17 + piece * 101 + static_cast<int>(i % 251)) & 0xff);
+  };
+  std::vector<wm::communicator::send_part> sends;
+  std::vector<wm::communicator::recv_part> recvs;
+  std::vector<unsigned char*> buffers;
+  struct expected {
+    unsigned char* at;
+    int from;
+    int piece;
+    std::size_t bytes;
+  };
+  std::vector<expected> want;
+  for (int q = 0; q < world; ++q) {
+    for (int piece : {1, 0}) {  // piece 1 first in the list: it is sent first
+      std::size_t const out = size_of(me, q, piece);
+      std::vector<unsigned char> h(out);
+      for (std::size_t i = 0; i < out; ++i) { h[i] = byte_of(me, q, piece, i); }
+      unsigned char* d = nullptr;
+      WM_CUDA_TRY(cudaMalloc(&d, std::max<std::size_t>(out, 1)));
+      WM_CUDA_TRY(cudaMemcpy(d, h.data(), out, cudaMemcpyHostToDevice));
+      buffers.push_back(d);
+      sends.push_back({q, d, out});
+      std::size_t const in = size_of(q, me, piece);
+      unsigned char* r     = nullptr;
+      WM_CUDA_TRY(cudaMalloc(&r, std::max<std::size_t>(in, 1)));
+      WM_CUDA_TRY(cudaMemset(r, 0xEE, std::max<std::size_t>(in, 1)));  // poison
+      buffers.push_back(r);
+      recvs.push_back({q, r, in});
+      want.push_back({r, q, piece, in});
+    }
+  }
+  comm.send_recv(sends, recvs, cuda::stream_ref{cudaStream_t{}});
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  for (auto const& x : want) {
+    std::vector<unsigned char> h(x.bytes);
+    WM_CUDA_TRY(cudaMemcpy(h.data(), x.at, x.bytes, cudaMemcpyDeviceToHost));
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < x.bytes; ++i) { wrong += h[i] != byte_of(x.from, me, x.piece, i) ? 1 : 0; }
+    RANK_REQUIRE_MSG(wrong == 0, "send_recv: " << wrong << " of " << x.bytes << " bytes of piece " << x.piece << " from rank "
+                                                << x.from << " differ");
+  }
+  for (auto* b : buffers) { WM_CUDA_TRY(cudaFree(b)); }
+  // A peer outside the group is an input error, found before anything is sent.
+  bool threw = false;
+  try {
+    std::vector<wm::communicator::send_part> const bad{{world, nullptr, 0}};
+    comm.send_recv(bad, {}, cuda::stream_ref{cudaStream_t{}});
+  } catch (wm::logic_error const&) {
+    threw = true;
+  }
+  RANK_REQUIRE_MSG(threw, "send_recv accepted peer " << world);
+}
+
 void check_all_gather(wm::communicator& comm, std::uint64_t seed)
 {
   int const me    = comm.rank();
@@ -150,6 +216,7 @@ TEST_CASE("one rank: identity, all-gather, all-to-all-v to itself, split", "[gpu
     check_all_gather(comm, seed);
     check_all_to_all(comm, seed, false);
     check_all_to_all(comm, seed + 1, true);
+    check_send_recv(comm, seed + 3);
     comm.barrier();
     auto sub = comm.split(5, 0);
     RANK_REQUIRE(sub.valid() && sub.size() == 1 && sub.rank() == 0);
@@ -183,6 +250,7 @@ TEST_CASE("ranks: all-gather and all-to-all-v with uneven and zero counts", "[mu
     check_all_gather(comm, seed);
     for (std::uint64_t round = 0; round < 3; ++round) { check_all_to_all(comm, seed + round, false); }
     check_all_to_all(comm, seed + 9, true);
+    check_send_recv(comm, seed + 11);
   });
 }
 

@@ -462,21 +462,43 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     }
     WM_EXPECTS(p.n_recv < too_many, "apply_gradients: an owner would receive " + std::to_string(p.n_recv) +
                                       " gradient rows in one call; split the batch below 2^31");
+    // This rank's own share goes straight into its batch; only the other ranks' shares cross NCCL,
+    // keys and gradients in one group.
+    auto const me      = static_cast<std::size_t>(comm.rank());
+    auto const key_at  = detail::block_starts(p.send_counts);  // in p.order and p.send_keys
+    auto const recv_at = detail::block_starts(p.recv_counts);  // in the owner's batch
+    std::size_t const own = p.send_counts[me];
     detail::carver c;
-    auto const o_send  = c.add<std::byte>(p.n_sent * rb);
+    auto const o_send  = c.add<std::byte>((p.n_sent - own) * rb);
     auto const o_keys  = c.add<Index>(p.n_recv);
     auto const o_grads = c.add<std::byte>(p.n_recv * rb);
     std::byte* base    = scratch_->exchange.reserve(c.total(), s);
     auto* send_grads   = c.take<std::byte>(base, o_send);
     auto* recv_keys    = c.take<Index>(base, o_keys);
     auto* recv_grads   = c.take<std::byte>(base, o_grads);
-    detail::launch_gather(detail::local_rows{reinterpret_cast<std::byte*>(const_cast<T*>(grads)), n, rb}, p.order,
-                          static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_grads, rb}, rb, rb,
-                          err, s);
-    comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
-                      std::span<std::size_t const>{p.recv_counts}, stream);
-    comm.all_to_all_v(send_grads, std::span<std::size_t const>{detail::scaled(p.send_counts, rb)}, recv_grads,
-                      std::span<std::size_t const>{detail::scaled(p.recv_counts, rb)}, stream);
+    detail::local_rows const caller{reinterpret_cast<std::byte*>(const_cast<T*>(grads)), n, rb};
+    auto pack = [&](std::size_t first, std::size_t count, std::byte* to) {
+      detail::launch_gather(caller, p.order + first, static_cast<std::size_t const*>(nullptr), count,
+                            detail::packed_rows{to, rb}, rb, rb, err, s);
+    };
+    pack(0, key_at[me], send_grads);  // peers before this rank, then those after it
+    pack(key_at[me + 1], p.n_sent - key_at[me + 1], send_grads + key_at[me] * rb);
+    pack(key_at[me], own, recv_grads + recv_at[me] * rb);
+    if (own > 0) {
+      WM_CUDA_TRY(cudaMemcpyAsync(recv_keys + recv_at[me], p.send_keys + key_at[me], own * sizeof(Index),
+                                  cudaMemcpyDeviceToDevice, s));
+    }
+    std::vector<communicator::send_part> sends;
+    std::vector<communicator::recv_part> recvs;
+    for (std::size_t q = 0; q < p.send_counts.size(); ++q) {
+      if (q == me) { continue; }
+      std::size_t const sent_before = key_at[q] - (q > me ? own : 0);  // rows of send_grads before q's
+      sends.push_back({static_cast<int>(q), p.send_keys + key_at[q], p.send_counts[q] * sizeof(Index)});
+      sends.push_back({static_cast<int>(q), send_grads + sent_before * rb, p.send_counts[q] * rb});
+      recvs.push_back({static_cast<int>(q), recv_keys + recv_at[q], p.recv_counts[q] * sizeof(Index)});
+      recvs.push_back({static_cast<int>(q), recv_grads + recv_at[q] * rb, p.recv_counts[q] * rb});
+    }
+    comm.send_recv(sends, recvs, stream);
     keys = recv_keys;
     g    = reinterpret_cast<T const*>(recv_grads);
     m    = p.n_recv;

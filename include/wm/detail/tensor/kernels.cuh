@@ -200,9 +200,12 @@ struct row_launch {
   return sms;
 }
 
+/// @p blocks_per_sm: most blocks of 256 per multiprocessor (8 fill one; fewer leave room for
+/// kernels on other streams, e.g. NCCL's).
 [[nodiscard]] inline row_launch plan_row_launch(std::size_t n,
                                                 std::size_t row_bytes,
-                                                std::initializer_list<std::uintptr_t> alignment)
+                                                std::initializer_list<std::uintptr_t> alignment,
+                                                int blocks_per_sm = 8)
 {
   row_launch l{};
   l.vec_bytes = vector_width(alignment);
@@ -212,7 +215,8 @@ struct row_launch {
   static int const sms = sm_count();
   std::size_t const rows_per_block = 256 / static_cast<std::size_t>(l.group) * unroll;
   std::size_t const wanted         = (n + rows_per_block - 1) / rows_per_block;
-  l.blocks = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, static_cast<std::size_t>(sms) * 8)));
+  l.blocks = static_cast<int>(
+    std::max<std::size_t>(1, std::min<std::size_t>(wanted, static_cast<std::size_t>(sms) * static_cast<std::size_t>(blocks_per_sm))));
   return l;
 }
 
@@ -233,15 +237,17 @@ void with_vector(int vec_bytes, F&& f)
 /// `launch.template operator()<Vec>(row_launch)` with the widest vector type that every size and
 /// address in @p alignment allows.
 template <class Launch>
-void launch_rows(std::size_t n, std::size_t row_bytes, std::initializer_list<std::uintptr_t> alignment, Launch&& launch)
+void launch_rows(std::size_t n, std::size_t row_bytes, std::initializer_list<std::uintptr_t> alignment, Launch&& launch,
+                 int blocks_per_sm = 8)
 {
   if (n == 0) { return; }
-  auto const l = plan_row_launch(n, row_bytes, alignment);
+  auto const l = plan_row_launch(n, row_bytes, alignment, blocks_per_sm);
   with_vector(l.vec_bytes, [&]<class Vec>() { launch.template operator()<Vec>(l); });
   WM_CHECK_LAUNCH();
 }
 
-/// Launches move_rows_kernel for a gather; @p fresh: the rows are host memory other GPUs may have written.
+/// Launches move_rows_kernel for a gather; @p fresh: the rows are host memory other GPUs may have
+/// written; @p blocks_per_sm: see plan_row_launch.
 template <class Rows, class Index>
 void launch_gather(Rows rows,
                    Index const* idx,
@@ -252,14 +258,16 @@ void launch_gather(Rows rows,
                    std::uintptr_t rows_alignment,
                    unsigned* err,
                    cudaStream_t stream,
-                   bool fresh = false)
+                   bool fresh        = false,
+                   int blocks_per_sm = 8)
 {
   launch_rows(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
               [&]<class Vec>(row_launch const& l) {
                 using M            = gather_moves<Rows, Index>;
                 auto* const kernel = fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
                 kernel<<<l.blocks, 256, 0, stream>>>(M{rows, idx, order, out, err}, n, l.row_vecs, l.group);
-              });
+              },
+              blocks_per_sm);
 }
 
 /// Launches move_rows_kernel for a scatter; @p through: the rows are host memory other GPUs may read.

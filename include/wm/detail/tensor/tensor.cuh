@@ -486,7 +486,10 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
     comm.send_recv(sends, recvs, cuda::stream_ref{s});
   }
   // 2. Pipelined rows: this stream gathers piece k of every peer's request while the side stream
-  //    sends piece k - 1; piece k is put in the caller's order once it has arrived.
+  //    sends piece k - 1; piece k is put in the caller's order once it has arrived. While pieces
+  //    are in flight this stream's kernels take at most 3 blocks per SM: the gather kernel's
+  //    blocks stay until its rows are done, and NCCL's blocks need room beside them.
+  int const room = 3;
   int pieces = 0;
   for (std::size_t q = 0; q < world; ++q) {
     pieces = std::max({pieces, detail::pieces_of(remote_send[q], rb), detail::pieces_of(remote_recv[q], rb)});
@@ -502,7 +505,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
       std::byte* const rows   = rows_out + (recv_at[q] + out_piece.first) * rb;
       if (n_out > 0) {
         detail::launch_gather(table, recv_keys + recv_at[q] + out_piece.first, static_cast<std::size_t const*>(nullptr), n_out,
-                              detail::packed_rows{rows, rb}, rb, stride_bytes(), scratch_->err, s);
+                              detail::packed_rows{rows, rb}, rb, stride_bytes(), scratch_->err, s, false, room);
       }
       sends.push_back({static_cast<int>(q), rows, n_out * rb});
       recvs.push_back({static_cast<int>(q), back + (back_at[q] + in_piece.first) * rb, (in_piece.last - in_piece.first) * rb});
@@ -514,7 +517,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   }
   // 3. This rank's own rows, straight from the table to their output rows.
   detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
-                        scratch_->err, s);
+                        scratch_->err, s, false, pieces > 0 ? room : 8);
   // 4. Arrived rows to the caller's order: back row j of peer q's block is output row order[...].
   for (int k = 0; k < pieces; ++k) {
     WM_CUDA_TRY(cudaStreamWaitEvent(s, scratch_->side.arrived(k), 0));
@@ -524,7 +527,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
       if (n_in == 0) { continue; }
       detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
                             static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
-                            scratch_->err, s);
+                            scratch_->err, s, false, k + 1 < pieces ? room : 8);
     }
   }
   // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
