@@ -14,7 +14,7 @@
  *            bijection), so the hot rows are spread over the table and over all owners.
  * Rank r's keys use seeds 1000 + r (uniform) and 2000 + r (zipf).
  * Cases: 1 GPU (wm::launch(1)): each optimizer x {uniform, zipf}; N GPUs (wm::launch(N), all
- * ranks step at once, each with its own 1M keys): adam x {uniform, zipf}, sgd x uniform, for
+ * ranks step at once, each with its own 1M keys): the same cases, for
  * every N in 2, 4, 8, ... up to the GPUs present, and N = the GPU count if that is not a power of
  * two. `embedding_bench --ranks N` runs the N-GPU cases for that N only (none for N = 1); exit
  * status 2 if N is not between 1 and the GPUs present.
@@ -578,28 +578,16 @@ int main(int argc, char** argv) {
   try {
     wm::launch_options options;
     options.timeout = std::chrono::seconds{80};  // expected: well under a minute each
-    wm::launch(
-        1,
-        [&](wm::communicator& comm) {
-          bench b{comm, res, keys};
-          b.copy_limit();
-          b.run(wm::sgd{}, {uniform, zipf});
-          b.run(wm::adam{}, {uniform, zipf});
-          b.run(wm::rmsprop{}, {uniform, zipf});
-          b.run(wm::adagrad{}, {uniform, zipf});
-        },
-        options);
-    for (int const n : counts) {
-      wm::launch(
-          n,
-          [&](wm::communicator& comm) {
-            bench b{comm, res, keys};
-            b.copy_limit();
-            b.run(wm::adam{}, {uniform, zipf});
-            b.run(wm::sgd{}, {uniform});
-          },
-          options);
-    }
+    auto const every_case = [&](wm::communicator& comm) {  // the same cases for every rank count
+      bench b{comm, res, keys};
+      b.copy_limit();
+      b.run(wm::sgd{}, {uniform, zipf});
+      b.run(wm::adam{}, {uniform, zipf});
+      b.run(wm::rmsprop{}, {uniform, zipf});
+      b.run(wm::adagrad{}, {uniform, zipf});
+    };
+    wm::launch(1, every_case, options);
+    for (int const n : counts) { wm::launch(n, every_case, options); }
   } catch (std::exception const& e) {
     std::fprintf(stderr, "embedding_bench: %s\n", e.what());
     std::printf("embedding_bench: FAILED: %s\n", e.what());
