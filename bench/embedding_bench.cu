@@ -48,27 +48,28 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <limits>
 #include <memory>
-#include <new>
 #include <span>
 #include <stdexcept>
 #include <string>
-#include <sys/mman.h>
-#include <sys/wait.h>
 #include <vector>
+
+#include "common.cuh"
 
 namespace {
 
 namespace fs = std::filesystem;
+using wm_bench::fmt;
+using wm_bench::json_number;
+using wm_bench::median;
+using wm_bench::peer_result;
 using clock_type = std::chrono::steady_clock;
 
 constexpr std::size_t gib = std::size_t{1} << 30;
@@ -102,15 +103,6 @@ __global__ void grad_kernel(float* g, std::size_t n, std::uint64_t seed) {
        i += std::size_t{gridDim.x} * blockDim.x) {
     g[i] = static_cast<float>(mix(seed ^ mix(i)) >> 40) * (2.0f / 16777216.0f) - 1.0f;
   }
-}
-
-std::string fmt(char const* f, ...) {
-  char buf[512];
-  va_list args;
-  va_start(args, f);
-  std::vsnprintf(buf, sizeof buf, f, args);
-  va_end(args);
-  return buf;
 }
 
 struct cuda_free {
@@ -298,32 +290,11 @@ class bench {
   }
 
  private:
-  static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return 0.5 * (v[(v.size() - 1) / 2] + v[v.size() / 2]);
-  }
-
   /// Median ms of @p enqueue with CUDA events: warm-ups, a barrier, then the timed runs.
   template <class F>
   double events_median_ms(F const& enqueue) {
-    for (int i = 0; i < warmups; ++i) {
-      enqueue();
-    }
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    comm_.barrier();
-    for (int i = 0; i < reps; ++i) {
-      WM_CUDA_TRY(cudaEventRecord(events_[2 * i], stream_));
-      enqueue();
-      WM_CUDA_TRY(cudaEventRecord(events_[2 * i + 1], stream_));
-    }
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    std::vector<double> ms(reps);
-    for (int i = 0; i < reps; ++i) {
-      float m = 0;
-      WM_CUDA_TRY(cudaEventElapsedTime(&m, events_[2 * i], events_[2 * i + 1]));
-      ms[i] = m;
-    }
-    return median(ms);
+    auto const ms = wm_bench::event_times_ms(enqueue, warmups, events_, stream_, comm_);
+    return median(std::vector<double>(ms.begin(), ms.end()));  // the middle two added in double
   }
 
   /// Rows {0, 5, 1} of @p e, gathered to the host.
@@ -390,48 +361,11 @@ class bench {
 
 // ---- the PyTorch peer and the table -----------------------------------------------------------
 
-struct peer_result {
-  std::string note;  // why it has no numbers, if it has none
-  bool failed{false};
-  std::string json;
-};
-
-fs::path peer_script() {
-  std::error_code ec;
-  char const* repo = std::getenv("WM_REPO");
-  for (fs::path const& dir :
-       {repo != nullptr && *repo != '\0' ? fs::path{repo} / "bench" : fs::path{},
-        fs::path{__FILE__}.parent_path(),
-        fs::read_symlink("/proc/self/exe", ec).parent_path() / "../../bench", fs::path{"bench"}}) {
-    if (!dir.empty() && fs::is_regular_file(dir / "peers/torch_embedding.py", ec)) {
-      return dir / "peers/torch_embedding.py";
-    }
-  }
-  return {};
-}
-
-double json_number(std::string const& line, std::string const& key) {
-  auto const at = line.find('"' + key + "\":");
-  if (at == std::string::npos) {
-    return nan;
-  }
-  char const* s = line.c_str() + at + key.size() + 3;
-  char* end = nullptr;
-  double const v = std::strtod(s, &end);
-  return end == s ? nan : v;
-}
-
 /// Writes rank 0's key sets to a temporary directory and runs the peer on them.
 peer_result run_torch_peer(key_sets const& keys) {
   peer_result p;
-  fs::path const script = peer_script();
+  fs::path const script = wm_bench::find_peer("torch_embedding.py", p);
   if (script.empty()) {
-    p.note = "torch peer not run: bench/peers/torch_embedding.py not found (set WM_REPO)";
-    return p;
-  }
-  std::fflush(nullptr);
-  if (std::system("python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-    p.note = "torch peer not run: python3 cannot import torch";
     return p;
   }
   std::string dir_template = (fs::temp_directory_path() / "wm_embedding_bench.XXXXXX").string();
@@ -449,24 +383,9 @@ peer_result run_torch_peer(key_sets const& keys) {
               static_cast<std::streamsize>(batch * sizeof(std::int64_t)));
     cmd += " --" + std::string{dist_names[d]} + " '" + f.string() + "'";
   }
-  std::FILE* pipe = ::popen(cmd.c_str(), "r");
-  static char buf[1 << 16];
-  while (pipe != nullptr && std::fgets(buf, sizeof buf, pipe) != nullptr) {
-    if (buf[0] == '{') {
-      p.json = buf;
-    } else {
-      std::fputs(buf, stdout);
-    }
-  }
-  int const status = pipe == nullptr ? -1 : ::pclose(pipe);
+  wm_bench::run_peer(cmd, p);
   std::error_code ec;
   fs::remove_all(dir, ec);
-  if (status != 0 || p.json.empty()) {
-    p.failed = true;
-    p.note = "torch peer FAILED (exit status " +
-             std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
-             ", 124 = timeout; its stderr is above)";
-  }
   return p;
 }
 
@@ -518,36 +437,13 @@ void print_table(results const& r, int gpus, int ranks, key_sets const& keys, pe
   std::fflush(stdout);
 }
 
-/// The N of `--ranks N` (0 without it); -1, after saying why, if the arguments are wrong.
-int ranks_argument(int argc, char** argv, int gpus) {
-  int ranks = 0;
-  for (int i = 1; i < argc; ++i) {
-    char* end = nullptr;
-    long const n =
-        std::strcmp(argv[i], "--ranks") == 0 && i + 1 < argc ? std::strtol(argv[++i], &end, 10) : 0;
-    if (end == nullptr || *end != '\0' || n < 1 || n > gpus) {
-      std::fprintf(stderr,
-                   "embedding_bench: usage: embedding_bench [--ranks N], N from 1 to the %d GPUs "
-                   "present; got '%s'\n",
-                   gpus, argv[i]);
-      return -1;
-    }
-    ranks = static_cast<int>(n);
-  }
-  return ranks;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  // NVLink multicast stays off here and in the torch peer (see the GPU machine's notes).
-  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
-  ::setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
-  ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
-  ::setenv("PYTHONUNBUFFERED", "1", 1);
+  wm_bench::set_environment();
   auto const t0 = clock_type::now();
   int const gpus = wm::local_device_count();  // before any CUDA call in this process
-  int const ranks = ranks_argument(argc, argv, gpus);
+  int const ranks = wm_bench::ranks_argument(argc, argv, gpus, "embedding_bench");
   if (ranks < 0) {
     return 2;
   }
@@ -555,13 +451,11 @@ int main(int argc, char** argv) {
     std::printf("embedding_bench: no GPU found, nothing to measure\n");
     return 0;
   }
-  void* shared =
-      ::mmap(nullptr, sizeof(results), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (shared == MAP_FAILED) {
-    std::printf("embedding_bench: FAILED: mmap of %zu bytes\n", sizeof(results));
+  results* const shared = wm_bench::shared_results<results>("embedding_bench");
+  if (shared == nullptr) {
     return 1;
   }
-  results& res = *new (shared) results{};
+  results& res = *shared;
   std::vector<int> counts;  // rank counts of the multi-GPU cases, ascending
   if (ranks >= 2) {
     counts.push_back(ranks);

@@ -50,25 +50,24 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <memory>
-#include <new>
 #include <span>
 #include <stdexcept>
 #include <string>
-#include <sys/mman.h>
-#include <sys/wait.h>
 #include <vector>
+
+#include "common.cuh"
 
 namespace {
 
 namespace fs = std::filesystem;
+using wm_bench::fmt;
+using wm_bench::json_number;
 
 constexpr std::size_t gib        = std::size_t{1} << 30;
 constexpr std::size_t cols       = 128;
@@ -145,22 +144,6 @@ __global__ void plain_gather_kernel(std::byte const* table, std::int64_t const* 
   auto const* src =
     reinterpret_cast<uint4 const*>(table + static_cast<std::size_t>(idx[i]) * row_bytes);
   reinterpret_cast<uint4*>(out + i * row_bytes)[t % 32] = src[t % 32];
-}
-
-__global__ void entry_address_kernel(wm::chunked_view view, std::size_t e, std::byte** out)
-{
-  *out = view.entry(e);
-}
-
-/// printf into a std::string.
-std::string fmt(char const* f, ...)
-{
-  char buf[256];
-  va_list args;
-  va_start(args, f);
-  std::vsnprintf(buf, sizeof buf, f, args);
-  va_end(args);
-  return buf;
 }
 
 struct cuda_free {
@@ -258,7 +241,8 @@ class bench {
     comm_.barrier();
     int const peer       = (comm_.rank() + 1) % comm_.size();
     std::size_t const n  = mem.byte_range(peer).size();
-    std::byte const* src = entry_address(mem.chunked_view(), mem.entry_range(peer).begin);
+    std::byte const* src =
+      wm_bench::entry_address(mem.chunked_view(), mem.entry_range(peer).begin, scratch_, stream_);
     auto const dst       = allocate<std::byte>(n);
     peer_gbps_           = copy_gbps(dst.get(), src, n, cudaMemcpyDeviceToDevice);
     res.peer_gbps        = min_over_ranks(peer_gbps_);
@@ -419,7 +403,8 @@ class bench {
     }
     if constexpr (Tensor::layout_type::mapped) {
       if (plain) {
-        std::byte const* base = entry_address(t.storage().chunked_view(), 0);  // one allocation
+        std::byte const* base =  // one allocation
+          wm_bench::entry_address(t.storage().chunked_view(), 0, scratch_, stream_);
         auto const run_plain  = [&] {
           auto const grid = static_cast<unsigned>((n * 32 + threads - 1) / threads);
           plain_gather_kernel<<<grid, threads, 0, stream_>>>(
@@ -435,38 +420,12 @@ class bench {
     return f;
   }
 
-  /// Address of global entry @p e as the view computes it in device code.
-  std::byte const* entry_address(wm::chunked_view view, std::size_t e)
-  {
-    auto** out = reinterpret_cast<std::byte**>(scratch_);
-    entry_address_kernel<<<1, 1, 0, stream_>>>(view, e, out);
-    WM_CHECK_LAUNCH();
-    std::byte* host = nullptr;
-    WM_CUDA_TRY(cudaMemcpyAsync(&host, out, sizeof(host), cudaMemcpyDeviceToHost, stream_));
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    return host;
-  }
-
   /// Median milliseconds of @p enqueue: warm-ups, a barrier (every rank starts together), then
   /// the timed runs back to back, each between two events on the stream.
   template <class F>
   double median_ms(F const& enqueue)
   {
-    for (int i = 0; i < warmups; ++i) { enqueue(); }
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    comm_.barrier();
-    for (int i = 0; i < reps; ++i) {
-      WM_CUDA_TRY(cudaEventRecord(events_[2 * i], stream_));
-      enqueue();
-      WM_CUDA_TRY(cudaEventRecord(events_[2 * i + 1], stream_));
-    }
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    std::vector<float> ms(reps);
-    for (int i = 0; i < reps; ++i) {
-      WM_CUDA_TRY(cudaEventElapsedTime(&ms[i], events_[2 * i], events_[2 * i + 1]));
-    }
-    std::sort(ms.begin(), ms.end());
-    return 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
+    return wm_bench::median(wm_bench::event_times_ms(enqueue, warmups, events_, stream_, comm_));
   }
 
   wm::communicator& comm_;
@@ -479,77 +438,23 @@ class bench {
 
 // ---- the PyTorch peer and the table -------------------------------------------------------
 
-struct peer_result {
-  std::string note;  // why it has no numbers, if it has none
-  bool failed{false};
+/// The peer's run and its numbers (NaN where it has none).
+struct peer_result : wm_bench::peer_result {
   double index_select_ms{nan}, index_select_gbps{nan}, a2a_ms{nan};
 };
-
-/// The peer script: under $WM_REPO, the source tree this was built from, ../../bench beside the
-/// executable, or bench/ under the working directory.
-fs::path peer_script()
-{
-  std::error_code ec;
-  char const* repo = std::getenv("WM_REPO");
-  for (fs::path const& dir :
-       {repo != nullptr && *repo != '\0' ? fs::path{repo} / "bench" : fs::path{},
-        fs::path{__FILE__}.parent_path(),
-        fs::read_symlink("/proc/self/exe", ec).parent_path() / "../../bench", fs::path{"bench"}}) {
-    if (!dir.empty() && fs::is_regular_file(dir / "peers/torch_gather.py", ec)) {
-      return dir / "peers/torch_gather.py";
-    }
-  }
-  return {};
-}
-
-/// The number after "key": in a JSON line (NaN if absent or null).
-double json_number(std::string const& line, std::string const& key)
-{
-  auto const at = line.find('"' + key + "\":");
-  if (at == std::string::npos) { return nan; }
-  char const* s  = line.c_str() + at + key.size() + 3;
-  char* end      = nullptr;
-  double const v = std::strtod(s, &end);
-  return end == s ? nan : v;
-}
 
 /// Runs the peer; its all-to-all lookup on @p world ranks (none if 1).
 peer_result run_torch_peer(int world)
 {
   peer_result p;
-  fs::path const script = peer_script();
-  if (script.empty()) {
-    p.note = "torch peer not run: bench/peers/torch_gather.py not found (set WM_REPO)";
-    return p;
-  }
-  std::fflush(nullptr);
-  if (std::system("python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-    p.note = "torch peer not run: python3 cannot import torch";
-    return p;
-  }
-  std::string const cmd =
-    "timeout 180 python3 '" + script.string() + "' --json --world " + std::to_string(world);
-  std::FILE* pipe       = ::popen(cmd.c_str(), "r");
-  std::string json;  // its stdout: the JSON line (anything else is passed on)
-  static char buf[1 << 16];
-  while (pipe != nullptr && std::fgets(buf, sizeof buf, pipe) != nullptr) {
-    if (buf[0] == '{') {
-      json = buf;
-    } else {
-      std::fputs(buf, stdout);
-    }
-  }
-  int const status = pipe == nullptr ? -1 : ::pclose(pipe);
-  if (status != 0 || json.empty()) {
-    p.failed = true;
-    p.note   = "torch peer FAILED (exit status " +
-             std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
-             ", 124 = timeout; its stderr is above)";
-    return p;
-  }
-  p.index_select_ms   = json_number(json, "index_select_ms");
-  p.index_select_gbps = json_number(json, "index_select_gbps");
-  p.a2a_ms            = json_number(json, "a2a_ms");
+  fs::path const script = wm_bench::find_peer("torch_gather.py", p);
+  if (script.empty()) { return p; }
+  wm_bench::run_peer(
+    "timeout 180 python3 '" + script.string() + "' --json --world " + std::to_string(world), p);
+  if (p.failed) { return p; }
+  p.index_select_ms   = json_number(p.json, "index_select_ms");
+  p.index_select_gbps = json_number(p.json, "index_select_gbps");
+  p.a2a_ms            = json_number(p.json, "a2a_ms");
   return p;
 }
 
@@ -615,40 +520,15 @@ void print_table(results const& r, peer_result const& p, double seconds)
   std::fflush(stdout);
 }
 
-/// The N of `--ranks N` (0 without it); -1, after saying why, if the arguments are wrong.
-int ranks_argument(int argc, char** argv, int gpus)
-{
-  int ranks = 0;
-  for (int i = 1; i < argc; ++i) {
-    char* end    = nullptr;
-    long const n = std::strcmp(argv[i], "--ranks") == 0 && i + 1 < argc
-                     ? std::strtol(argv[++i], &end, 10)
-                     : 0;
-    if (end == nullptr || *end != '\0' || n < 1 || n > gpus) {
-      std::fprintf(stderr,
-                   "gather_bench: usage: gather_bench [--ranks N], N from 1 to the %d GPUs "
-                   "present; got '%s'\n",
-                   gpus, argv[i]);
-      return -1;
-    }
-    ranks = static_cast<int>(n);
-  }
-  return ranks;
-}
-
 }  // namespace
 
 int main(int argc, char** argv)
 {
-  // NVLink multicast stays off here and in the torch peer (see the GPU machine's notes).
-  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
-  ::setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
-  ::setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
-  ::setenv("PYTHONUNBUFFERED", "1", 1);
+  wm_bench::set_environment();
   using clock    = std::chrono::steady_clock;
   auto const t0  = clock::now();
   int const gpus  = wm::local_device_count();  // before any CUDA call in this process
-  int const ranks = ranks_argument(argc, argv, gpus);
+  int const ranks = wm_bench::ranks_argument(argc, argv, gpus, "gather_bench");
   if (ranks < 0) { return 2; }
   int const world = ranks > 0 ? ranks : gpus;  // (b), (c), (d)
   if (gpus == 0) {
@@ -656,13 +536,9 @@ int main(int argc, char** argv)
     return 0;
   }
   // The ranks are forked processes: rank 0 writes its figures into memory shared with this one.
-  void* shared =
-    ::mmap(nullptr, sizeof(results), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (shared == MAP_FAILED) {
-    std::printf("gather_bench: FAILED: mmap of %zu bytes\n", sizeof(results));
-    return 1;
-  }
-  results& res = *new (shared) results{};
+  results* const shared = wm_bench::shared_results<results>("gather_bench");
+  if (shared == nullptr) { return 1; }
+  results& res = *shared;
   try {
     wm::launch_options options;
     options.timeout   = std::chrono::seconds{180};  // expected: well under a minute each

@@ -35,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include "common.cuh"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -86,11 +88,6 @@ __global__ void copy_kernel(uint4 const* __restrict__ src, uint4* __restrict__ d
     dst[i + 3 * stride] = d;
   }
   for (; i < n; i += stride) { dst[i] = src[i]; }
-}
-
-__global__ void entry_address_kernel(wm::chunked_view view, std::size_t e, std::byte** out)
-{
-  *out = view.entry(e);
 }
 
 struct row {
@@ -168,7 +165,8 @@ class bench {
       if constexpr (std::same_as<Layout, wm::continuous>) {
         src = mem.continuous_view().entry(mem.entry_range(1).begin);
       } else {
-        src = entry_address(mem.chunked_view(), mem.entry_range(1).begin);
+        src = wm_bench::entry_address(mem.chunked_view(), mem.entry_range(1).begin, scratch_,
+                                      stream_);
       }
       double const kernel = kernel_read(src, part.size(), part.begin);
       double const copy   = copy_read(src, part.size(), cudaMemcpyDeviceToDevice);
@@ -193,7 +191,7 @@ class bench {
       } else if constexpr (std::same_as<Layout, wm::chunked>) {
         // Host parts are one shared allocation, so rank 0's chunk runs on through every other
         // rank's (kernel_read's check of all 1 GiB against the pattern would see otherwise).
-        src = entry_address(mem.chunked_view(), 0);
+        src = wm_bench::entry_address(mem.chunked_view(), 0, scratch_, stream_);
       } else {
         src   = mem.local_view().data;
         bytes = mem.local_view().bytes();
@@ -285,18 +283,6 @@ class bench {
                                std::to_string(n) + " of " + std::to_string(bytes / 8) +
                                " words differ from the fill pattern"};
     }
-  }
-
-  /// Address of global entry @p e as the view computes it in device code.
-  std::byte const* entry_address(wm::chunked_view view, std::size_t e)
-  {
-    auto** out = reinterpret_cast<std::byte**>(scratch_);
-    entry_address_kernel<<<1, 1, 0, stream_>>>(view, e, out);
-    WM_CHECK_LAUNCH();
-    std::byte* host = nullptr;
-    WM_CUDA_TRY(cudaMemcpyAsync(&host, out, sizeof(host), cudaMemcpyDeviceToHost, stream_));
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    return host;
   }
 
   /// Median seconds of @p enqueue (after warm-ups), timed with CUDA events on the stream.

@@ -18,8 +18,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
-import sys
 
 ROWS = 10_000_000
 DIM = 128
@@ -27,8 +25,6 @@ BATCH = 1_000_000
 ALPHA = 1.05
 SCATTER = 7_368_787
 LR = 0.01
-WARMUPS = 2
-REPS = 10
 
 for _var, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1"), ("PYTHONUNBUFFERED", "1")):
@@ -36,24 +32,7 @@ for _var, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICA
 
 import torch  # noqa: E402  (after the environment is set)
 
-
-def log(*args):
-    print(*args, file=sys.stderr, flush=True)
-
-
-def median_ms(fn):
-    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
-    for _ in range(WARMUPS):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(REPS)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+from peer_common import log, median_ms  # noqa: E402
 
 
 def read_keys(path, dev):

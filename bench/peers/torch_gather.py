@@ -18,38 +18,17 @@ import argparse
 import json
 import os
 import socket
-import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from peer_common import log, median_ms
+
 ROWS = 10_000_000
 COLS = 128
 BATCH = 4_000_000  # (a)
 KEYS = 1_000_000  # (d), per rank
-WARMUPS = 2
-REPS = 10
-
-
-def log(*args):
-    print(*args, file=sys.stderr, flush=True)
-
-
-def median_ms(fn):
-    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
-    for _ in range(WARMUPS):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(REPS)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events)
 
 
 def index_select_case():
