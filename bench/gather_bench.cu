@@ -175,8 +175,8 @@ struct results {
   double h2d_gbps{nan};  // (c) pinned H2D copy, slowest rank
   double c_small_ms{nan}, c_large_ms{nan}, c_plain_ms{nan};
   double d_ms{nan}, d_r0_ms{nan};
-  double d_nccl_ms{nan};
-  double d_own_ms{nan}, d_remote_ms{nan};  // (d) with keys of this rank only / of others only  // (d) limit: NCCL moving a uniform batch's remote rows alone
+  double d_nccl_ms{nan};                   // (d) limit: NCCL moving a uniform batch's remote rows
+  double d_own_ms{nan}, d_remote_ms{nan};  // (d) keys of this rank's rows only / of others' only
 };
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
@@ -268,8 +268,10 @@ class bench {
       // Where the time goes: the same lookup with only this rank's rows, then only others'.
       auto const own  = t.storage().local_entry_range();
       auto const size = own.end - own.begin;
-      auto const mine_only = comm_.all_gather(gather_case(t, keys, 210, false, {own.begin, size}));
-      auto const others    = comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
+      auto const mine_only =
+        comm_.all_gather(gather_case(t, keys, 210, false, {own.begin, size}));
+      auto const others =
+        comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
       res.d_own_ms    = max_of(mine_only, &rank_figures::ms);
       res.d_remote_ms = max_of(others, &rank_figures::ms);
     }

@@ -604,16 +604,21 @@ __global__ void iota_from_kernel(Index* out, std::size_t n, std::size_t first)
   }
 }
 
-/// Host and device buffers for moving one piece of rows between files and a tensor.
+/// What moving rows between files and a tensor needs, one staging piece at a time: pinned host
+/// and device rows, the rows' global indices, and a stream of its own (freed however load or
+/// store ends).
 struct row_piece_buffers {
+  std::size_t piece{};  // rows per piece
   std::byte* host{};
   std::byte* dev{};
   std::int64_t* idx{};
-  row_piece_buffers(std::size_t piece_rows, std::size_t row_bytes)
+  cudaStream_t stream{};
+  explicit row_piece_buffers(std::size_t row_bytes) : piece{std::max<std::size_t>(1, staging_buffer::piece / row_bytes)}
   {
-    WM_CUDA_TRY(cudaMallocHost(&host, std::max<std::size_t>(piece_rows * row_bytes, 1)));
-    WM_CUDA_TRY(cudaMalloc(&dev, std::max<std::size_t>(piece_rows * row_bytes, 1)));
-    WM_CUDA_TRY(cudaMalloc(&idx, std::max<std::size_t>(piece_rows, 1) * sizeof(std::int64_t)));
+    WM_CUDA_TRY(cudaMallocHost(&host, piece * row_bytes));
+    WM_CUDA_TRY(cudaMalloc(&dev, piece * row_bytes));
+    WM_CUDA_TRY(cudaMalloc(&idx, piece * sizeof(std::int64_t)));
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   }
   row_piece_buffers(row_piece_buffers const&)            = delete;
   row_piece_buffers& operator=(row_piece_buffers const&) = delete;
@@ -622,8 +627,24 @@ struct row_piece_buffers {
     (void)cudaFreeHost(host);
     (void)cudaFree(dev);
     (void)cudaFree(idx);
+    if (stream != nullptr) { (void)cudaStreamDestroy(stream); }
+  }
+  /// Indices first .. first + n - 1 into idx.
+  void number_rows(std::size_t first, std::size_t n) const
+  {
+    if (n == 0) { return; }
+    iota_from_kernel<<<elementwise_blocks(n), 256, 0, stream>>>(idx, n, first);
+    WM_CHECK_LAUNCH();
   }
 };
+
+/// Every rank learns whether a rank's file work failed (collective); @p failure: this rank's.
+inline void agree_on_failure(communicator& comm, char const* what, std::string const& failure)
+{
+  collective_step<io_error>(comm, what, [&] {
+    if (!failure.empty()) { throw io_error{failure}; }
+  });
+}
 
 /**
  * Calls f(first, n) for the pieces of this rank's share of rows [0, rows) in global order (file
@@ -654,12 +675,9 @@ void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path 
   std::vector<std::uint64_t> sizes;
   detail::collective_step<io_error>(comm, "tensor load (checking files)",
                                     [&] { sizes = detail::checked_sizes(files, rows_ * rb, rb); });
-  std::size_t const piece = std::max<std::size_t>(1, detail::staging_buffer::piece / rb);
-  detail::row_piece_buffers buf{piece, rb};
-  cudaStream_t stream{};
-  WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  detail::row_piece_buffers const buf{rb};
   std::string failure;
-  detail::for_each_row_piece(rows_, comm, piece, [&](std::size_t first, std::size_t n) {
+  detail::for_each_row_piece(rows_, comm, buf.piece, [&](std::size_t first, std::size_t n) {
     if (!failure.empty()) { n = 0; }  // keep taking part in the collective scatters
     try {
       if (n > 0) { detail::read_concatenated(files, sizes, first * rb, (first + n) * rb, buf.host); }
@@ -667,17 +685,11 @@ void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path 
       failure = e.what();
       n       = 0;
     }
-    if (n > 0) {
-      WM_CUDA_TRY(cudaMemcpyAsync(buf.dev, buf.host, n * rb, cudaMemcpyHostToDevice, stream));
-      detail::iota_from_kernel<<<detail::elementwise_blocks(n), 256, 0, stream>>>(buf.idx, n, first);
-      WM_CHECK_LAUNCH();
-    }
-    scatter(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T const*>(buf.dev), cuda::stream_ref{stream});
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpyAsync(buf.dev, buf.host, n * rb, cudaMemcpyHostToDevice, buf.stream)); }
+    buf.number_rows(first, n);
+    scatter(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T const*>(buf.dev), cuda::stream_ref{buf.stream});
   });
-  WM_CUDA_TRY(cudaStreamDestroy(stream));
-  detail::collective_step<io_error>(comm, "tensor load (reading)", [&] {
-    if (!failure.empty()) { throw io_error{failure}; }
-  });
+  detail::agree_on_failure(comm, "tensor load (reading)", failure);
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -695,17 +707,11 @@ void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path
     fd.reset(::open(f.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!fd.valid()) { throw io_error{"cannot create '" + f.string() + "': " + detail::errno_text()}; }
   });
-  std::size_t const piece = std::max<std::size_t>(1, detail::staging_buffer::piece / rb);
-  detail::row_piece_buffers buf{piece, rb};
-  cudaStream_t stream{};
-  WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  detail::row_piece_buffers const buf{rb};
   std::string failure;
-  detail::for_each_row_piece(rows_, comm, piece, [&](std::size_t first, std::size_t n) {
-    if (n > 0) {
-      detail::iota_from_kernel<<<detail::elementwise_blocks(n), 256, 0, stream>>>(buf.idx, n, first);
-      WM_CHECK_LAUNCH();
-    }
-    gather(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T*>(buf.dev), cuda::stream_ref{stream});
+  detail::for_each_row_piece(rows_, comm, buf.piece, [&](std::size_t first, std::size_t n) {
+    buf.number_rows(first, n);
+    gather(std::span<std::int64_t const>{buf.idx, n}, reinterpret_cast<T*>(buf.dev), cuda::stream_ref{buf.stream});
     if (n > 0 && failure.empty()) {
       WM_CUDA_TRY(cudaMemcpy(buf.host, buf.dev, n * rb, cudaMemcpyDeviceToHost));
       if (!detail::write_all(fd.get(), buf.host, n * rb)) {
@@ -713,11 +719,8 @@ void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path
       }
     }
   });
-  WM_CUDA_TRY(cudaStreamDestroy(stream));
   if (failure.empty() && ::close(fd.release()) != 0) { failure = "closing the file: " + detail::errno_text(); }
-  detail::collective_step<io_error>(comm, "tensor store (writing)", [&] {
-    if (!failure.empty()) { throw io_error{failure}; }
-  });
+  detail::agree_on_failure(comm, "tensor store (writing)", failure);
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
