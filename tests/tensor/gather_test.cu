@@ -345,9 +345,10 @@ TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gp
   run_suite(wm::local_device_count());
 }
 
-// The distributed gather sends each peer's rows in pieces of 32 MiB (up to 4) while it gathers
-// the next piece: a gather of every row of a 140 MB table moves 70 MB per peer on 2 ranks, so
-// three pieces, with row counts that do not divide evenly.
+// The distributed gather sends each peer's rows in pieces (one per started 32 MiB, at most 4)
+// while it gathers the next piece: a gather of every row of a 140 MB table moves 70 MB per peer
+// on 2 ranks (three pieces) and 35 MB on 4 (two), with row counts that do not divide evenly.
+// From 5 ranks on each peer's share fits one piece and this test no longer pipelines.
 TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
 {
   std::uint64_t const seed = std::random_device{}();

@@ -7,7 +7,6 @@
 #include <exception>
 #include <cstdio>
 #include <fstream>
-#include <numeric>
 #include <thread>
 
 #include <unistd.h>

@@ -189,9 +189,10 @@ __global__ void __launch_bounds__(256) sum_segments_kernel(long_runs lr, int con
  * One group of lanes per unique row, U rows per group at a time: sums each row's gradients
  * (float), reads its weight and state once, applies the optimizer, writes them once; each lane
  * moves V values per access. A row's loads wait on its run descriptor (one 16-byte load); the
- * next round's descriptors are loaded before this round's rows, so each round waits on one
- * memory trip. The run count is read from device memory (no host round trip). Nothing is
- * written when *abort is set (an invalid index was found).
+ * next round's descriptors are loaded before this round's rows, so a row's weight, state and
+ * first gradient wait on no index load of their own (Adam's per-row step count and the
+ * positions of further duplicates still do). The run count is read from device memory (no host
+ * round trip). Nothing is written when *abort is set (an invalid index was found).
  */
 template <class T, int V, class Opt>
 __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3) update_rows_kernel(Opt opt,

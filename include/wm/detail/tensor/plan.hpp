@@ -58,7 +58,8 @@ inline constexpr int max_pieces = 4;
   return static_cast<int>(std::clamp<std::size_t>((count * row_bytes + per - 1) / per, 1, cap));
 }
 
-/// Rows [first, last) of piece k of @p count rows cut into pieces_of(count) pieces.
+/// Rows [first, last) of piece k of @p count rows cut into pieces_of(count, row_bytes) pieces
+/// (empty for k past the last piece).
 struct piece {
   std::size_t first;
   std::size_t last;

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -308,12 +309,15 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     bool const sort_long = Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
     bool const fresh     = Location::is_host;  // other GPUs may have written these rows
     if (sort_long && n >= detail::host_sort_threshold) {
-      // With block mapping, ascending order starts at the next rank's rows and wraps around:
-      // ranks that all began at row 0 read the same owner at the same time (seen with 4 ranks:
-      // chunked gathers at 0.59 of the peer-copy floor, continuous ones at 0.87).
+      // Chunked device rows with block mapping: ascending order starts at the next rank's rows
+      // and wraps around; ranks that all began at row 0 read the same owner at the same time
+      // (seen with 4 ranks: chunked gathers at 0.59 of the peer-copy floor, continuous ones at
+      // 0.87). Host rows have one home: nothing to spread. Rotated rows must fit in Index.
       std::size_t start = 0;
-      if constexpr (std::same_as<Mapping, block>) {
-        start = mem_.entry_range((comm_->rank() + 1) % comm_->size()).begin;
+      if constexpr (std::same_as<Mapping, block> && !Location::is_host) {
+        if (rows_ <= static_cast<std::size_t>(std::numeric_limits<Index>::max())) {
+          start = mem_.entry_range((comm_->rank() + 1) % comm_->size()).begin % rows_;
+        }
       }
       Index const* keys = indices.data();
       if (start != 0) {
@@ -515,8 +519,9 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   }
   // 2. Pipelined rows: this stream gathers piece k of every peer's request while the side stream
   //    sends piece k - 1; piece k is put in the caller's order once it has arrived. While pieces
-  //    are in flight this stream's kernels take at most 3 blocks per SM: the gather kernel's
-  //    blocks stay until its rows are done, and NCCL's blocks need room beside them.
+  //    are in flight this stream's kernels get grids of 3 blocks per SM at most (not a per-SM
+  //    limit, a smaller grid): the gather kernel's blocks stay until its rows are done, and
+  //    NCCL's blocks need room beside them.
   int const room = 3;
   int pieces = 0;
   for (std::size_t q = 0; q < world; ++q) {
