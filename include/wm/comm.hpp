@@ -11,7 +11,9 @@
  * collectives (construction, `barrier`, `all_gather`, `split`, `expect_same`) exchange a small
  * descriptor first, so ranks that call different collectives, or the same one with different
  * arguments, get a `wm::comm_error` on every rank instead of a hang. Waits for peers end with a
- * `wm::comm_error` after the communicator's timeout (a dead peer does not hang the others).
+ * `wm::comm_error` after the communicator's timeout (a dead peer does not hang the others). The
+ * device exchanges (`send_recv`, `all_to_all_v`) are the exception: they check nothing across
+ * ranks and do not wait for their transfers, so sizes that two ranks disagree on hang the stream.
  *
  * Host code only: this header compiles with a plain C++20 compiler as well as with nvcc.
  */
@@ -157,9 +159,19 @@ class communicator {
   /**
    * @brief Grouped point-to-point exchange: every send and receive below is one `ncclSend` /
    * `ncclRecv` of one NCCL group, enqueued on @p stream (returns without synchronizing). Pieces
-   * of zero bytes are skipped; several pieces may name the same peer (they pair up in order).
-   * Each pair of ranks must agree on what it exchanges (the sizes one sends are what the other
-   * receives, in the same order); this hot-path call does not check that across ranks.
+   * of zero bytes are skipped, and a call with no piece of more than zero bytes returns at once
+   * (no NCCL call: point-to-point exchanges are not collective, no peer waits for it); several
+   * pieces may name the same peer (they pair up in order).
+   *
+   * Each pair of ranks must agree on what it exchanges: the sizes one sends are what the other
+   * receives, in the same order. A mismatch is a user error that this hot-path call does not
+   * detect, and it hangs: the transfers never complete, so the work on @p stream never finishes
+   * and the next wait for @p stream (your `cudaStreamSynchronize`, or that of the synchronizing
+   * wm operation that made the exchange) blocks with no end. The communicator's timeout does not
+   * cover it: this call returns once NCCL has accepted the operations, before they run.
+   * @throw wm::logic_error on a peer outside the group or a null buffer of nonzero size
+   * @throw wm::comm_error if NCCL rejects the operations or fails while accepting them (an NCCL
+   * group this call opened is closed first)
    */
   void send_recv(std::span<send_part const> sends, std::span<recv_part const> recvs, cuda::stream_ref stream) const;
 
@@ -169,8 +181,10 @@ class communicator {
    * Rank r sends `send_counts[p]` elements starting at `send + sum(send_counts[0..p))` to rank p
    * and receives `recv_counts[p]` elements from p into `recv + sum(recv_counts[0..p))`. Counts are
    * host values; zero counts are allowed. Enqueued on @p stream; returns without synchronizing.
-   * Counts must agree pairwise (what p sends to r is what r receives from p); this hot-path
-   * call does not exchange descriptors, so a disagreement is not detected here.
+   * Counts must agree pairwise (what p sends to r is what r receives from p). This hot-path call
+   * exchanges no descriptors, so a disagreement is a user error that is not detected: it hangs
+   * the work on @p stream, and the next wait for @p stream blocks with no end (the
+   * communicator's timeout does not cover it; see `send_recv`).
    */
   template <class T>
   void all_to_all_v(T const* send,

@@ -116,12 +116,14 @@ void check_all_to_all(wm::communicator& comm, std::uint64_t seed, bool all_zero)
 
 // Grouped send/recv: every rank sends every rank (itself too) two pieces, in order, of sizes
 // drawn from a shared seed (zero included); the second piece goes out before the first in
-// memory, so pairing by order (not by address) is what is checked.
-void check_send_recv(wm::communicator& comm, std::uint64_t seed)
+// memory, so pairing by order (not by address) is what is checked. Rank @p idle (if any) sends
+// and receives only empty pieces (its call returns at once) while the others exchange.
+void check_send_recv(wm::communicator& comm, std::uint64_t seed, int idle = -1)
 {
   int const world = comm.size();
   int const me    = comm.rank();
   auto size_of = [&](int from, int to, int piece) {
+    if (from == idle || to == idle) { return std::size_t{0}; }
     std::mt19937_64 rng{seed ^ (static_cast<std::uint64_t>(from) * 1000003u + static_cast<std::uint64_t>(to) * 7919u +
                                 static_cast<std::uint64_t>(piece))};
     return rng() % 3 == 0 ? std::size_t{0} : static_cast<std::size_t>(1 + rng() % 70000);
@@ -180,6 +182,40 @@ void check_send_recv(wm::communicator& comm, std::uint64_t seed)
   RANK_REQUIRE_MSG(threw, "send_recv accepted peer " << world);
 }
 
+// A send_recv whose pieces are all empty (null buffers included) returns at once, on every rank
+// together or on one rank alone while the others exchange; input errors are still found;
+// exchanges with data after it still arrive intact.
+void check_empty_send_recv(wm::communicator& comm, std::uint64_t seed)
+{
+  int const world = comm.size();
+  std::vector<wm::communicator::send_part> sends;
+  std::vector<wm::communicator::recv_part> recvs;
+  for (int q = 0; q < world; ++q) {
+    sends.push_back({q, nullptr, 0});
+    recvs.push_back({q, nullptr, 0});
+  }
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreate(&stream));
+  comm.send_recv(sends, recvs, cuda::stream_ref{stream});
+  comm.send_recv({}, {}, cuda::stream_ref{stream});
+  std::vector<std::size_t> const zeros(static_cast<std::size_t>(world), 0);
+  comm.all_to_all_v<float>(nullptr, std::span<std::size_t const>{zeros}, nullptr, std::span<std::size_t const>{zeros},
+                           cuda::stream_ref{stream});
+  WM_CUDA_TRY(cudaStreamSynchronize(stream));
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  bool threw = false;
+  try {
+    std::vector<wm::communicator::recv_part> const bad{{-1, nullptr, 0}};
+    comm.send_recv({}, bad, cuda::stream_ref{cudaStream_t{}});
+  } catch (wm::logic_error const&) {
+    threw = true;
+  }
+  RANK_REQUIRE_MSG(threw, "an empty send_recv accepted peer -1");
+  check_send_recv(comm, seed);
+  check_send_recv(comm, seed + 1, 0);  // rank 0 idle: its empty call must not hold up the others
+  check_send_recv(comm, seed + 2);
+}
+
 void check_all_gather(wm::communicator& comm, std::uint64_t seed)
 {
   int const me    = comm.rank();
@@ -217,6 +253,7 @@ TEST_CASE("one rank: identity, all-gather, all-to-all-v to itself, split", "[gpu
     check_all_to_all(comm, seed, false);
     check_all_to_all(comm, seed + 1, true);
     check_send_recv(comm, seed + 3);
+    check_empty_send_recv(comm, seed + 4);
     comm.barrier();
     auto sub = comm.split(5, 0);
     RANK_REQUIRE(sub.valid() && sub.size() == 1 && sub.rank() == 0);
@@ -251,6 +288,7 @@ TEST_CASE("ranks: all-gather and all-to-all-v with uneven and zero counts", "[mu
     for (std::uint64_t round = 0; round < 3; ++round) { check_all_to_all(comm, seed + round, false); }
     check_all_to_all(comm, seed + 9, true);
     check_send_recv(comm, seed + 11);
+    check_empty_send_recv(comm, seed + 12);
   });
 }
 

@@ -285,12 +285,25 @@ inline void communicator::send_recv(std::span<send_part const> sends,
     WM_EXPECTS(known(x.peer), "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
     WM_EXPECTS(x.bytes == 0 || x.data != nullptr, "send_recv: receive buffer is null");
   }
+  // Nothing to move: no NCCL group and no wait. Point-to-point calls carry no synchronization
+  // between ranks, so no peer waits on this rank's empty call (a peer that expects bytes from it
+  // has sizes that disagree with this rank's, which hangs with or without a group here).
+  auto const moves = [](auto const& x) { return x.bytes > 0; };
+  if (std::none_of(sends.begin(), sends.end(), moves) && std::none_of(recvs.begin(), recvs.end(), moves)) { return; }
   WM_NCCL_TRY(ncclGroupStart());
-  for (auto const& x : sends) {
-    if (x.bytes > 0) { WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, s_->comm, stream.get())); }
-  }
-  for (auto const& x : recvs) {
-    if (x.bytes > 0) { WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, s_->comm, stream.get())); }
+  try {
+    for (auto const& x : sends) {
+      if (x.bytes > 0) { WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, s_->comm, stream.get())); }
+    }
+    for (auto const& x : recvs) {
+      if (x.bytes > 0) { WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, s_->comm, stream.get())); }
+    }
+  } catch (...) {
+    // Close the group this thread opened (NCCL cancels a group in which a call failed), so that
+    // the next NCCL call on this thread is not taken into it. The first error is the one
+    // reported; the group's own result adds nothing.
+    (void)ncclGroupEnd();
+    throw;
   }
   WM_NCCL_TRY(ncclGroupEnd());
   wait_nccl("send_recv");
