@@ -93,6 +93,9 @@ class embedding {
    * @param rows number of rows; @param dim values per row (>= 1)
    * @param optimizer hyper-parameters (ignored by `no_optimizer`)
    * @param init how to fill the weights
+   * @throw wm::logic_error on every rank, before anything is allocated, if one rank would hold
+   * more than 2^32 - 1 rows (the update sorts local rows as 32-bit keys)
+   * @throw wm::comm_error on every rank if the ranks passed different @p rows or @p dim
    */
   embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer = {}, embedding_init init = {});
   embedding(embedding&&) noexcept;

@@ -103,11 +103,16 @@ struct shape {
   // summing 1,600 gradients), so the skewed shape's scale is the hot row's gradient mass.
   double weight_scale;
   double state_scale;
+  // Gradients passed this many elements past an aligned address (an odd-element slice).
+  std::size_t grad_offset = 0;
 };
 // Odd width (no vector access), a few hot rows with short runs of duplicates.
 constexpr shape small_odd{301, 19, 200, 4, 8, 0.5, 0.1};
 // Vector-wide rows and one row hit ~800 times per rank: its gradients are summed in segments.
 constexpr shape skewed{1000, 32, 1500, 2, 1, 2.0, 2.0};
+// Rows of 32 bytes (16-byte vectors fit) with gradients 2 (half) or 4 (float) bytes past one.
+constexpr shape misaligned{300, 16, 200, 4, 8, 0.5, 0.1, 1};
+constexpr shape misaligned_float{300, 8, 200, 4, 8, 0.5, 0.1, 1};
 
 template <class T>
 step_data<T> draw_step(std::mt19937_64& rng, int world, shape sh, int step)
@@ -166,13 +171,18 @@ struct reference_table {
   }
 };
 
+// Passes this rank's gradients @p offset elements into their buffer (after values that must not
+// be read: a misaligned read of them would show in the weights).
 template <class E, class T>
-void apply(E& e, wm::communicator& comm, step_data<T> const& d, cudaStream_t s)
+void apply(E& e, wm::communicator& comm, step_data<T> const& d, cudaStream_t s, std::size_t offset = 0)
 {
   auto const& idx = d.idx[static_cast<std::size_t>(comm.rank())];
   device_array<std::int64_t> di{idx};
-  device_array<T> dg{d.grads[static_cast<std::size_t>(comm.rank())]};
-  e.apply_gradients(std::span<std::int64_t const>{di.ptr, idx.size()}, dg.ptr, d.lr, cuda::stream_ref{s});
+  std::vector<T> grads(offset, from_double<T>(1000.0));
+  auto const& mine = d.grads[static_cast<std::size_t>(comm.rank())];
+  grads.insert(grads.end(), mine.begin(), mine.end());
+  device_array<T> dg{grads};
+  e.apply_gradients(std::span<std::int64_t const>{di.ptr, idx.size()}, dg.ptr + offset, d.lr, cuda::stream_ref{s});
 }
 
 bool close(double got, double want, double rel, double abs_floor)
@@ -201,7 +211,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   int const steps = 4;
   for (int k = 0; k < steps; ++k) {
     auto const d = draw_step<T>(rng, comm.size(), sh, k);
-    apply(e, comm, d, s);
+    apply(e, comm, d, s, sh.grad_offset);
     ref.step(d);
     RANK_REQUIRE(e.global_step() == k + 1);
   }
@@ -227,14 +237,14 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   e.store(dir / "ckpt");
   auto const more1 = draw_step<T>(rng, comm.size(), sh, 10);
   auto const more2 = draw_step<T>(rng, comm.size(), sh, 11);
-  apply(e, comm, more1, s);
-  apply(e, comm, more2, s);
+  apply(e, comm, more1, s, sh.grad_offset);
+  apply(e, comm, more2, s, sh.grad_offset);
   using Y2 = std::conditional_t<std::is_same_v<Y, wm::distributed>, wm::chunked, wm::distributed>;
   wm::embedding<T, wm::no_cache, Opt, L, Y2, M> e2{comm, rows, dim, opt, wm::embedding_init::zeros()};
   e2.load(dir / "ckpt");
   RANK_REQUIRE(e2.global_step() == steps);
-  apply(e2, comm, more1, s);
-  apply(e2, comm, more2, s);
+  apply(e2, comm, more1, s, sh.grad_offset);
+  apply(e2, comm, more2, s, sh.grad_offset);
   auto const a = read_all<T>(e.weights(), rows, dim, s);
   auto const b = read_all<T>(e2.weights(), rows, dim, s);
   RANK_REQUIRE_MSG(a == b, what << ": training after a checkpoint round trip differs");
@@ -252,7 +262,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   bad.grads[static_cast<std::size_t>(comm.size() - 1)].resize(bad.idx[comm.size() - 1].size() * dim, from_double<T>(1.0));
   bool threw = false;
   try {
-    apply(e, comm, bad, s);
+    apply(e, comm, bad, s, sh.grad_offset);
   } catch (wm::logic_error const&) {
     threw = true;
   }
@@ -309,6 +319,21 @@ void run_suite(int ranks)
     train_and_check<__half, wm::adagrad, wm::host, wm::chunked, wm::block>(comm, wm::adagrad{}, ++seed, "adagrad skewed", skewed);
     train_and_check<__nv_bfloat16, wm::rmsprop, wm::device, wm::distributed, wm::block>(comm, wm::rmsprop{}, ++seed,
                                                                                         "rmsprop skewed", skewed);
+    // Gradients not aligned to 16 bytes (rows that are): packed for the owners with narrower
+    // accesses, summed and applied as aligned ones would be.
+    train_and_check<__half, wm::sgd, wm::device, wm::distributed, wm::block>(comm, wm::sgd{0.01f}, ++seed,
+                                                                             "sgd(wd) misaligned grads", misaligned);
+    train_and_check<float, wm::adam, wm::device, wm::chunked, wm::cyclic>(comm, wm::adam{}, ++seed, "adam(lazy) misaligned grads",
+                                                                          misaligned_float);
+    // More than 2^32 - 1 rows on one rank is refused on every rank before anything is allocated
+    // (this table would need 16 TiB per rank: an allocation first fails with another error).
+    bool refused = false;
+    try {
+      wm::embedding<float> huge{comm, (std::size_t{1} << 32) * static_cast<std::size_t>(comm.size()) + 1, 1024};
+    } catch (wm::logic_error const&) {
+      refused = true;
+    }
+    RANK_REQUIRE_MSG(refused, "a table of more than 2^32 - 1 rows per rank was not refused with a logic_error");
     // An inference-only table gathers like any other.
     wm::embedding<float, wm::no_cache, wm::no_optimizer> frozen{comm, 50, 8, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)};
     cudaStream_t s{};

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <numeric>
 #include <sstream>
 
 namespace wm {
@@ -369,6 +370,21 @@ struct embedding_scratch {
   explicit embedding_scratch(int world) : plan{world} {}
 };
 
+/**
+ * Checks the table's shape before anything is allocated (collective) and returns @p rows. The
+ * update sorts local rows as 32-bit keys: at most 2^32 - 1 rows per rank. Ranks first agree on
+ * rows and dim, so the bound, computed from them and the rank count, fails on every rank or none.
+ */
+[[nodiscard]] inline std::size_t embedding_rows(communicator& comm, std::size_t rows, std::size_t dim)
+{
+  comm.expect_same("embedding", mix64(rows, dim));
+  auto const world = static_cast<std::size_t>(comm.size());
+  WM_EXPECTS(rows / world + (rows % world != 0 ? 1 : 0) <= std::size_t{0xffffffffu},
+             "embedding: " + std::to_string(rows) + " rows over " + std::to_string(world) +
+               " ranks puts more than 2^32 - 1 rows on one rank; use more ranks");
+  return rows;
+}
+
 template <class M>
 [[nodiscard]] local_rows_map local_map_of(communicator const& comm, std::size_t first_block_row)
 {
@@ -388,13 +404,11 @@ template <class M>
 
 WM_EMBEDDING_TEMPLATE
 WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer, embedding_init init)
-  : comm_{&comm}, opt_{optimizer}, weights_{comm, rows, dim}, scratch_{std::make_unique<detail::embedding_scratch>(comm.size())}
+  : comm_{&comm},
+    opt_{optimizer},
+    weights_{comm, detail::embedding_rows(comm, rows, dim), dim},
+    scratch_{std::make_unique<detail::embedding_scratch>(comm.size())}
 {
-  // The update sorts local rows as 32-bit keys. Every rank sees the same bound: no rank throws alone.
-  auto const world = static_cast<std::size_t>(comm.size());
-  WM_EXPECTS((rows + world - 1) / world <= std::size_t{0xffffffffu},
-             "embedding: " + std::to_string(rows) + " rows over " + std::to_string(world) +
-               " ranks puts more than 2^32 - 1 rows on one rank; use more ranks");
   cudaStream_t const s = nullptr;
   auto const map       = detail::local_map_of<Mapping>(comm, weights_.storage().local_entry_range().begin);
   auto const w         = weights_.local_view();
@@ -452,17 +466,26 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     WM_EXPECTS(n < too_many, "apply_gradients: " + std::to_string(n) + " gradient rows in one call; split the batch below 2^31");
   } else {
     auto const p = detail::plan_dispatch_device(comm, weights_.device_mapping(), indices.data(), n, scratch_->plan, s);
-    std::size_t const invalid = n - p.n_sent;
-    auto const bad            = comm.all_gather(static_cast<std::uint64_t>(invalid));
-    for (std::size_t r = 0; r < bad.size(); ++r) {
-      if (bad[r] != 0) {
+    // Both checks from one all-gather, so that every rank throws the same error (a rank that
+    // threw alone would leave the others waiting in the exchange below).
+    struct batch_check {
+      std::uint64_t invalid;  // indices outside the table
+      std::uint64_t n_recv;   // gradient rows this rank would own
+    };
+    auto const seen = comm.all_gather(batch_check{static_cast<std::uint64_t>(n - p.n_sent), static_cast<std::uint64_t>(p.n_recv)});
+    for (std::size_t r = 0; r < seen.size(); ++r) {
+      if (seen[r].invalid != 0) {
         WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
-        throw logic_error{"wm: apply_gradients: rank " + std::to_string(r) + " passed " + std::to_string(bad[r]) +
+        throw logic_error{"wm: apply_gradients: rank " + std::to_string(r) + " passed " + std::to_string(seen[r].invalid) +
                           " index(es) outside [0, " + std::to_string(rows()) + "); nothing was updated"};
       }
     }
-    WM_EXPECTS(p.n_recv < too_many, "apply_gradients: an owner would receive " + std::to_string(p.n_recv) +
-                                      " gradient rows in one call; split the batch below 2^31");
+    for (std::size_t r = 0; r < seen.size(); ++r) {
+      WM_EXPECTS(seen[r].n_recv < too_many, "apply_gradients: rank " + std::to_string(r) + " would receive " +
+                                              std::to_string(seen[r].n_recv) +
+                                              " gradient rows in one call (all ranks' batches together); split the "
+                                              "batches so that each owner receives fewer than 2^31");
+    }
     // This rank's own share goes straight into its batch; only the other ranks' shares cross NCCL,
     // keys and gradients in one group.
     auto const me      = static_cast<std::size_t>(comm.rank());
@@ -478,9 +501,12 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     auto* recv_keys    = c.take<Index>(base, o_keys);
     auto* recv_grads   = c.take<std::byte>(base, o_grads);
     detail::local_rows const caller{reinterpret_cast<std::byte*>(const_cast<T*>(grads)), n, rb};
+    // The caller's rows start at grads, which need only be aligned for T (e.g. an odd-element
+    // slice of half values): vectors no wider than both the row size and that address allows.
+    std::uintptr_t const grads_alignment = std::gcd(static_cast<std::uintptr_t>(rb), reinterpret_cast<std::uintptr_t>(grads));
     auto pack = [&](std::size_t first, std::size_t count, std::byte* to) {
       detail::launch_gather(caller, p.order + first, static_cast<std::size_t const*>(nullptr), count,
-                            detail::packed_rows{to, rb}, rb, rb, err, s);
+                            detail::packed_rows{to, rb}, rb, grads_alignment, err, s);
     };
     pack(0, key_at[me], send_grads);  // peers before this rank, then those after it
     pack(key_at[me + 1], p.n_sent - key_at[me + 1], send_grads + key_at[me] * rb);
