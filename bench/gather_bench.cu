@@ -33,7 +33,9 @@
  *     faster. Limit, reported: NCCL alone moving the rows such a batch takes from the other
  *     ranks (keys / R rows of 512 B from each peer, grouped send/recv, every rank at once).
  *     Reported too, to show where the time goes: the same lookup with keys of this rank's rows
- *     only (no rows cross) and with keys of other ranks' rows only (every row crosses).
+ *     only (no rows cross) and with keys of other ranks' rows only (every row crosses), and the
+ *     lookup with its rows through NCCL (WM_DISPATCH_ROWS=nccl: the path across nodes) instead
+ *     of the mailboxes that ranks of one node use.
  *
  * Each case is checked once before timing (output poisoned; every output element compared on the
  * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
@@ -177,6 +179,7 @@ struct results {
   double d_ms{nan}, d_r0_ms{nan};
   double d_nccl_ms{nan};                   // (d) limit: NCCL moving a uniform batch's remote rows
   double d_own_ms{nan}, d_remote_ms{nan};  // (d) keys of this rank's rows only / of others' only
+  double d_via_nccl_ms{nan};               // (d) with the rows through NCCL (WM_DISPATCH_ROWS=nccl)
 };
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
@@ -274,6 +277,13 @@ class bench {
         comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
       res.d_own_ms    = max_of(mine_only, &rank_figures::ms);
       res.d_remote_ms = max_of(others, &rank_figures::ms);
+      // The path taken across nodes or without peer access: rows through NCCL, not mailboxes.
+      // A tensor takes its path at its first gather.
+      if (::setenv("WM_DISPATCH_ROWS", "nccl", 1) != 0) { throw std::runtime_error{"setenv failed"}; }
+      wm::tensor<float, wm::device, Layout> via_nccl{comm_, table_rows, cols};
+      fill(via_nccl);
+      res.d_via_nccl_ms = max_of(comm_.all_gather(gather_case(via_nccl, keys, 230)), &rank_figures::ms);
+      ::unsetenv("WM_DISPATCH_ROWS");
     }
   }
 
@@ -490,7 +500,7 @@ void print_table(results const& r, peer_result const& p, double seconds)
       out / p.index_select_gbps, 2);
   std::string const on      = two ? fmt("%d GPUs", r.ranks) : "N GPUs";
   std::string const names[] = {"(b) continuous " + on, "(b) chunked " + on,
-                               "(b) distributed " + on + " (NCCL)"};
+                               "(b) distributed " + on + " (mailboxes)"};
   for (int i = 0; i < 3; ++i) {
     auto const& b = r.b[i];
     row(names[i].c_str(), two ? fmt("%.3f ms (r0 %.3f)", b.max_ms, b.r0_ms) : "n/a (1 GPU)",
@@ -513,6 +523,8 @@ void print_table(results const& r, peer_result const& p, double seconds)
                 gbps(keys / std::size_t(r.ranks) * std::size_t(r.ranks - 1), r.d_nccl_ms))
           : "-",
       r.d_nccl_ms / r.d_ms, 0);
+  row("(d) with rows through NCCL", two ? fmt("%.3f ms", r.d_via_nccl_ms) : "n/a (1 GPU)",
+      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_nccl_ms, 0);
   row("(d) own rows only", two ? fmt("%.3f ms", r.d_own_ms) : "n/a (1 GPU)", "-", nan, 0);
   row("(d) others' rows only", two ? fmt("%.3f ms", r.d_remote_ms) : "n/a (1 GPU)",
       two ? fmt("NCCL alone, scaled to 1M rows: %.3f ms",

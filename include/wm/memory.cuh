@@ -211,6 +211,10 @@ class memory {
   /// Every rank's part, one pointer per rank (continuous and chunked only).
   [[nodiscard]] wm::chunked_view chunked_view() const noexcept
     requires mapped_layout<Layout>;
+  /// Start of @p rank's part as this rank's GPU addresses it, for host code that hands it to
+  /// kernels (continuous and chunked only; null if that rank owns nothing).
+  [[nodiscard]] std::byte* part_data(int rank) const
+    requires mapped_layout<Layout>;
   /// The partition with its starts in device memory, for kernels (every layout).
   [[nodiscard]] partition_ref device_partition() const noexcept;
   /// The whole memory at one pointer (continuous only).

@@ -10,6 +10,12 @@
  *   counts and indices exchanged with NCCL, rows gathered by their owners and sent back, then put
  *   back in the caller's order; scatter is the mirror image. Collective: every rank calls, with
  *   its own (possibly empty) batch; the call synchronizes the stream once to size its buffers.
+ *   When every rank shares one node, the gather's owners write the rows straight into the asking
+ *   rank's receive buffer (a "mailbox": device memory mapped into every peer over CUDA IPC,
+ *   sized to the largest request seen, made at the first gather) and only a flag crosses NCCL;
+ *   otherwise, when the mailbox cannot be made (no peer access), or with the environment variable
+ *   `WM_DISPATCH_ROWS=nccl` on every rank, the rows cross through NCCL. A tensor takes its path
+ *   at its first gather.
  *
  * Indices are `int32_t` or `int64_t` in device memory. An index outside [0, rows) is an input
  * error: the synchronous forms throw `wm::logic_error`; the `_async` forms record it, and

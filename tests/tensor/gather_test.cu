@@ -11,6 +11,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -164,7 +166,14 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     RANK_REQUIRE_MSG(wrong.empty(), os.str());
   };
 
-  // 1. Gather a random batch with duplicates (sizes differ by rank), and an empty one.
+  // 1. First a batch of this rank's own rows only (on a fresh distributed tensor nothing
+  //    crosses in its first gather), then a random batch with duplicates (sizes differ by
+  //    rank), and an empty one.
+  {
+    std::mt19937_64 own{seed + 77 + static_cast<std::uint64_t>(me)};  // not `shared`: lengths differ by rank
+    check_gather(t.local_rows() > 0 ? batch_of(own, 200 + 31 * static_cast<std::size_t>(me), me) : std::vector<Index>{},
+                 "gather of own rows first");
+  }
   std::vector<std::vector<Index>> batches(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) { batches[r] = batch_of(shared, rows == 0 ? 0 : 700 + 131 * r, -1); }
   check_gather(batches[me], "gather");
@@ -292,6 +301,75 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   comm.barrier();
 }
 
+// Values and outputs one element past an aligned address, as an odd-element slice of half
+// values is: rows of 16 halves would allow 16-byte vectors, the address only 2-byte ones. Rank r
+// scatters the rows k with k % world == r (in a shuffled order, so writes cross ranks) from
+// values + 1, then every rank gathers every row into out + 1; both against a host reference.
+template <class L, class Y, class M>
+void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols)
+{
+  using T                 = __half;
+  std::string const what  = std::string{L::name} + "." + Y::name + "." + M::name + " misaligned halves rows=" +
+                           std::to_string(rows) + " cols=" + std::to_string(cols) + " ranks=" + std::to_string(comm.size());
+  int const me            = comm.rank();
+  int const world         = comm.size();
+  std::size_t const rb    = cols * sizeof(T);
+  std::size_t const shift = sizeof(T);  // one element: 2 bytes past a 256-byte aligned allocation
+  std::mt19937_64 shared{seed};
+  auto const table = random_bytes(shared, rows * rb);  // every row is written once, by one rank
+  std::vector<std::int64_t> mine;
+  for (std::size_t k = static_cast<std::size_t>(me); k < rows; k += static_cast<std::size_t>(world)) {
+    mine.push_back(static_cast<std::int64_t>(k));
+  }
+  std::mt19937_64 local{seed + 1 + static_cast<std::uint64_t>(me)};
+  std::shuffle(mine.begin(), mine.end(), local);
+  std::vector<std::byte> values(mine.size() * rb);
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    std::memcpy(values.data() + i * rb, table.data() + static_cast<std::size_t>(mine[i]) * rb, rb);
+  }
+
+  wm::tensor<T, L, Y, M> t{comm, rows, cols};
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreate(&stream));
+  cuda::stream_ref const s{stream};
+  {
+    device_indices<std::int64_t> di{mine};
+    device_bytes vals{values.size() + shift};
+    WM_CUDA_TRY(cudaMemcpy(vals.ptr + shift, values.data(), values.size(), cudaMemcpyHostToDevice));
+    t.scatter(di.span(), reinterpret_cast<T const*>(vals.ptr + shift), s);
+  }
+  comm.barrier();
+  std::vector<std::int64_t> all(rows);
+  for (std::size_t k = 0; k < rows; ++k) { all[k] = static_cast<std::int64_t>(k); }
+  device_indices<std::int64_t> di{all};
+  device_bytes out{rows * rb + shift};  // poisoned
+  t.gather(di.span(), reinterpret_cast<T*>(out.ptr + shift), s);
+  auto const got = out.to_host();
+  std::size_t wrong = 0;
+  for (std::size_t k = 0; k < rows; ++k) {
+    wrong += std::memcmp(got.data() + shift + k * rb, table.data() + k * rb, rb) != 0 ? 1 : 0;
+  }
+  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows << " rows differ after scatter and gather");
+  for (std::size_t b = 0; b < shift; ++b) { RANK_REQUIRE_MSG(got[b] == std::byte{0xA5}, what << ": wrote before out"); }
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  comm.barrier();
+}
+
+template <class M>
+void misaligned_all_kinds(wm::communicator& comm, std::uint64_t seed)
+{
+  auto run = [&]<class L, class Y>() {
+    misaligned_values<L, Y, M>(comm, ++seed, 1003, 16);  // 32-byte rows
+    misaligned_values<L, Y, M>(comm, ++seed, 517, 9);    // 18-byte rows
+  };
+  run.template operator()<wm::device, wm::continuous>();
+  run.template operator()<wm::device, wm::chunked>();
+  run.template operator()<wm::device, wm::distributed>();
+  run.template operator()<wm::host, wm::continuous>();
+  run.template operator()<wm::host, wm::chunked>();
+  run.template operator()<wm::host, wm::distributed>();
+}
+
 template <class L, class Y, class M, class Index>
 void all_types(wm::communicator& comm, std::uint64_t& seed)
 {
@@ -345,6 +423,24 @@ TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gp
   run_suite(wm::local_device_count());
 }
 
+TEST_CASE("one rank: scatter from and gather to half values not aligned to 16 bytes", "[gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(1, [&](wm::communicator& comm) {
+    misaligned_all_kinds<wm::block>(comm, seed);
+    misaligned_all_kinds<wm::cyclic>(comm, seed + 100);
+  });
+}
+
+TEST_CASE("ranks: scatter from and gather to half values not aligned to 16 bytes", "[multi_gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
+    misaligned_all_kinds<wm::block>(comm, seed);
+    misaligned_all_kinds<wm::cyclic>(comm, seed + 100);
+  });
+}
+
 // The distributed gather sends each peer's rows in pieces (one per started 32 MiB, at most 4)
 // while it gathers the next piece: a gather of every row of a 140 MB table moves 70 MB per peer
 // on 2 ranks (three pieces) and 35 MB on 4 (two), with row counts that do not divide evenly.
@@ -355,5 +451,20 @@ TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
     exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+  });
+}
+
+// On one node the distributed gather's owners write rows straight into the asking rank's mailbox
+// (the cases above). Across nodes, without peer access, or with WM_DISPATCH_ROWS=nccl the rows
+// cross through NCCL instead: the same gathers, on that path.
+TEST_CASE("ranks: distributed gathers with rows through NCCL", "[multi_gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
+    RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", "nccl", 1) == 0);  // this rank's process only
+    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
+    exercise<float, wm::host, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+    std::uint64_t more = seed + 2;
+    all_types<wm::device, wm::distributed, wm::block, std::int32_t>(comm, more);
   });
 }

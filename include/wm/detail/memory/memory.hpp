@@ -547,6 +547,15 @@ wm::chunked_view memory<Location, Layout>::chunked_view() const noexcept
 }
 
 template <location Location, layout Layout>
+std::byte* memory<Location, Layout>::part_data(int rank) const
+  requires mapped_layout<Layout>
+{
+  WM_EXPECTS(rank >= 0 && rank < world(), "part_data: rank " + std::to_string(rank) + " is not in [0, " +
+                                            std::to_string(world()) + ")");
+  return r_->chunks[static_cast<std::size_t>(rank)];
+}
+
+template <location Location, layout Layout>
 partition_ref memory<Location, Layout>::device_partition() const noexcept
 {
   return r_->part.ref(r_->meta);

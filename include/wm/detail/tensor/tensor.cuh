@@ -11,9 +11,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 namespace wm {
@@ -70,8 +74,9 @@ class carver {
   std::size_t total_{};
 };
 
-/// A second stream and its events for the distributed gather: row pieces cross NCCL there
-/// while the caller's stream gathers the next piece and reorders the last. Made on first use.
+/// Streams and events for the distributed gather, made on first use. The side stream (highest
+/// priority) moves rows between ranks and puts arrived pieces in the caller's order while the
+/// caller's stream gathers the next piece; the aux stream serves this rank's own rows meanwhile.
 class side_stream {
  public:
   side_stream() = default;
@@ -81,48 +86,98 @@ class side_stream {
   {
     // Only what was made: destroying a null handle fails, and that error would surface at the
     // next launch check of an unrelated call.
-    for (auto e : ready_) {
-      if (e != nullptr) { (void)cudaEventDestroy(e); }
+    auto const drop = [](auto const& set) {
+      for (auto e : set) {
+        if (e != nullptr) { (void)cudaEventDestroy(e); }
+      }
+    };
+    drop(ready_);
+    drop(arrived_);
+    drop(marks_);
+    for (auto st : {stream_, aux_}) {
+      if (st != nullptr) { (void)cudaStreamDestroy(st); }
     }
-    for (auto e : arrived_) {
-      if (e != nullptr) { (void)cudaEventDestroy(e); }
-    }
-    if (stream_ != nullptr) { (void)cudaStreamDestroy(stream_); }
   }
   [[nodiscard]] cudaStream_t get()
   {
-    if (stream_ == nullptr) {
-      // Highest priority: NCCL's blocks start as soon as the gather's blocks leave an SM.
-      // Events first, the stream last: after a failure here the next call tries again.
-      for (auto* e : {&ready_, &arrived_}) {
-        for (auto& x : *e) {
-          if (x == nullptr) { WM_CUDA_TRY(cudaEventCreateWithFlags(&x, cudaEventDisableTiming)); }
-        }
-      }
-      int least = 0, greatest = 0;
-      WM_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-      WM_CUDA_TRY(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
-    }
+    make();
     return stream_;
+  }
+  /// Whether the streams and events exist (the first `get` or `aux` makes them).
+  [[nodiscard]] bool made() const noexcept { return stream_ != nullptr; }
+  /// The stream that serves this rank's own rows while the others cross.
+  [[nodiscard]] cudaStream_t aux()
+  {
+    make();
+    return aux_;
   }
   /// Piece k is gathered (recorded on the caller's stream).
   [[nodiscard]] cudaEvent_t ready(int k) const { return ready_[static_cast<std::size_t>(k)]; }
   /// Piece k has crossed (recorded on the side stream).
   [[nodiscard]] cudaEvent_t arrived(int k) const { return arrived_[static_cast<std::size_t>(k)]; }
+  /// The caller's stream reached the fork (aux waits for it).
+  [[nodiscard]] cudaEvent_t forked() const { return marks_[0]; }
+  /// The aux stream's work is done (the caller's stream waits for it).
+  [[nodiscard]] cudaEvent_t joined() const { return marks_[1]; }
+  /// The last distributed gather that put rows into peers' mailboxes is done on its stream.
+  [[nodiscard]] cudaEvent_t done() const { return marks_[2]; }
 
  private:
+  void make()
+  {
+    if (stream_ != nullptr) { return; }
+    // Events and the aux stream first, the side stream last: after a failure here the next call
+    // tries again.
+    auto const make_all = [](auto& set) {
+      for (auto& x : set) {
+        if (x == nullptr) { WM_CUDA_TRY(cudaEventCreateWithFlags(&x, cudaEventDisableTiming)); }
+      }
+    };
+    make_all(ready_);
+    make_all(arrived_);
+    make_all(marks_);
+    if (aux_ == nullptr) { WM_CUDA_TRY(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking)); }
+    // Highest priority: its blocks start as soon as the gather's blocks leave an SM.
+    int least = 0, greatest = 0;
+    WM_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    WM_CUDA_TRY(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+  }
   cudaStream_t stream_{};
+  cudaStream_t aux_{};
   std::array<cudaEvent_t, max_pieces> ready_{};
   std::array<cudaEvent_t, max_pieces> arrived_{};
+  std::array<cudaEvent_t, 3> marks_{};
+};
+
+/// Where the distributed gather's owners store rows for this rank: a receive buffer of equal
+/// size on every rank, mapped into every peer (chunked device memory over CUDA IPC), so an
+/// owner's gather kernel writes the rows straight into the asking rank's buffer over NVLink
+/// instead of gathering them first and handing them to NCCL. Made (and grown) collectively by
+/// the gather; used only when every rank shares one node.
+struct mailbox {
+  enum class state { unknown, on, off };
+  state mode{state::unknown};
+  std::optional<memory<device, chunked>> buffer;
+  std::vector<std::byte*> at;  // every rank's buffer, as this GPU addresses it
+  std::size_t bytes{};         // per rank
+  mailbox() = default;
+  mailbox(mailbox const&)            = delete;
+  mailbox& operator=(mailbox const&) = delete;
+  ~mailbox()
+  {
+    // Kernels of this rank may still write into peers' buffers or read this one.
+    if (buffer) { (void)cudaDeviceSynchronize(); }
+  }
 };
 
 struct tensor_scratch {
   workspace a;  // sized by the caller's batch
   workspace b;  // sized by what this rank receives (mapped layouts: rotated keys of long gathers)
   side_stream side;
+  mailbox mail;
   unsigned* err{};
   unsigned* err_host{};
-  unsigned long long* counts_host{};  // pinned: send counts (world + 1), then receive counts
+  unsigned long long* counts_host{};  // pinned: send counts (world + 1), then 3 words per peer (plan)
   tensor_scratch(tensor_scratch const&)            = delete;
   tensor_scratch& operator=(tensor_scratch const&) = delete;
   explicit tensor_scratch(int world)
@@ -130,7 +185,7 @@ struct tensor_scratch {
     WM_CUDA_TRY(cudaMalloc(&err, sizeof(unsigned)));
     WM_CUDA_TRY(cudaMemset(err, 0, sizeof(unsigned)));
     WM_CUDA_TRY(cudaMallocHost(&err_host, sizeof(unsigned)));
-    WM_CUDA_TRY(cudaMallocHost(&counts_host, (2 * static_cast<std::size_t>(world) + 1) * sizeof(unsigned long long)));
+    WM_CUDA_TRY(cudaMallocHost(&counts_host, (4 * static_cast<std::size_t>(world) + 1) * sizeof(unsigned long long)));
   }
   ~tensor_scratch()
   {
@@ -398,7 +453,27 @@ struct dispatch_plan_device {
   std::vector<std::size_t> recv_counts;
   std::size_t n_sent{};
   std::size_t n_recv{};
+  /// Per peer q: where, in rows, this rank's answer starts in q's mailbox (q's rows from the
+  /// other ranks packed by owner, q's own share left out).
+  std::vector<std::size_t> mail_offsets;
+  /// The most rows any rank takes from other ranks in this call (the mailbox must hold them).
+  std::size_t most_remote{};
 };
+
+/// Three words per peer q for the count exchange: the rows asked of q, where q's answer starts
+/// among the rows this rank asks of other ranks, and how many rows that is in all.
+template <class Word>
+__global__ void dispatch_words_kernel(Word const* counts, int world, int me, Word* words)
+{
+  if (blockIdx.x != 0 || threadIdx.x != 0) { return; }
+  Word at = 0;
+  for (int q = 0; q < world; ++q) {
+    words[3 * q]     = counts[q];
+    words[3 * q + 1] = at;
+    if (q != me) { at += counts[q]; }
+  }
+  for (int q = 0; q < world; ++q) { words[3 * q + 2] = at; }
+}
 
 template <class Mapping, class Index>
 dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
@@ -418,7 +493,7 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   auto const o_pos    = c.add<std::size_t>(n);
   auto const o_order  = c.add<std::size_t>(n);
   auto const o_keys   = c.add<Index>(n);
-  auto const o_counts = c.add<unsigned long long>(2 * w + 1);
+  auto const o_counts = c.add<unsigned long long>(7 * w + 1);  // counts, invalid, words out, words in
   std::size_t cub_bytes = 0;
   WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<int const*>(nullptr), static_cast<int*>(nullptr),
                                               static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
@@ -432,10 +507,11 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   p.order       = c.take<std::size_t>(base, o_order);
   p.send_keys   = c.take<Index>(base, o_keys);
   auto* counts  = c.take<unsigned long long>(base, o_counts);  // world + 1 (last: invalid)
-  auto* recv    = counts + w + 1;                               // world
+  auto* recv    = counts + w + 1;                               // 3 words per peer
+  auto* words   = recv + 3 * w;                                 // 3 words per peer
   auto* pos     = c.take<std::size_t>(base, o_pos);
   auto* sowner  = c.take<int>(base, o_sowner);
-  WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (2 * w + 1) * sizeof(unsigned long long), s));
+  WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (w + 1) * sizeof(unsigned long long), s));
   if (n > 0) {
     std::size_t const shared = world < locate_shared_ranks ? (w + 1) * sizeof(unsigned long long) : 0;
     locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, p.owner, p.local, pos, counts, scratch.err);
@@ -445,13 +521,21 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
     permute_kernel<<<elementwise_blocks(n), 256, 0, s>>>(p.local, p.order, n, p.send_keys);
     WM_CHECK_LAUNCH();
   }
-  // Counts travel on the device (one element per peer), then both directions come back at once.
-  std::vector<std::size_t> const ones(w, 1);
-  comm.all_to_all_v(counts, std::span<std::size_t const>{ones}, recv, std::span<std::size_t const>{ones}, cuda::stream_ref{s});
-  WM_CUDA_TRY(cudaMemcpyAsync(scratch.counts_host, counts, (2 * w + 1) * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+  // Counts travel on the device (three words per peer), then both directions come back at once.
+  dispatch_words_kernel<<<1, 1, 0, s>>>(counts, world, comm.rank(), words);
+  WM_CHECK_LAUNCH();
+  std::vector<std::size_t> const three(w, 3);
+  comm.all_to_all_v(static_cast<unsigned long long const*>(words), std::span<std::size_t const>{three}, recv,
+                    std::span<std::size_t const>{three}, cuda::stream_ref{s});
+  WM_CUDA_TRY(cudaMemcpyAsync(scratch.counts_host, counts, (4 * w + 1) * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
   WM_CUDA_TRY(cudaStreamSynchronize(s));
+  auto const* got = scratch.counts_host + w + 1;
   p.send_counts.assign(scratch.counts_host, scratch.counts_host + w);
-  p.recv_counts.assign(scratch.counts_host + w + 1, scratch.counts_host + 2 * w + 1);
+  for (std::size_t q = 0; q < w; ++q) {
+    p.recv_counts.push_back(got[3 * q]);
+    p.mail_offsets.push_back(got[3 * q + 1]);
+    p.most_remote = std::max<std::size_t>(p.most_remote, got[3 * q + 2]);
+  }
   p.n_sent = std::accumulate(p.send_counts.begin(), p.send_counts.end(), std::size_t{0});
   p.n_recv = std::accumulate(p.recv_counts.begin(), p.recv_counts.end(), std::size_t{0});
   return p;
@@ -477,33 +561,82 @@ namespace detail {
 
 }  // namespace detail
 
+namespace detail {
+
+/// Whether this call's rows go through the mailboxes (see `mailbox`); makes or grows them first.
+/// Collective: every rank passes the same @p bytes (from the count exchange). The first call
+/// decides, for the life of the tensor, with every rank's vote: one node, more than one rank, and
+/// `WM_DISPATCH_ROWS` not set to `nccl`. A mailbox that cannot be made (no peer access between
+/// the GPUs, no memory) leaves the tensor on the NCCL path on every rank.
+inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
+{
+  if (m.mode == mailbox::state::unknown) {
+    char const* env = std::getenv("WM_DISPATCH_ROWS");
+    bool const nccl = env != nullptr && std::string_view{env} == "nccl";
+    int const want  = comm.size() > 1 && comm.single_node() && !nccl ? 1 : 0;
+    auto const votes = comm.all_gather(want);
+    m.mode = std::ranges::all_of(votes, [](int v) { return v != 0; }) ? mailbox::state::on : mailbox::state::off;
+  }
+  if (m.mode == mailbox::state::off) { return false; }
+  if (bytes <= m.bytes) { return true; }
+  // Every rank's earlier gathers are done with every buffer before any is freed: this rank's
+  // kernels by the sync, peers' writes into this buffer because this rank waited for their
+  // flags, and no rank frees before all have synced (the release is collective).
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  m.buffer.reset();
+  m.at.clear();
+  m.bytes = 0;
+  std::size_t const grown = round_up(bytes + bytes / 4, std::size_t{2} << 20);
+  auto const world        = static_cast<std::size_t>(comm.size());
+  try {
+    m.buffer.emplace(comm, grown * world, grown);
+  } catch (cuda_error const&) {
+    m.mode = mailbox::state::off;  // the failure is agreed: every rank lands here
+    return false;
+  }
+  for (int q = 0; q < comm.size(); ++q) { m.at.push_back(m.buffer->part_data(q)); }
+  m.bytes = grown;
+  return true;
+}
+
+}  // namespace detail
+
 template <class T, location Location, layout Layout, mapping Mapping>
   requires std::is_trivially_copyable_v<T>
 template <class Index>
 void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std::size_t n, T* out, cudaStream_t s)
 {
   auto& comm   = *comm_;
-  auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, *scratch_, s);
+  auto& sc     = *scratch_;
+  // The last call's mailbox reads (on the side stream) come before peers' writes of this call,
+  // which follow this rank's keys.
+  if (sc.mail.mode == detail::mailbox::state::on && sc.side.made()) {
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.done(), 0));
+  }
+  auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, sc, s);
   std::size_t const rb = row_bytes();
   auto const world     = static_cast<std::size_t>(comm.size());
   auto const me        = static_cast<std::size_t>(comm.rank());
-  // Rows this rank owns are served in place; only the other ranks' share crosses NCCL.
+  bool const put       = detail::mailbox_ready(comm, sc.mail, p.most_remote * rb);
+  // Rows this rank owns are served in place; only the other ranks' share crosses.
   auto remote_send = p.send_counts;  // keys out = rows back in
   auto remote_recv = p.recv_counts;  // keys in = rows out
   remote_send[me]  = 0;
   remote_recv[me]  = 0;
   auto const key_at  = detail::block_starts(p.send_counts);  // in p.send_keys and p.order
-  auto const back_at = detail::block_starts(remote_send);    // in back
+  auto const back_at = detail::block_starts(remote_send);    // in back (the mailbox when put)
   auto const recv_at = detail::block_starts(remote_recv);    // in recv_keys and rows_out
   detail::carver c;
-  auto const o_keys = c.add<Index>(recv_at[world]);
-  auto const o_rows = c.add<std::byte>(recv_at[world] * rb);
-  auto const o_back = c.add<std::byte>(back_at[world] * rb);
-  std::byte* base   = scratch_->b.reserve(c.total(), s);
-  auto* recv_keys   = c.take<Index>(base, o_keys);
-  auto* rows_out    = c.take<std::byte>(base, o_rows);
-  auto* back        = c.take<std::byte>(base, o_back);
-  auto const local  = mem_.local_view();
+  auto const o_keys  = c.add<Index>(recv_at[world]);
+  auto const o_flags = c.add<unsigned>(2 * world);
+  auto const o_rows  = c.add<std::byte>(put ? 0 : recv_at[world] * rb);
+  auto const o_back  = c.add<std::byte>(put ? 0 : back_at[world] * rb);
+  std::byte* base    = sc.b.reserve(c.total(), s);
+  auto* recv_keys    = c.take<Index>(base, o_keys);
+  auto* flags        = c.take<unsigned>(base, o_flags);
+  auto* rows_out     = c.take<std::byte>(base, o_rows);
+  auto* back         = !put || sc.mail.at.empty() ? c.take<std::byte>(base, o_back) : sc.mail.at[me];
+  auto const local   = mem_.local_view();
   detail::local_rows const table{local.data, local.entries, stride_bytes()};
   detail::packed_rows const dst{reinterpret_cast<std::byte*>(out), rb};
 
@@ -517,55 +650,103 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
     }
     comm.send_recv(sends, recvs, cuda::stream_ref{s});
   }
-  // 2. Pipelined rows: this stream gathers piece k of every peer's request while the side stream
-  //    sends piece k - 1; piece k is put in the caller's order once it has arrived. While pieces
-  //    are in flight this stream's kernels get grids of 3 blocks per SM at most (not a per-SM
-  //    limit, a smaller grid): the gather kernel's blocks stay until its rows are done, and
-  //    NCCL's blocks need room beside them.
+  // 2. Pipelined rows in pieces (both ends cut a peer's rows alike, see `pieces_of`). This stream
+  //    gathers piece k of every peer's request — into the peer's mailbox, or into a send buffer
+  //    that NCCL moves on the side stream — while the side stream puts piece k - 1 in the
+  //    caller's order. While pieces are in flight the kernels get grids of a few blocks per SM
+  //    at most (a smaller grid, not a per-SM limit): the gather kernel's blocks stay until its
+  //    rows are done, and the other streams' blocks (NCCL's among them) need room beside them.
   int const room = 3;
+  // Put kernels wait on NVLink stores, not on memory: they take every slot (measured on 2 H200s,
+  // 1M keys: room 3 -> 8 took 1.27 -> 1.15 ms), and the own rows and the reordering, which
+  // hide behind them, take little (bench/NOTES.md).
+  int const put_room = 8, side_room = 4, own_room = 1;
   int pieces = 0;
   for (std::size_t q = 0; q < world; ++q) {
     pieces = std::max({pieces, detail::pieces_of(remote_send[q], rb), detail::pieces_of(remote_recv[q], rb)});
   }
-  cudaStream_t const side = pieces > 0 ? scratch_->side.get() : nullptr;
+  // The side stream and its events exist whenever the mailboxes are in use (`done` below).
+  cudaStream_t const side = pieces > 0 || put ? sc.side.get() : nullptr;
+  if (put && pieces > 0) { WM_CUDA_TRY(cudaMemsetAsync(flags, 0, 2 * world * sizeof(unsigned), s)); }
+  // 3. This rank's own rows, straight from the table to their output rows: on the aux stream
+  //    beside the pieces when the rows are put (the put kernels wait on NVLink, not on memory).
+  cudaStream_t const own = put && pieces > 0 ? sc.side.aux() : s;
+  if (own != s) {
+    WM_CUDA_TRY(cudaEventRecord(sc.side.forked(), s));
+    WM_CUDA_TRY(cudaStreamWaitEvent(own, sc.side.forked(), 0));
+  }
+  if (put || pieces == 0) {
+    detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
+                          sc.err, own, false, pieces > 0 ? own_room : 8);
+  }
+  if (own != s) { WM_CUDA_TRY(cudaEventRecord(sc.side.joined(), own)); }
   for (int k = 0; k < pieces; ++k) {
     std::vector<communicator::send_part> sends;
     std::vector<communicator::recv_part> recvs;
-    for (std::size_t q = 0; q < world; ++q) {
+    for (std::size_t i = 1; i <= world; ++i) {
+      std::size_t const q = (me + i) % world;  // ranks start with different owners
       auto const out_piece = detail::piece_of(remote_recv[q], rb, k);
       auto const in_piece  = detail::piece_of(remote_send[q], rb, k);
       std::size_t const n_out = out_piece.last - out_piece.first;
-      std::byte* const rows   = rows_out + (recv_at[q] + out_piece.first) * rb;
+      std::size_t const n_in  = in_piece.last - in_piece.first;
+      std::byte* const rows = put ? sc.mail.at[q] + (p.mail_offsets[q] + out_piece.first) * rb
+                                  : rows_out + (recv_at[q] + out_piece.first) * rb;
       if (n_out > 0) {
         detail::launch_gather(table, recv_keys + recv_at[q] + out_piece.first, static_cast<std::size_t const*>(nullptr), n_out,
-                              detail::packed_rows{rows, rb}, rb, stride_bytes(), scratch_->err, s, false, room);
+                              detail::packed_rows{rows, rb}, rb, stride_bytes(), sc.err, s, false, put ? put_room : room);
       }
-      sends.push_back({static_cast<int>(q), rows, n_out * rb});
-      recvs.push_back({static_cast<int>(q), back + (back_at[q] + in_piece.first) * rb, (in_piece.last - in_piece.first) * rb});
+      if (put) {
+        // Only a flag crosses NCCL: the rows are in q's mailbox once this stream's kernel is done.
+        sends.push_back({static_cast<int>(q), flags + q, n_out > 0 ? sizeof(unsigned) : 0});
+        recvs.push_back({static_cast<int>(q), flags + world + q, n_in > 0 ? sizeof(unsigned) : 0});
+      } else {
+        sends.push_back({static_cast<int>(q), rows, n_out * rb});
+        recvs.push_back({static_cast<int>(q), back + (back_at[q] + in_piece.first) * rb, n_in * rb});
+      }
     }
-    WM_CUDA_TRY(cudaEventRecord(scratch_->side.ready(k), s));
-    WM_CUDA_TRY(cudaStreamWaitEvent(side, scratch_->side.ready(k), 0));
+    WM_CUDA_TRY(cudaEventRecord(sc.side.ready(k), s));
+    WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.ready(k), 0));
     comm.send_recv(sends, recvs, cuda::stream_ref{side});
-    WM_CUDA_TRY(cudaEventRecord(scratch_->side.arrived(k), side));
+    if (put) {
+      // 4 (put). Arrived rows to the caller's order on the side stream, beside the next piece.
+      for (std::size_t q = 0; q < world; ++q) {
+        auto const in_piece = detail::piece_of(remote_send[q], rb, k);
+        std::size_t const n_in = in_piece.last - in_piece.first;
+        if (n_in == 0) { continue; }
+        detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
+                              static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
+                              sc.err, side, false, side_room);
+      }
+    }
+    WM_CUDA_TRY(cudaEventRecord(sc.side.arrived(k), side));
   }
-  // 3. This rank's own rows, straight from the table to their output rows.
-  detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
-                        scratch_->err, s, false, pieces > 0 ? room : 8);
-  // 4. Arrived rows to the caller's order: back row j of peer q's block is output row order[...].
-  for (int k = 0; k < pieces; ++k) {
-    WM_CUDA_TRY(cudaStreamWaitEvent(s, scratch_->side.arrived(k), 0));
-    for (std::size_t q = 0; q < world; ++q) {
-      auto const in_piece = detail::piece_of(remote_send[q], rb, k);
-      std::size_t const n_in = in_piece.last - in_piece.first;
-      if (n_in == 0) { continue; }
-      detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
-                            static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
-                            scratch_->err, s, false, k + 1 < pieces ? room : 8);
+  if (put) {
+    if (pieces > 0) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(pieces - 1), 0)); }
+    if (own != s) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.joined(), 0)); }
+  } else {
+    // 3 (NCCL). This rank's own rows while the last pieces cross.
+    if (pieces > 0) {
+      detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
+                            sc.err, s, false, room);
+    }
+    // 4 (NCCL). Arrived rows to the caller's order: back row j of peer q's block is output row
+    // order[...].
+    for (int k = 0; k < pieces; ++k) {
+      WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(k), 0));
+      for (std::size_t q = 0; q < world; ++q) {
+        auto const in_piece = detail::piece_of(remote_send[q], rb, k);
+        std::size_t const n_in = in_piece.last - in_piece.first;
+        if (n_in == 0) { continue; }
+        detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
+                              static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
+                              sc.err, s, false, k + 1 < pieces ? room : 8);
+      }
     }
   }
   // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
   detail::launch_gather(detail::local_rows{back, 0, rb}, static_cast<Index const*>(nullptr), p.order + p.n_sent,
-                        n - p.n_sent, dst, rb, rb, scratch_->err, s);
+                        n - p.n_sent, dst, rb, rb, sc.err, s);
+  if (put) { WM_CUDA_TRY(cudaEventRecord(sc.side.done(), s)); }
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -597,10 +778,13 @@ void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, st
   auto* sorted_keys = c.take<Index>(base, o_sk);
   auto* sorted_pos  = c.take<std::size_t>(base, o_sp);
 
-  // Value rows in send order, then keys and values to their owners.
+  // Value rows in send order, then keys and values to their owners. The caller's values need
+  // only be aligned for T (e.g. an odd-element slice of half values): no vector wider than both
+  // the row size and their address allows.
+  std::uintptr_t const values_alignment = std::gcd(static_cast<std::uintptr_t>(rb), reinterpret_cast<std::uintptr_t>(values));
   detail::launch_gather(detail::local_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), n, rb}, p.order,
-                        static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_vals, rb}, rb, rb,
-                        scratch_->err, s);
+                        static_cast<std::size_t const*>(nullptr), p.n_sent, detail::packed_rows{send_vals, rb}, rb,
+                        values_alignment, scratch_->err, s);
   comm.all_to_all_v(p.send_keys, std::span<std::size_t const>{p.send_counts}, recv_keys,
                     std::span<std::size_t const>{p.recv_counts}, cuda::stream_ref{s});
   auto const recv_bytes = detail::scaled(p.recv_counts, rb);
