@@ -355,19 +355,25 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
   comm.barrier();
 }
 
-template <class M>
-void misaligned_all_kinds(wm::communicator& comm, std::uint64_t seed)
+// Calls run.template operator()<Location, Layout>() for every location and layout.
+template <class Run>
+void for_every_kind(Run&& run)
 {
-  auto run = [&]<class L, class Y>() {
-    misaligned_values<L, Y, M>(comm, ++seed, 1003, 16);  // 32-byte rows
-    misaligned_values<L, Y, M>(comm, ++seed, 517, 9);    // 18-byte rows
-  };
   run.template operator()<wm::device, wm::continuous>();
   run.template operator()<wm::device, wm::chunked>();
   run.template operator()<wm::device, wm::distributed>();
   run.template operator()<wm::host, wm::continuous>();
   run.template operator()<wm::host, wm::chunked>();
   run.template operator()<wm::host, wm::distributed>();
+}
+
+template <class M>
+void misaligned_all_kinds(wm::communicator& comm, std::uint64_t seed)
+{
+  for_every_kind([&]<class L, class Y>() {
+    misaligned_values<L, Y, M>(comm, ++seed, 1003, 16);  // 32-byte rows
+    misaligned_values<L, Y, M>(comm, ++seed, 517, 9);    // 18-byte rows
+  });
 }
 
 template <class L, class Y, class M, class Index>
@@ -386,7 +392,7 @@ void all_types(wm::communicator& comm, std::uint64_t& seed)
 template <class M, bool all_element_types>
 void all_kinds(wm::communicator& comm, std::uint64_t seed)
 {
-  auto run = [&]<class L, class Y>() {
+  for_every_kind([&]<class L, class Y>() {
     if constexpr (all_element_types) {
       all_types<L, Y, M, std::int32_t>(comm, seed);
       all_types<L, Y, M, std::int64_t>(comm, seed);
@@ -394,13 +400,7 @@ void all_kinds(wm::communicator& comm, std::uint64_t seed)
       exercise<float, L, Y, M, std::int32_t>(comm, ++seed, 1001, 32, 0);
       exercise<std::int64_t, L, Y, M, std::int64_t>(comm, ++seed, 5, 3, 0);
     }
-  };
-  run.template operator()<wm::device, wm::continuous>();
-  run.template operator()<wm::device, wm::chunked>();
-  run.template operator()<wm::device, wm::distributed>();
-  run.template operator()<wm::host, wm::continuous>();
-  run.template operator()<wm::host, wm::chunked>();
-  run.template operator()<wm::host, wm::distributed>();
+  });
 }
 
 void run_suite(int ranks)

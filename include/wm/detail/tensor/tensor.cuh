@@ -680,6 +680,18 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
                           sc.err, own, false, pieces > 0 ? own_room : 8);
   }
   if (own != s) { WM_CUDA_TRY(cudaEventRecord(sc.side.joined(), own)); }
+  // Piece k of every peer's answer, arrived in `back`, to the caller's order: back row j of
+  // peer q's block is output row order[key_at[q] + j].
+  auto const reorder = [&](int k, cudaStream_t on, int blocks_per_sm) {
+    for (std::size_t q = 0; q < world; ++q) {
+      auto const in_piece    = detail::piece_of(remote_send[q], rb, k);
+      std::size_t const n_in = in_piece.last - in_piece.first;
+      if (n_in == 0) { continue; }
+      detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
+                            static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
+                            sc.err, on, false, blocks_per_sm);
+    }
+  };
   for (int k = 0; k < pieces; ++k) {
     std::vector<communicator::send_part> sends;
     std::vector<communicator::recv_part> recvs;
@@ -707,17 +719,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
     WM_CUDA_TRY(cudaEventRecord(sc.side.ready(k), s));
     WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.ready(k), 0));
     comm.send_recv(sends, recvs, cuda::stream_ref{side});
-    if (put) {
-      // 4 (put). Arrived rows to the caller's order on the side stream, beside the next piece.
-      for (std::size_t q = 0; q < world; ++q) {
-        auto const in_piece = detail::piece_of(remote_send[q], rb, k);
-        std::size_t const n_in = in_piece.last - in_piece.first;
-        if (n_in == 0) { continue; }
-        detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
-                              static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
-                              sc.err, side, false, side_room);
-      }
-    }
+    if (put) { reorder(k, side, side_room); }  // 4 (put): on the side stream, beside the next piece
     WM_CUDA_TRY(cudaEventRecord(sc.side.arrived(k), side));
   }
   if (put) {
@@ -729,18 +731,10 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
       detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
                             sc.err, s, false, room);
     }
-    // 4 (NCCL). Arrived rows to the caller's order: back row j of peer q's block is output row
-    // order[...].
+    // 4 (NCCL). Arrived pieces to the caller's order, on this stream.
     for (int k = 0; k < pieces; ++k) {
       WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(k), 0));
-      for (std::size_t q = 0; q < world; ++q) {
-        auto const in_piece = detail::piece_of(remote_send[q], rb, k);
-        std::size_t const n_in = in_piece.last - in_piece.first;
-        if (n_in == 0) { continue; }
-        detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
-                              static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
-                              sc.err, s, false, k + 1 < pieces ? room : 8);
-      }
+      reorder(k, s, k + 1 < pieces ? room : 8);
     }
   }
   // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
