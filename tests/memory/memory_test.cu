@@ -158,6 +158,22 @@ void write_and_check(wm::communicator& comm, wm::memory<L, Y>& m, std::uint32_t 
       check_all<<<blocks, threads>>>(m.chunked_view(), m.entries(), c.starts, c.world, salt, c.bad);
     });
     RANK_REQUIRE_MSG(bad == 0, what << ": " << bad << " wrong bytes through chunked_view");
+    // part_data: the same per-rank starts, for host code; this rank's is its local view.
+    std::vector<std::byte*> chunks(static_cast<std::size_t>(comm.size()));
+    WM_CUDA_TRY(cudaMemcpy(chunks.data(), m.chunked_view().chunks, chunks.size() * sizeof(std::byte*), cudaMemcpyDeviceToHost));
+    for (int q = 0; q < comm.size(); ++q) {
+      RANK_REQUIRE_MSG(m.part_data(q) == chunks[static_cast<std::size_t>(q)], what << ": part_data(" << q << ") differs");
+    }
+    RANK_REQUIRE(v.entries == 0 || m.part_data(me) == v.data);
+    for (int bad_rank : {-1, comm.size()}) {
+      bool threw = false;
+      try {
+        (void)m.part_data(bad_rank);
+      } catch (wm::logic_error const&) {
+        threw = true;
+      }
+      RANK_REQUIRE_MSG(threw, what << ": part_data(" << bad_rank << ") did not throw");
+    }
   }
   if constexpr (std::is_same_v<Y, wm::continuous>) {
     auto const cv = m.continuous_view();
