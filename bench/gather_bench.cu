@@ -35,7 +35,8 @@
  *     Reported too, to show where the time goes: the same lookup with keys of this rank's rows
  *     only (no rows cross) and with keys of other ranks' rows only (every row crosses), and the
  *     lookup with its rows through NCCL (WM_DISPATCH_ROWS=nccl: the path across nodes) instead
- *     of the mailboxes that ranks of one node use.
+ *     of the mailboxes that ranks of one node use, and with the rows moved into the mailboxes by
+ *     the copy engines (WM_DISPATCH_ROWS=copy) instead of the gather kernels' stores.
  *
  * Each case is checked once before timing (output poisoned; every output element compared on the
  * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
@@ -180,6 +181,7 @@ struct results {
   double d_nccl_ms{nan};                   // (d) limit: NCCL moving a uniform batch's remote rows
   double d_own_ms{nan}, d_remote_ms{nan};  // (d) keys of this rank's rows only / of others' only
   double d_via_nccl_ms{nan};               // (d) with the rows through NCCL (WM_DISPATCH_ROWS=nccl)
+  double d_via_copy_ms{nan};               // (d) rows copied into the mailboxes (WM_DISPATCH_ROWS=copy)
 };
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
@@ -277,14 +279,23 @@ class bench {
         comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
       res.d_own_ms    = max_of(mine_only, &rank_figures::ms);
       res.d_remote_ms = max_of(others, &rank_figures::ms);
-      // The path taken across nodes or without peer access: rows through NCCL, not mailboxes.
-      // A tensor takes its path at its first gather.
-      if (::setenv("WM_DISPATCH_ROWS", "nccl", 1) != 0) { throw std::runtime_error{"setenv failed"}; }
-      wm::tensor<float, wm::device, Layout> via_nccl{comm_, table_rows, cols};
-      fill(via_nccl);
-      res.d_via_nccl_ms = max_of(comm_.all_gather(gather_case(via_nccl, keys, 230)), &rank_figures::ms);
-      ::unsetenv("WM_DISPATCH_ROWS");
+      // The path taken across nodes or without peer access: rows through NCCL, not mailboxes;
+      // and rows moved into the mailboxes by the copy engines. A tensor takes its path at its
+      // first gather.
+      res.d_via_nccl_ms = other_path("nccl", 230);
+      res.d_via_copy_ms = other_path("copy", 240);
     }
+  }
+
+  /// (d) the lookup on a fresh tensor with WM_DISPATCH_ROWS=@p how (see wm/tensor.cuh).
+  double other_path(char const* how, int slot)
+  {
+    if (::setenv("WM_DISPATCH_ROWS", how, 1) != 0) { throw std::runtime_error{"setenv failed"}; }
+    wm::tensor<float, wm::device, wm::distributed> t{comm_, table_rows, cols};
+    fill(t);
+    double const ms = max_of(comm_.all_gather(gather_case(t, keys, slot)), &rank_figures::ms);
+    ::unsetenv("WM_DISPATCH_ROWS");
+    return ms;
   }
 
   /// (d) limit: ms for NCCL alone to move the rows a uniform batch of `keys` takes from other
@@ -525,6 +536,8 @@ void print_table(results const& r, peer_result const& p, double seconds)
       r.d_nccl_ms / r.d_ms, 0);
   row("(d) with rows through NCCL", two ? fmt("%.3f ms", r.d_via_nccl_ms) : "n/a (1 GPU)",
       std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_nccl_ms, 0);
+  row("(d) rows by copy engine", two ? fmt("%.3f ms", r.d_via_copy_ms) : "n/a (1 GPU)",
+      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_copy_ms, 0);
   row("(d) own rows only", two ? fmt("%.3f ms", r.d_own_ms) : "n/a (1 GPU)", "-", nan, 0);
   row("(d) others' rows only", two ? fmt("%.3f ms", r.d_remote_ms) : "n/a (1 GPU)",
       two ? fmt("NCCL alone, scaled to 1M rows: %.3f ms",

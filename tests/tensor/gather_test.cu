@@ -455,16 +455,24 @@ TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
 }
 
 // On one node the distributed gather's owners write rows straight into the asking rank's mailbox
-// (the cases above). Across nodes, without peer access, or with WM_DISPATCH_ROWS=nccl the rows
-// cross through NCCL instead: the same gathers, on that path.
-TEST_CASE("ranks: distributed gathers with rows through NCCL", "[multi_gpu]")
+// with their gather kernels (the cases above). With WM_DISPATCH_ROWS=copy they gather the rows
+// locally and the copy engines move them into the mailbox; across nodes, without peer access, or
+// with WM_DISPATCH_ROWS=nccl the rows cross through NCCL instead: the same gathers, on each path.
+TEST_CASE("ranks: distributed gathers with rows copied or through NCCL", "[multi_gpu]")
 {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", "nccl", 1) == 0);  // this rank's process only
-    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
-    exercise<float, wm::host, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
-    std::uint64_t more = seed + 2;
-    all_types<wm::device, wm::distributed, wm::block, std::int32_t>(comm, more);
+    for (char const* how : {"copy", "nccl"}) {
+      RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", how, 1) == 0);  // this rank's process only
+      try {
+        exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
+        exercise<float, wm::host, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+        std::uint64_t more = seed + 2;
+        all_types<wm::device, wm::distributed, wm::block, std::int32_t>(comm, more);
+      } catch (std::exception const& e) {
+        throw std::runtime_error{std::string{"WM_DISPATCH_ROWS="} + how + ": " + e.what()};
+      }
+    }
+    RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
   });
 }

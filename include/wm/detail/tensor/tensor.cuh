@@ -93,6 +93,7 @@ class side_stream {
     };
     drop(ready_);
     drop(arrived_);
+    drop(copied_);
     drop(marks_);
     for (auto st : {stream_, aux_}) {
       if (st != nullptr) { (void)cudaStreamDestroy(st); }
@@ -105,7 +106,8 @@ class side_stream {
   }
   /// Whether the streams and events exist (the first `get` or `aux` makes them).
   [[nodiscard]] bool made() const noexcept { return stream_ != nullptr; }
-  /// The stream that serves this rank's own rows while the others cross.
+  /// The stream that serves this rank's own rows while the others cross (rows put by kernels), or
+  /// that hands gathered pieces to the copy engine (rows copied).
   [[nodiscard]] cudaStream_t aux()
   {
     make();
@@ -113,6 +115,8 @@ class side_stream {
   }
   /// Piece k is gathered (recorded on the caller's stream).
   [[nodiscard]] cudaEvent_t ready(int k) const { return ready_[static_cast<std::size_t>(k)]; }
+  /// Piece k is copied into the peers' mailboxes (recorded on the aux stream).
+  [[nodiscard]] cudaEvent_t copied(int k) const { return copied_[static_cast<std::size_t>(k)]; }
   /// Piece k has crossed (recorded on the side stream).
   [[nodiscard]] cudaEvent_t arrived(int k) const { return arrived_[static_cast<std::size_t>(k)]; }
   /// The caller's stream reached the fork (aux waits for it).
@@ -135,6 +139,7 @@ class side_stream {
     };
     make_all(ready_);
     make_all(arrived_);
+    make_all(copied_);
     make_all(marks_);
     if (aux_ == nullptr) { WM_CUDA_TRY(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking)); }
     // Highest priority: its blocks start as soon as the gather's blocks leave an SM.
@@ -146,6 +151,7 @@ class side_stream {
   cudaStream_t aux_{};
   std::array<cudaEvent_t, max_pieces> ready_{};
   std::array<cudaEvent_t, max_pieces> arrived_{};
+  std::array<cudaEvent_t, max_pieces> copied_{};
   std::array<cudaEvent_t, 3> marks_{};
 };
 
@@ -153,10 +159,12 @@ class side_stream {
 /// size on every rank, mapped into every peer (chunked device memory over CUDA IPC), so an
 /// owner's gather kernel writes the rows straight into the asking rank's buffer over NVLink
 /// instead of gathering them first and handing them to NCCL. Made (and grown) collectively by
-/// the gather; used only when every rank shares one node.
+/// the gather; used only when every rank shares one node. With `copy` the owner gathers the rows
+/// into its own memory and the copy engines move them into the mailbox, leaving the SMs free.
 struct mailbox {
   enum class state { unknown, on, off };
   state mode{state::unknown};
+  bool copy{};  // rows reach the mailbox by cudaMemcpyAsync, not by the gather kernel's stores
   std::optional<memory<device, chunked>> buffer;
   std::vector<std::byte*> at;  // every rank's buffer, as this GPU addresses it
   std::size_t bytes{};         // per rank
@@ -566,16 +574,18 @@ namespace detail {
 /// Whether this call's rows go through the mailboxes (see `mailbox`); makes or grows them first.
 /// Collective: every rank passes the same @p bytes (from the count exchange). The first call
 /// decides, for the life of the tensor, with every rank's vote: one node, more than one rank, and
-/// `WM_DISPATCH_ROWS` not set to `nccl`. A mailbox that cannot be made (no peer access between
-/// the GPUs, no memory) leaves the tensor on the NCCL path on every rank.
+/// `WM_DISPATCH_ROWS` not set to `nccl`; rows are copied by the copy engines when every rank has
+/// `WM_DISPATCH_ROWS=copy`. A mailbox that cannot be made (no peer access between the GPUs, no
+/// memory) leaves the tensor on the NCCL path on every rank.
 inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
 {
   if (m.mode == mailbox::state::unknown) {
     char const* env = std::getenv("WM_DISPATCH_ROWS");
-    bool const nccl = env != nullptr && std::string_view{env} == "nccl";
-    int const want  = comm.size() > 1 && comm.single_node() && !nccl ? 1 : 0;
+    std::string_view const how = env != nullptr ? env : "";
+    int const want   = comm.size() > 1 && comm.single_node() && how != "nccl" ? (how == "copy" ? 2 : 1) : 0;
     auto const votes = comm.all_gather(want);
     m.mode = std::ranges::all_of(votes, [](int v) { return v != 0; }) ? mailbox::state::on : mailbox::state::off;
+    m.copy = std::ranges::all_of(votes, [](int v) { return v == 2; });
   }
   if (m.mode == mailbox::state::off) { return false; }
   if (bytes <= m.bytes) { return true; }
@@ -618,6 +628,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   auto const world     = static_cast<std::size_t>(comm.size());
   auto const me        = static_cast<std::size_t>(comm.rank());
   bool const put       = detail::mailbox_ready(comm, sc.mail, p.most_remote * rb);
+  bool const copy      = put && sc.mail.copy;  // gathered here, then copied into the mailboxes
   // Rows this rank owns are served in place; only the other ranks' share crosses.
   auto remote_send = p.send_counts;  // keys out = rows back in
   auto remote_recv = p.recv_counts;  // keys in = rows out
@@ -629,7 +640,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   detail::carver c;
   auto const o_keys  = c.add<Index>(recv_at[world]);
   auto const o_flags = c.add<unsigned>(2 * world);
-  auto const o_rows  = c.add<std::byte>(put ? 0 : recv_at[world] * rb);
+  auto const o_rows  = c.add<std::byte>(put && !copy ? 0 : recv_at[world] * rb);
   auto const o_back  = c.add<std::byte>(put ? 0 : back_at[world] * rb);
   std::byte* base    = sc.b.reserve(c.total(), s);
   auto* recv_keys    = c.take<Index>(base, o_keys);
@@ -669,13 +680,15 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   cudaStream_t const side = pieces > 0 || put ? sc.side.get() : nullptr;
   if (put && pieces > 0) { WM_CUDA_TRY(cudaMemsetAsync(flags, 0, 2 * world * sizeof(unsigned), s)); }
   // 3. This rank's own rows, straight from the table to their output rows: on the aux stream
-  //    beside the pieces when the rows are put (the put kernels wait on NVLink, not on memory).
-  cudaStream_t const own = put && pieces > 0 ? sc.side.aux() : s;
+  //    beside the pieces when kernels put the rows (they wait on NVLink, not on memory); after
+  //    the pieces on this stream otherwise, while the last ones cross.
+  bool const own_beside = put && !copy && pieces > 0;
+  cudaStream_t const own = own_beside ? sc.side.aux() : s;
   if (own != s) {
     WM_CUDA_TRY(cudaEventRecord(sc.side.forked(), s));
     WM_CUDA_TRY(cudaStreamWaitEvent(own, sc.side.forked(), 0));
   }
-  if (put || pieces == 0) {
+  if (own_beside || pieces == 0) {
     detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
                           sc.err, own, false, pieces > 0 ? own_room : 8);
   }
@@ -692,20 +705,27 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
                             sc.err, on, false, blocks_per_sm);
     }
   };
+  struct copy_part {
+    std::byte* to;
+    std::byte const* from;
+    std::size_t bytes;
+  };
   for (int k = 0; k < pieces; ++k) {
     std::vector<communicator::send_part> sends;
     std::vector<communicator::recv_part> recvs;
+    std::vector<copy_part> copies;
     for (std::size_t i = 1; i <= world; ++i) {
       std::size_t const q = (me + i) % world;  // ranks start with different owners
       auto const out_piece = detail::piece_of(remote_recv[q], rb, k);
       auto const in_piece  = detail::piece_of(remote_send[q], rb, k);
       std::size_t const n_out = out_piece.last - out_piece.first;
       std::size_t const n_in  = in_piece.last - in_piece.first;
-      std::byte* const rows = put ? sc.mail.at[q] + (p.mail_offsets[q] + out_piece.first) * rb
-                                  : rows_out + (recv_at[q] + out_piece.first) * rb;
+      std::byte* const mail = put ? sc.mail.at[q] + (p.mail_offsets[q] + out_piece.first) * rb : nullptr;
+      std::byte* const rows = put && !copy ? mail : rows_out + (recv_at[q] + out_piece.first) * rb;
       if (n_out > 0) {
         detail::launch_gather(table, recv_keys + recv_at[q] + out_piece.first, static_cast<std::size_t const*>(nullptr), n_out,
                               detail::packed_rows{rows, rb}, rb, stride_bytes(), sc.err, s, false, put ? put_room : room);
+        if (copy) { copies.push_back({mail, rows, n_out * rb}); }
       }
       if (put) {
         // Only a flag crosses NCCL: the rows are in q's mailbox once this stream's kernel is done.
@@ -717,20 +737,29 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
       }
     }
     WM_CUDA_TRY(cudaEventRecord(sc.side.ready(k), s));
-    WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.ready(k), 0));
+    if (copy) {
+      // The copy engines move piece k over NVLink (aux stream) while this stream gathers the next.
+      cudaStream_t const ce = sc.side.aux();
+      WM_CUDA_TRY(cudaStreamWaitEvent(ce, sc.side.ready(k), 0));
+      for (auto const& part : copies) { WM_CUDA_TRY(cudaMemcpyAsync(part.to, part.from, part.bytes, cudaMemcpyDeviceToDevice, ce)); }
+      WM_CUDA_TRY(cudaEventRecord(sc.side.copied(k), ce));
+      WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.copied(k), 0));
+    } else {
+      WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.ready(k), 0));
+    }
     comm.send_recv(sends, recvs, cuda::stream_ref{side});
     if (put) { reorder(k, side, side_room); }  // 4 (put): on the side stream, beside the next piece
     WM_CUDA_TRY(cudaEventRecord(sc.side.arrived(k), side));
+  }
+  // 3 (NCCL, copy). This rank's own rows while the last pieces cross.
+  if (pieces > 0 && !own_beside) {
+    detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
+                          sc.err, s, false, room);
   }
   if (put) {
     if (pieces > 0) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(pieces - 1), 0)); }
     if (own != s) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.joined(), 0)); }
   } else {
-    // 3 (NCCL). This rank's own rows while the last pieces cross.
-    if (pieces > 0) {
-      detail::launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb, stride_bytes(),
-                            sc.err, s, false, room);
-    }
     // 4 (NCCL). Arrived pieces to the caller's order, on this stream.
     for (int k = 0; k < pieces; ++k) {
       WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(k), 0));
