@@ -54,11 +54,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -282,20 +284,26 @@ class bench {
       // The path taken across nodes or without peer access: rows through NCCL, not mailboxes;
       // and rows moved into the mailboxes by the copy engines. A tensor takes its path at its
       // first gather.
-      res.d_via_nccl_ms = other_path("nccl", 230);
-      res.d_via_copy_ms = other_path("copy", 240);
+      res.d_via_nccl_ms = other_path("nccl", wm::row_path::nccl, 230);
+      res.d_via_copy_ms = other_path("copy", wm::row_path::copy, 240);
     }
   }
 
-  /// (d) the lookup on a fresh tensor with WM_DISPATCH_ROWS=@p how (see wm/tensor.cuh).
-  double other_path(char const* how, int slot)
+  /// (d) the lookup on a fresh tensor with WM_DISPATCH_ROWS=@p how (see wm/tensor.cuh); NaN
+  /// when the tensor took another path (no peer access: the mailboxes fall back to NCCL).
+  double other_path(char const* how, wm::row_path want, int slot)
   {
+    std::optional<std::string> const before =
+      std::getenv("WM_DISPATCH_ROWS") != nullptr ? std::optional<std::string>{std::getenv("WM_DISPATCH_ROWS")} : std::nullopt;
     if (::setenv("WM_DISPATCH_ROWS", how, 1) != 0) { throw std::runtime_error{"setenv failed"}; }
+    struct restore {
+      std::optional<std::string> const& v;
+      ~restore() { v ? (void)::setenv("WM_DISPATCH_ROWS", v->c_str(), 1) : (void)::unsetenv("WM_DISPATCH_ROWS"); }
+    } const put_back{before};
     wm::tensor<float, wm::device, wm::distributed> t{comm_, table_rows, cols};
     fill(t);
     double const ms = max_of(comm_.all_gather(gather_case(t, keys, slot)), &rank_figures::ms);
-    ::unsetenv("WM_DISPATCH_ROWS");
-    return ms;
+    return t.gather_path() == want ? ms : nan;
   }
 
   /// (d) limit: ms for NCCL alone to move the rows a uniform batch of `keys` takes from other

@@ -67,6 +67,15 @@ struct matrix_view {
   }
 };
 
+/// How other ranks' rows reach a distributed gather (see `tensor::gather_path`).
+enum class row_path {
+  undecided,  ///< no distributed gather has run yet (the first one decides, collectively)
+  direct,     ///< mapped layouts: kernels read rows through the views; nothing is dispatched
+  nccl,       ///< through NCCL (across nodes, no peer access, one rank, or WM_DISPATCH_ROWS=nccl)
+  put,        ///< owners' gather kernels store rows into the asking rank's mailbox
+  copy,       ///< owners gather locally; the copy engines move rows into the mailbox
+};
+
 namespace detail {
 struct tensor_scratch;  // workspace and error state (detail/tensor/tensor.cuh)
 }
@@ -137,6 +146,11 @@ class tensor {
   /// As `gather_async`, then synchronizes. @throw wm::logic_error if an index was out of range
   template <index_type Index>
   void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream);
+
+  /// The path this tensor's gathers take for other ranks' rows: fixed at its first distributed
+  /// gather, alike on every rank. @throw wm::logic_error (from that gather, on every rank) if
+  /// `WM_DISPATCH_ROWS` is set to anything but `nccl`, `put` or `copy` on some rank.
+  [[nodiscard]] row_path gather_path() const noexcept;
 
   /**
    * @brief `this[indices[i], :] = values[i, :]` for every i (last occurrence wins among

@@ -15,8 +15,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 #include <random>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <chrono>
 #include <vector>
@@ -414,6 +416,51 @@ void run_suite(int ranks)
 
 static_assert(wm::mapping<wm::block> && wm::mapping<wm::cyclic>);
 
+// Whether every pair of this node's GPUs has peer access (the mailboxes need it).
+bool peers_reach_each_other()
+{
+  int n = 0;
+  WM_CUDA_TRY(cudaGetDeviceCount(&n));
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      int can = 1;
+      if (i != j) { WM_CUDA_TRY(cudaDeviceCanAccessPeer(&can, i, j)); }
+      if (can == 0) { return false; }
+    }
+  }
+  return true;
+}
+
+// The path a fresh distributed tensor takes under this process's WM_DISPATCH_ROWS: undecided
+// until its first gather (here of every row, so rows cross), then what every rank agreed on.
+wm::row_path path_of_fresh_tensor(wm::communicator& comm)
+{
+  std::size_t const rows = 1000;
+  wm::tensor<float, wm::device, wm::distributed> t{comm, rows, 4};
+  RANK_REQUIRE(t.gather_path() == wm::row_path::undecided);
+  std::vector<std::int32_t> all(rows);
+  std::iota(all.begin(), all.end(), 0);
+  device_indices<std::int32_t> const di{all};
+  device_bytes const out{rows * t.cols() * sizeof(float)};
+  t.gather(di.span(), reinterpret_cast<float*>(out.ptr), cuda::stream_ref{cudaStream_t{}});
+  return t.gather_path();
+}
+
+// Every rank's first distributed gather throws when some rank's WM_DISPATCH_ROWS is unknown.
+void bad_path_setting_throws_everywhere(wm::communicator& comm, int bad_rank)
+{
+  if (comm.rank() == bad_rank) { RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", "Copy", 1) == 0); }
+  bool threw = false;
+  try {
+    (void)path_of_fresh_tensor(comm);
+  } catch (wm::logic_error const& e) {
+    threw = std::string_view{e.what()}.find("WM_DISPATCH_ROWS") != std::string_view::npos;
+  }
+  RANK_REQUIRE(threw);
+  RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+  RANK_REQUIRE(path_of_fresh_tensor(comm) != wm::row_path::undecided);  // the group still works
+}
+
 }  // namespace
 
 TEST_CASE("one rank: gather/scatter on every kind, type and index type", "[gpu]") { run_suite(1); }
@@ -421,6 +468,20 @@ TEST_CASE("one rank: gather/scatter on every kind, type and index type", "[gpu]"
 TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gpu]")
 {
   run_suite(wm::local_device_count());
+}
+
+TEST_CASE("one rank: the gather path is reported and its setting checked", "[gpu]")
+{
+  wm::launch(1, [&](wm::communicator& comm) {
+    RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+    RANK_REQUIRE(path_of_fresh_tensor(comm) == wm::row_path::nccl);  // one rank: no mailbox
+    RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", "copy", 1) == 0);
+    RANK_REQUIRE(path_of_fresh_tensor(comm) == wm::row_path::nccl);
+    RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+    wm::tensor<float, wm::device, wm::chunked> const mapped{comm, 10, 4};
+    RANK_REQUIRE(mapped.gather_path() == wm::row_path::direct);
+    bad_path_setting_throws_everywhere(comm, 0);
+  });
 }
 
 TEST_CASE("one rank: scatter from and gather to half values not aligned to 16 bytes", "[gpu]")
@@ -451,6 +512,8 @@ TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
     exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+    // ... with the rows put into the mailboxes (the default on one node with peer access).
+    RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers_reach_each_other() ? wm::row_path::put : wm::row_path::nccl));
   });
 }
 
@@ -462,8 +525,11 @@ TEST_CASE("ranks: distributed gathers with rows copied or through NCCL", "[multi
 {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
+    bool const peers = peers_reach_each_other();
     for (char const* how : {"copy", "nccl"}) {
       RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", how, 1) == 0);  // this rank's process only
+      auto const want = peers && std::string_view{how} == "copy" ? wm::row_path::copy : wm::row_path::nccl;
+      RANK_REQUIRE(path_of_fresh_tensor(comm) == want);  // the cases below run on that path
       try {
         exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
         exercise<float, wm::host, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
@@ -474,5 +540,10 @@ TEST_CASE("ranks: distributed gathers with rows copied or through NCCL", "[multi
       }
     }
     RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+    // Ranks that disagree: copy only where every rank asks for it, put otherwise.
+    RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", comm.rank() == 0 ? "copy" : "put", 1) == 0);
+    RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers ? wm::row_path::put : wm::row_path::nccl));
+    RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+    bad_path_setting_throws_everywhere(comm, comm.size() - 1);
   });
 }

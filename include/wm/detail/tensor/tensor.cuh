@@ -17,6 +17,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -576,14 +577,20 @@ namespace detail {
 /// decides, for the life of the tensor, with every rank's vote: one node, more than one rank, and
 /// `WM_DISPATCH_ROWS` not set to `nccl`; rows are copied by the copy engines when every rank has
 /// `WM_DISPATCH_ROWS=copy`. A mailbox that cannot be made (no peer access between the GPUs, no
-/// memory) leaves the tensor on the NCCL path on every rank.
+/// memory) leaves the tensor on the NCCL path on every rank. Any other value of the variable on
+/// any rank throws on every rank (the vote stays open).
 inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
 {
   if (m.mode == mailbox::state::unknown) {
     char const* env = std::getenv("WM_DISPATCH_ROWS");
     std::string_view const how = env != nullptr ? env : "";
-    int const want   = comm.size() > 1 && comm.single_node() && how != "nccl" ? (how == "copy" ? 2 : 1) : 0;
+    bool const known = how.empty() || how == "nccl" || how == "put" || how == "copy";
+    int const want   = !known ? -1 : comm.size() > 1 && comm.single_node() && how != "nccl" ? (how == "copy" ? 2 : 1) : 0;
     auto const votes = comm.all_gather(want);
+    if (std::ranges::any_of(votes, [](int v) { return v < 0; })) {
+      throw logic_error{"wm: gather: WM_DISPATCH_ROWS must be unset, nccl, put or copy on every rank (this rank: '" +
+                        std::string{how} + "')"};
+    }
     m.mode = std::ranges::all_of(votes, [](int v) { return v != 0; }) ? mailbox::state::on : mailbox::state::off;
     m.copy = std::ranges::all_of(votes, [](int v) { return v == 2; });
   }
@@ -610,6 +617,21 @@ inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
 }
 
 }  // namespace detail
+
+template <class T, location Location, layout Layout, mapping Mapping>
+  requires std::is_trivially_copyable_v<T>
+row_path tensor<T, Location, Layout, Mapping>::gather_path() const noexcept
+{
+  if constexpr (!std::same_as<Layout, distributed>) {
+    return row_path::direct;
+  } else {
+    switch (scratch_->mail.mode) {
+      case detail::mailbox::state::unknown: return row_path::undecided;
+      case detail::mailbox::state::off: return row_path::nccl;
+      default: return scratch_->mail.copy ? row_path::copy : row_path::put;
+    }
+  }
+}
 
 template <class T, location Location, layout Layout, mapping Mapping>
   requires std::is_trivially_copyable_v<T>
