@@ -15,8 +15,9 @@
  *   sized to the largest request seen, made at the first gather) and only a flag crosses NCCL;
  *   otherwise, when the mailbox cannot be made (no peer access), or with the environment variable
  *   `WM_DISPATCH_ROWS=nccl` on every rank, the rows cross through NCCL. With
- *   `WM_DISPATCH_ROWS=copy` on every rank the owners gather the rows locally and the GPU's copy
- *   engines move them into the mailboxes. A tensor takes its path at its first gather.
+ *   `WM_DISPATCH_ROWS=copy` on every rank the owners gather the rows locally (a staging buffer
+ *   of the rows this rank sends, as on the NCCL path) and the GPU's copy engines move them into
+ *   the mailboxes. A tensor takes its path at its first gather (`gather_path`).
  *
  * Indices are `int32_t` or `int64_t` in device memory. An index outside [0, rows) is an input
  * error: the synchronous forms throw `wm::logic_error`; the `_async` forms record it, and
