@@ -584,8 +584,9 @@ inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
   if (m.mode == mailbox::state::unknown) {
     char const* env = std::getenv("WM_DISPATCH_ROWS");
     std::string_view const how = env != nullptr ? env : "";
-    bool const known = how.empty() || how == "nccl" || how == "put" || how == "copy";
-    int const want   = !known ? -1 : comm.size() > 1 && comm.single_node() && how != "nccl" ? (how == "copy" ? 2 : 1) : 0;
+    // 0: NCCL, 1: put, 2: copy, -1: a value nobody knows.
+    int want = how.empty() || how == "put" ? 1 : how == "copy" ? 2 : how == "nccl" ? 0 : -1;
+    if (want > 0 && (comm.size() == 1 || !comm.single_node())) { want = 0; }
     auto const votes = comm.all_gather(want);
     if (std::ranges::any_of(votes, [](int v) { return v < 0; })) {
       throw logic_error{"wm: gather: WM_DISPATCH_ROWS must be unset, nccl, put or copy on every rank (this rank: '" +
