@@ -102,7 +102,9 @@ class communicator {
   [[nodiscard]] std::vector<int> const& node_ranks() const noexcept { return s_->node_ranks; }
   /// True if every rank of the group is on this host.
   [[nodiscard]] bool single_node() const noexcept { return local_size() == size(); }
-  /// The NCCL communicator, for users who issue their own NCCL calls.
+  /// The NCCL communicator, for users who issue their own NCCL calls. It is nonblocking
+  /// (`config.blocking = 0`): after a call returns `ncclInProgress`, poll
+  /// `ncclCommGetAsyncError` until it does not before the next NCCL call on it.
   [[nodiscard]] ncclComm_t nccl() const noexcept { return s_->comm; }
   /// The node-local descriptor channel (collective use: see `node_channel::all_gather`).
   [[nodiscard]] node_channel& channel() noexcept { return s_->channel; }
@@ -209,7 +211,8 @@ class communicator {
   // Shared state lives on the heap so that moving a communicator never moves what NCCL and
   // the channel refer to.
   struct state {
-    ncclComm_t comm{nullptr};
+    ncclComm_t comm{nullptr};  // nonblocking: every wait on it has a deadline
+    ncclComm_t p2p{nullptr};   // blocking twin for send_recv (see finish_setup)
     int rank{0};
     int size{0};
     int device{0};
