@@ -484,6 +484,64 @@ TEST_CASE("one rank: the gather path is reported and its setting checked", "[gpu
   });
 }
 
+TEST_CASE("one rank: grouping by owner without a sort puts each index in its owner's group once", "[gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(1, [&](wm::communicator&) {
+    std::mt19937_64 rng{seed};
+    for (int const world : {1, 2, 3, 7, wm::detail::place_shared_ranks - 1}) {
+      for (std::size_t const n : {std::size_t{0}, std::size_t{1}, std::size_t{31}, std::size_t{2048}, std::size_t{2049},
+                                  std::size_t{100'003}}) {
+        for (int const max_blocks : {1, 3, 1000}) {  // one block taking every tile, a few, one per tile
+          // Owners in [0, world], world meaning invalid; some owners get nothing when world is large.
+          std::vector<int> owner(n);
+          std::vector<std::int64_t> local(n);
+          for (auto& o : owner) { o = static_cast<int>(rng() % (static_cast<std::uint64_t>(world) + 1)); }
+          for (auto& l : local) { l = static_cast<std::int64_t>(rng() >> 1); }  // huge values travel intact
+          std::vector<unsigned long long> starts(static_cast<std::size_t>(world) + 2, 0);
+          for (int o : owner) { ++starts[static_cast<std::size_t>(o) + 1]; }
+          std::partial_sum(starts.begin(), starts.end(), starts.begin());
+          std::vector<unsigned long long> next(starts.begin(), starts.end() - 1);
+          device_bytes d_owner{n * sizeof(int)}, d_local{n * sizeof(std::int64_t)};
+          device_bytes d_next{next.size() * sizeof(unsigned long long)};
+          device_bytes d_order{n * sizeof(std::size_t)}, d_keys{n * sizeof(std::int64_t)};  // poisoned
+          WM_CUDA_TRY(cudaMemcpy(d_owner.ptr, owner.data(), n * sizeof(int), cudaMemcpyHostToDevice));
+          WM_CUDA_TRY(cudaMemcpy(d_local.ptr, local.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+          WM_CUDA_TRY(cudaMemcpy(d_next.ptr, next.data(), next.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
+          wm::detail::launch_place_by_owner(reinterpret_cast<int const*>(d_owner.ptr),
+                                            reinterpret_cast<std::int64_t const*>(d_local.ptr), n, world,
+                                            reinterpret_cast<unsigned long long*>(d_next.ptr),
+                                            reinterpret_cast<std::size_t*>(d_order.ptr),
+                                            reinterpret_cast<std::int64_t*>(d_keys.ptr), nullptr, max_blocks);
+          WM_CUDA_TRY(cudaDeviceSynchronize());
+          std::vector<std::size_t> order(n);
+          std::vector<std::int64_t> keys(n);
+          WM_CUDA_TRY(cudaMemcpy(order.data(), d_order.ptr, n * sizeof(std::size_t), cudaMemcpyDeviceToHost));
+          WM_CUDA_TRY(cudaMemcpy(keys.data(), d_keys.ptr, n * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+          WM_CUDA_TRY(cudaMemcpy(next.data(), d_next.ptr, next.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+          std::vector<char> seen(n, 0);
+          std::size_t wrong = 0;
+          for (std::size_t r = 0; r <= static_cast<std::size_t>(world); ++r) {
+            wrong += next[r] != starts[r + 1];  // every counter moved exactly past its group
+            for (auto slot = starts[r]; slot < starts[r + 1]; ++slot) {
+              std::size_t const i = order[slot];
+              if (i >= n || seen[i] != 0 || static_cast<std::size_t>(owner[i]) != r || keys[slot] != local[i]) {
+                ++wrong;
+                continue;
+              }
+              seen[i] = 1;
+            }
+          }
+          auto const placed = std::count(seen.begin(), seen.end(), 1);
+          RANK_REQUIRE_MSG(wrong == 0 && placed == static_cast<std::ptrdiff_t>(n),
+                           wrong << " wrong slots, " << placed << " of " << n << " placed; world " << world
+                                 << ", at most " << max_blocks << " blocks, seed " << seed);
+        }
+      }
+    }
+  });
+}
+
 TEST_CASE("one rank: scatter from and gather to half values not aligned to 16 bytes", "[gpu]")
 {
   std::uint64_t const seed = std::random_device{}();

@@ -470,17 +470,21 @@ struct dispatch_plan_device {
 };
 
 /// Three words per peer q for the count exchange: the rows asked of q, where q's answer starts
-/// among the rows this rank asks of other ranks, and how many rows that is in all.
+/// among the rows this rank asks of other ranks, and how many rows that is in all. Also where
+/// each owner's group starts in the send order (world + 1 entries, the invalid indices last).
 template <class Word>
-__global__ void dispatch_words_kernel(Word const* counts, int world, int me, Word* words)
+__global__ void dispatch_words_kernel(Word const* counts, int world, int me, Word* words, Word* starts)
 {
   if (blockIdx.x != 0 || threadIdx.x != 0) { return; }
-  Word at = 0;
+  Word at = 0, sent = 0;
   for (int q = 0; q < world; ++q) {
     words[3 * q]     = counts[q];
     words[3 * q + 1] = at;
+    starts[q]        = sent;
     if (q != me) { at += counts[q]; }
+    sent += counts[q];
   }
+  starts[world] = sent;
   for (int q = 0; q < world; ++q) { words[3 * q + 2] = at; }
 }
 
@@ -490,11 +494,14 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
                                                  Index const* idx,
                                                  std::size_t n,
                                                  tensor_scratch& scratch,
-                                                 cudaStream_t s)
+                                                 cudaStream_t s,
+                                                 bool in_order = true)
 {
   int const world  = comm.size();
   auto const w     = static_cast<std::size_t>(world);
   int const bits   = owner_bits(world);
+  // Without the caller's order inside each owner's group, one placing pass replaces the sort.
+  bool const place = !in_order && world < place_shared_ranks;
   carver c;
   auto const o_owner  = c.add<int>(n);
   auto const o_sowner = c.add<int>(n);
@@ -502,11 +509,13 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   auto const o_pos    = c.add<std::size_t>(n);
   auto const o_order  = c.add<std::size_t>(n);
   auto const o_keys   = c.add<Index>(n);
-  auto const o_counts = c.add<unsigned long long>(7 * w + 1);  // counts, invalid, words out, words in
+  auto const o_counts = c.add<unsigned long long>(8 * w + 2);  // counts, invalid, words in, words out, starts
   std::size_t cub_bytes = 0;
-  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<int const*>(nullptr), static_cast<int*>(nullptr),
-                                              static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
-                                              std::max<std::size_t>(n, 1), 0, bits, s));
+  if (!place) {
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<int const*>(nullptr), static_cast<int*>(nullptr),
+                                                static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
+                                                std::max<std::size_t>(n, 1), 0, bits, s));
+  }
   auto const o_cub = c.add<std::byte>(cub_bytes);
   std::byte* base  = scratch.a.reserve(c.total(), s);
 
@@ -518,6 +527,7 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   auto* counts  = c.take<unsigned long long>(base, o_counts);  // world + 1 (last: invalid)
   auto* recv    = counts + w + 1;                               // 3 words per peer
   auto* words   = recv + 3 * w;                                 // 3 words per peer
+  auto* starts  = words + 3 * w;                                // world + 1
   auto* pos     = c.take<std::size_t>(base, o_pos);
   auto* sowner  = c.take<int>(base, o_sowner);
   WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (w + 1) * sizeof(unsigned long long), s));
@@ -525,14 +535,18 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
     std::size_t const shared = world < locate_shared_ranks ? (w + 1) * sizeof(unsigned long long) : 0;
     locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, p.owner, p.local, pos, counts, scratch.err);
     WM_CHECK_LAUNCH();
+  }
+  // Counts travel on the device (three words per peer), then both directions come back at once.
+  dispatch_words_kernel<<<1, 1, 0, s>>>(counts, world, comm.rank(), words, starts);
+  WM_CHECK_LAUNCH();
+  if (place) {
+    launch_place_by_owner(p.owner, p.local, n, world, starts, p.order, p.send_keys, s, elementwise_blocks(n));
+  } else if (n > 0) {
     WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, p.owner, sowner, pos, p.order,
                                                 n, 0, bits, s));
     permute_kernel<<<elementwise_blocks(n), 256, 0, s>>>(p.local, p.order, n, p.send_keys);
     WM_CHECK_LAUNCH();
   }
-  // Counts travel on the device (three words per peer), then both directions come back at once.
-  dispatch_words_kernel<<<1, 1, 0, s>>>(counts, world, comm.rank(), words);
-  WM_CHECK_LAUNCH();
   std::vector<std::size_t> const three(w, 3);
   comm.all_to_all_v(static_cast<unsigned long long const*>(words), std::span<std::size_t const>{three}, recv,
                     std::span<std::size_t const>{three}, cuda::stream_ref{s});
@@ -646,7 +660,8 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   if (sc.mail.mode == detail::mailbox::state::on && sc.side.made()) {
     WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.done(), 0));
   }
-  auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, sc, s);
+  // The order inside each owner's group does not matter here: every row finds its place by p.order.
+  auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, sc, s, false);
   std::size_t const rb = row_bytes();
   auto const world     = static_cast<std::size_t>(comm.size());
   auto const me        = static_cast<std::size_t>(comm.rank());
