@@ -15,6 +15,15 @@
  * device exchanges (`send_recv`, `all_to_all_v`) are the exception: they check nothing across
  * ranks and do not wait for their transfers, so sizes that two ranks disagree on hang the stream.
  *
+ * A communicator holds two NCCL communicators over the same ranks: a nonblocking one for
+ * everything that waits with a deadline (creation, host-side collectives, finalize; `nccl()`),
+ * and a blocking twin, split from it at creation, for the device exchanges. NCCL launches each
+ * nonblocking group from a new thread (60-110 us of host time per call on an H100), a blocking
+ * one in ~10 us; the distributed gather makes several exchanges per call. The twin connects to
+ * every peer at creation (one byte each way), so an exchange never waits for a peer on the host;
+ * that costs NCCL's point-to-point buffers for every peer up front (what the first all-to-all
+ * would allocate anyway).
+ *
  * Host code only: this header compiles with a plain C++20 compiler as well as with nvcc.
  */
 #pragma once
