@@ -69,7 +69,8 @@ struct communicator_options {
  * @brief A group of ranks, one process per GPU, with NCCL collectives and host-side exchange.
  *
  * Construction is collective: every rank calls it with the same id and size and its own rank,
- * after selecting its GPU with `cudaSetDevice`. Move-only.
+ * after selecting its GPU with `cudaSetDevice`. Move-only; memory, tensors and embeddings keep
+ * its address, so do not move it while any of them lives.
  */
 class communicator {
  public:
@@ -248,7 +249,8 @@ class communicator {
   explicit communicator(std::unique_ptr<state> s) : s_{std::move(s)} {}
 
   void finish_setup();
-  void wait_nccl(std::string_view what) const;
+  /// Polls @p which (default: the nonblocking communicator) until NCCL is done with it.
+  void wait_nccl(std::string_view what, ncclComm_t which = nullptr) const;
   void wait_stream(std::string_view what) const;
   void ensure_scratch(std::size_t bytes);
   std::vector<std::vector<std::byte>> exchange(std::string_view what,

@@ -7,6 +7,7 @@
 #include <exception>
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <thread>
 
 #include <unistd.h>
@@ -53,9 +54,28 @@ inline communicator::state::~state()
   bool const restore = cudaGetDevice(&previous) == cudaSuccess;
   (void)cudaSetDevice(device);
   if (p2p != nullptr) {
-    // Blocking: finalizing waits only for this rank's own operations on it to finish.
-    bool const clean = !failed && std::uncaught_exceptions() == 0 && ncclCommFinalize(p2p) == ncclSuccess;
-    (void)(clean ? ncclCommDestroy(p2p) : ncclCommAbort(p2p));
+    // The blocking twin's finalize waits for this rank's operations on it and may wait for the
+    // node's other ranks, with no deadline of its own: a thread runs it, and past the timeout
+    // the twin is aborted (which ends the finalize) and so is the communicator below.
+    bool clean = !failed && std::uncaught_exceptions() == 0;
+    if (clean) {
+      std::promise<ncclResult_t> result;
+      auto finalized = result.get_future();
+      std::thread finalizer;
+      try {
+        finalizer = std::thread{[&result, c = p2p] { result.set_value(ncclCommFinalize(c)); }};
+      } catch (...) {  // no thread: abort, as on a timeout
+      }
+      clean = finalizer.joinable() && finalized.wait_for(timeout) == std::future_status::ready &&
+              finalized.get() == ncclSuccess;
+      // (Aborting from this thread ends a finalize stuck in the other, as a watchdog would.)
+      if (!clean) { (void)ncclCommAbort(p2p); }
+      if (finalizer.joinable()) { finalizer.join(); }
+      failed = failed || !clean;
+      if (clean) { (void)ncclCommDestroy(p2p); }
+    } else {
+      (void)ncclCommAbort(p2p);
+    }
   }
   if (comm != nullptr) {
     // Destroyed by stack unwinding: this rank is failing, and its peers may be waiting in a
@@ -138,6 +158,11 @@ inline void communicator::finish_setup()
   config.blocking     = 1;
   WM_NCCL_TRY(ncclCommSplit(s_->comm, 0, s_->rank, &s_->p2p, &config));
   wait_nccl("communicator construction");
+  if (s_->p2p == nullptr) {
+    abort();
+    throw comm_error{"wm: rank " + std::to_string(s_->rank) + ": NCCL made no communicator for the device exchanges"};
+  }
+  wait_nccl("communicator construction", s_->p2p);
   auto const n = static_cast<std::size_t>(s_->size);
   ensure_scratch(2 * n);
   std::vector<send_part> sends;
@@ -163,20 +188,21 @@ inline void communicator::abort() noexcept
 {
   if (s_ != nullptr && s_->comm != nullptr && !s_->failed) {
     s_->failed = true;
-    if (s_->p2p != nullptr) { (void)ncclCommAbort(s_->p2p); }
+    // The parent first: that ends a split still making the twin, which then exists or not.
     (void)ncclCommAbort(s_->comm);
+    if (s_->p2p != nullptr) { (void)ncclCommAbort(s_->p2p); }
     s_->p2p  = nullptr;
     s_->comm = nullptr;
   }
 }
 
-inline void communicator::wait_nccl(std::string_view what) const
+inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) const
 {
   auto const deadline = detail::clock_type::now() + s_->timeout;
   detail::backoff wait{std::chrono::microseconds{50}};
   while (true) {
     ncclResult_t r{};
-    ncclResult_t const q = ncclCommGetAsyncError(s_->comm, &r);
+    ncclResult_t const q = ncclCommGetAsyncError(which != nullptr ? which : s_->comm, &r);
     if (q != ncclSuccess) { r = q; }
     if (r == ncclSuccess) { return; }
     if (r != ncclInProgress) {

@@ -622,8 +622,11 @@ inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
   auto const world        = static_cast<std::size_t>(comm.size());
   try {
     m.buffer.emplace(comm, grown * world, grown);
-  } catch (cuda_error const&) {
-    m.mode = mailbox::state::off;  // the failure is agreed: every rank lands here
+  } catch (std::runtime_error const&) {
+    // A comm_error or cuda_error. The allocation's steps are collective: a failure anywhere (no
+    // memory, no peer access) is reported on every rank, which all land here. (A communicator
+    // that failed meanwhile says so at the next call.)
+    m.mode = mailbox::state::off;
     return false;
   }
   for (int q = 0; q < comm.size(); ++q) { m.at.push_back(m.buffer->part_data(q)); }
