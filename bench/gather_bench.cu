@@ -37,6 +37,8 @@
  *     lookup with its rows through NCCL (WM_DISPATCH_ROWS=nccl: the path across nodes) instead
  *     of the mailboxes that ranks of one node use, and with the rows moved into the mailboxes by
  *     the copy engines (WM_DISPATCH_ROWS=copy) instead of the gather kernels' stores.
+ *     On one GPU too: the distributed lookup of 1M keys on a 1-rank communicator against the
+ *     continuous layout's gather of the same keys (what the dispatch costs when nothing crosses).
  *
  * Each case is checked once before timing (output poisoned; every output element compared on the
  * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
@@ -173,6 +175,7 @@ struct results {
   char gpu[256]{};
   int ranks{0};
   double a_ms{nan}, copy_gbps{nan};  // (a) gather; D2D copy, read+write
+  double d_one_ms{nan}, d_one_direct_ms{nan};  // (d) on one rank: distributed; continuous, same keys
   double peer_gbps{nan};             // (b) peer copy, slowest rank
   struct layout_figures {
     double r0_ms{nan}, max_ms{nan}, bound_ms{nan};
@@ -232,6 +235,13 @@ class bench {
       wm::tensor<float, wm::device, wm::continuous> t{comm_, table_rows, cols};
       fill(t);
       res.a_ms = gather_case(t, batch, 1).ms;
+      res.d_one_direct_ms = gather_case(t, keys, 2).ms;
+    }
+    {
+      // What the dispatch costs where nothing crosses: plan, count exchange, own rows by order.
+      wm::tensor<float, wm::device, wm::distributed> t{comm_, table_rows, cols};
+      fill(t);
+      res.d_one_ms = gather_case(t, keys, 2).ms;
     }
     auto const src = allocate<std::byte>(2 * gib), dst = allocate<std::byte>(2 * gib);
     WM_CUDA_TRY(cudaMemsetAsync(src.get(), 0x5A, 2 * gib, stream_));
@@ -546,6 +556,8 @@ void print_table(results const& r, peer_result const& p, double seconds)
       std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_nccl_ms, 0);
   row("(d) rows by copy engine", two ? fmt("%.3f ms", r.d_via_copy_ms) : "n/a (1 GPU)",
       std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_copy_ms, 0);
+  row("(d) one rank, 1M keys", fmt("%.3f ms", r.d_one_ms), fmt("continuous layout, same keys %.3f ms", r.d_one_direct_ms),
+      r.d_one_direct_ms / r.d_one_ms, 0);
   row("(d) own rows only", two ? fmt("%.3f ms", r.d_own_ms) : "n/a (1 GPU)", "-", nan, 0);
   row("(d) others' rows only", two ? fmt("%.3f ms", r.d_remote_ms) : "n/a (1 GPU)",
       two ? fmt("NCCL alone, scaled to 1M rows: %.3f ms",
