@@ -560,9 +560,10 @@ TEST_CASE("ranks: scatter from and gather to half values not aligned to 16 bytes
   });
 }
 
-// The distributed gather sends each peer's rows in pieces (one per started 32 MiB, at most 4)
-// while it gathers the next piece: a gather of every row of a 140 MB table moves 70 MB per peer
-// on 2 ranks (three pieces) and 35 MB on 4 (two), with row counts that do not divide evenly.
+// The distributed gather sends each peer's rows in pieces (one per started 32 MiB, at most 6,
+// the first and last smaller from three on) while it gathers the next piece: a gather of every
+// row of a 140 MB table moves 70 MB per peer on 2 ranks (three pieces) and 35 MB on 4 (two),
+// with row counts that do not divide evenly.
 // From 5 ranks on each peer's share fits one piece and this test no longer pipelines.
 TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
 {

@@ -119,17 +119,28 @@ TEST_CASE("the distributed gather's pieces cover each peer's rows once, the same
     REQUIRE(n >= (count > 0 ? 1 : 0));
     REQUIRE(n <= wm::detail::max_pieces);
     // One piece per started 32 MiB, up to the cap.
-    std::size_t const want = std::min({(count * rb + 32 * mib - 1) / (32 * mib), std::size_t{4}, count});
+    std::size_t const want = std::min({(count * rb + 32 * mib - 1) / (32 * mib), std::size_t{6}, count});
     REQUIRE(static_cast<std::size_t>(n) == want);
     std::size_t next = 0;
+    std::vector<std::size_t> sizes;
     for (int k = 0; k < wm::detail::max_pieces + 1; ++k) {
       auto const p = wm::detail::piece_of(count, rb, k);
       REQUIRE(p.first == next);  // in order, no gap, no overlap
       REQUIRE(p.last >= p.first);
       if (k >= n) { REQUIRE(p.first == p.last); }
       if (k < n && count > 0) { REQUIRE(p.last > p.first); }
+      if (k < n) { sizes.push_back(p.last - p.first); }
       next = p.last;
     }
     REQUIRE(next == count);
+    // From three pieces on (with rows enough), the first and the last are about a quarter of
+    // each middle one: pure latency at both ends of the pipeline.
+    if (n >= 3 && count >= 2 * (4 * (static_cast<std::size_t>(n) - 2) + 2)) {
+      for (std::size_t k = 1; k + 1 < sizes.size(); ++k) {
+        REQUIRE(4 * sizes.front() <= sizes[k] + 4);
+        REQUIRE(4 * sizes.back() <= sizes[k] + 8);
+        REQUIRE(sizes[k] <= 4 * std::min(sizes.front(), sizes.back()) + 8);
+      }
+    }
   }
 }

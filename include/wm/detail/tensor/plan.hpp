@@ -45,7 +45,7 @@ template <class Mapping, class Index>
 }
 
 /// Most pieces the distributed gather cuts one peer's rows into (see `pieces_of`).
-inline constexpr int max_pieces = 4;
+inline constexpr int max_pieces = 6;
 
 /// Pieces that @p count rows of @p row_bytes to or from one peer are cut into: one per started
 /// 32 MiB, at most `max_pieces` and at most one per row. Both ends compute it from the same
@@ -59,7 +59,9 @@ inline constexpr int max_pieces = 4;
 }
 
 /// Rows [first, last) of piece k of @p count rows cut into pieces_of(count, row_bytes) pieces
-/// (empty for k past the last piece).
+/// (empty for k past the last piece). From three pieces on, the first and the last are a
+/// quarter of the others (when that leaves them two rows or more): nothing crosses until the first piece is gathered, and the last one
+/// is put in the caller's order after everything has crossed, so both are pure latency.
 struct piece {
   std::size_t first;
   std::size_t last;
@@ -69,7 +71,15 @@ struct piece {
   auto const n = static_cast<std::size_t>(pieces_of(count, row_bytes));
   auto const q = static_cast<std::size_t>(k);
   if (q >= n) { return {count, count}; }
-  return {count * q / n, count * (q + 1) / n};
+  // Weights 1, 4, ..., 4, 1 from three pieces on, equal pieces below (and where the small ones
+  // would hold less than two rows); where each piece starts.
+  std::size_t const total = n < 3 ? n : 4 * (n - 2) + 2;
+  bool const taper        = n >= 3 && count >= 2 * total;
+  auto const start        = [&](std::size_t j) -> std::size_t {
+    if (!taper) { return count * j / n; }
+    std::size_t const w = j == 0 ? 0 : j >= n ? total : 1 + 4 * (j - 1);
+    return count * w / total;
+  };
+  return {start(q), start(q + 1)};
 }
-
 }  // namespace wm::detail
