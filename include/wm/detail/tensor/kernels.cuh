@@ -361,7 +361,7 @@ __global__ void place_by_owner_kernel(int const* owner, Index const* local, std:
   auto* const tile_count = reinterpret_cast<unsigned*>(tile_base + world + 1);
   unsigned const lane    = threadIdx.x % 32;
   std::size_t const tile = std::size_t{place_items} * blockDim.x;
-  // Lanes of a warp that hold an index and share its owner: (mask of them, whether this lane has one).
+  // The lanes of this warp that hold an index of this lane's owner (none if this lane holds none).
   auto const same_owner = [&](std::size_t i, int& r) {
     bool const in     = i < n;
     unsigned const m  = __ballot_sync(0xffffffffu, in);
