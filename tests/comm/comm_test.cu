@@ -275,6 +275,47 @@ TEST_CASE("one rank: identity, all-gather, all-to-all-v to itself, split", "[gpu
   });
 }
 
+TEST_CASE("one rank: communicators made and destroyed in a loop free what they hold, promptly", "[gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(1, [&](wm::communicator& comm) {
+    check_send_recv(comm, seed);  // the launcher's communicator is in use meanwhile
+    auto const used = [] {
+      std::size_t free = 0, total = 0;
+      WM_CUDA_TRY(cudaDeviceSynchronize());
+      WM_CUDA_TRY(cudaMemGetInfo(&free, &total));
+      return total - free;
+    };
+    std::size_t held[2] = {};  // GPU memory of a communicator and a split of it: without, with the twin
+    auto const cycle = [&](int i, bool twin) {
+      wm::communicator_options options;
+      options.exchange_twin  = twin;
+      std::size_t const from = used();
+      wm::communicator c{wm::unique_id::create(), 0, 1, options};
+      check_send_recv(c, seed + static_cast<std::uint64_t>(i));  // through the twin, or not
+      auto sub = c.split(0, 0);                                    // the split's own twin, if any
+      check_send_recv(sub, seed + 100 + static_cast<std::uint64_t>(i));
+      std::size_t const now = used();
+      held[twin ? 1 : 0]    = now > from ? now - from : 0;
+    };
+    cycle(0, true);  // NCCL's one-time setup (its kernels, its first communicator) before measuring
+    cycle(0, false);
+    std::size_t const before = used();
+    auto const start         = std::chrono::steady_clock::now();
+    for (int i = 1; i <= 8; ++i) { cycle(i, i % 2 == 0); }
+    auto const seconds     = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::size_t const now  = used();
+    std::size_t const lost = now > before ? now - before : 0;
+    // A communicator holds its NCCL communicators' buffers (hundreds of MiB on an H200): one
+    // left behind by any of the 8 would show.
+    RANK_REQUIRE_MSG(lost < (std::size_t{32} << 20), (lost >> 20) << " MiB of GPU memory not given back by 8 communicators");
+    RANK_REQUIRE_MSG(held[1] > held[0], "with the twin " << (held[1] >> 20) << " MiB, without " << (held[0] >> 20)
+                                                         << " MiB: the option made no difference");
+    // Destruction finalizes without waiting out the timeout (300 s; a finalize that hung would).
+    RANK_REQUIRE_MSG(seconds < 60.0, "8 communicators took " << seconds << " s");
+  });
+}
+
 TEST_CASE("ranks: all-gather and all-to-all-v with uneven and zero counts", "[multi_gpu]")
 {
   int const n              = ranks_for_multi();

@@ -124,6 +124,7 @@ inline communicator::communicator(unique_id const& id,
   s->size    = size;
   s->token   = id.token();
   s->timeout = options.timeout;
+  s->twin    = options.exchange_twin;
   WM_CUDA_TRY(cudaGetDevice(&s->device));
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -154,6 +155,7 @@ inline void communicator::finish_setup()
   // several such calls each. Made while every rank is known to be here, and connected to every
   // peer at once by one byte each way, so that a later exchange never waits for a peer on the
   // host (a peer that is gone shows up, as before, in the waits for the stream).
+  if (!s_->twin) { return; }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking     = 1;
   WM_NCCL_TRY(ncclCommSplit(s_->comm, 0, s_->rank, &s_->p2p, &config));
@@ -346,13 +348,14 @@ inline void communicator::send_recv(std::span<send_part const> sends,
   // has sizes that disagree with this rank's, which hangs with or without a group here).
   auto const moves = [](auto const& x) { return x.bytes > 0; };
   if (std::none_of(sends.begin(), sends.end(), moves) && std::none_of(recvs.begin(), recvs.end(), moves)) { return; }
+  ncclComm_t const via = s_->p2p != nullptr ? s_->p2p : s_->comm;
   WM_NCCL_TRY(ncclGroupStart());
   try {
     for (auto const& x : sends) {
-      if (x.bytes > 0) { WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, s_->p2p, stream.get())); }
+      if (x.bytes > 0) { WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, via, stream.get())); }
     }
     for (auto const& x : recvs) {
-      if (x.bytes > 0) { WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, s_->p2p, stream.get())); }
+      if (x.bytes > 0) { WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, via, stream.get())); }
     }
   } catch (...) {
     // Close the group this thread opened (NCCL cancels a group in which a call failed), so that
@@ -360,6 +363,11 @@ inline void communicator::send_recv(std::span<send_part const> sends,
     // reported; the group's own result adds nothing.
     (void)ncclGroupEnd();
     throw;
+  }
+  if (via == s_->comm) {
+    WM_NCCL_TRY(ncclGroupEnd());
+    wait_nccl("send_recv");
+    return;
   }
   // Blocking: the group is launched (or failed) when this returns. A failure there leaves the
   // operations' state unknown to the peers: the communicator is failed, as after a timeout.
@@ -425,6 +433,7 @@ inline communicator communicator::split(int color, int key)
   s->rank    = static_cast<int>(std::find(members.begin(), members.end(), s_->rank) - members.begin());
   s->device  = s_->device;
   s->timeout = s_->timeout;
+  s->twin    = s_->twin;
   s->token   = detail::mix64(s_->token, detail::mix64(seq, static_cast<std::uint64_t>(color)));
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
   communicator child{std::move(s)};
