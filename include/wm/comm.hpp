@@ -22,7 +22,12 @@
  * one in ~10 us; the distributed gather makes several exchanges per call. The twin connects to
  * every peer at creation (one byte each way), so an exchange never waits for a peer on the host.
  * It costs a second NCCL communicator's GPU memory; `communicator_options::exchange_twin` (or
- * `WM_EXCHANGE_TWIN=0`) leaves it out, and the exchanges then use the nonblocking one.
+ * `WM_EXCHANGE_TWIN=0`) leaves it out, and the exchanges then use the nonblocking one; if any
+ * rank leaves it out, every rank does. Do not set `NCCL_COMM_BLOCKING=1`: it overrides the
+ * nonblocking configuration, and the deadlines above stop applying.
+ *
+ * Destroying a communicator waits (up to the timeout) for the node's other ranks to destroy it
+ * too: destroy communicators (and their splits) in the same order on every rank.
  *
  * Host code only: this header compiles with a plain C++20 compiler as well as with nvcc.
  */
@@ -58,7 +63,8 @@ struct communicator_options {
   /// Device exchanges (`send_recv`, `all_to_all_v`, and the distributed gather and scatter
   /// built on them) through a blocking twin of the NCCL communicator: ~10 us of host time per
   /// call instead of 60-110 us, for a second NCCL communicator's GPU memory (~0.2-0.4 GiB per
-  /// GPU measured with NCCL 2.28 on an H200). `WM_EXCHANGE_TWIN=0` turns the default off.
+  /// GPU measured with NCCL 2.28 on an H200 with one rank; its connections to peers add to it).
+  /// `WM_EXCHANGE_TWIN=0` turns the default off; if any rank turns it off, no rank uses it.
   bool exchange_twin{default_exchange_twin()};
 
   [[nodiscard]] static std::chrono::milliseconds default_timeout()
@@ -198,6 +204,19 @@ class communicator {
   void send_recv(std::span<send_part const> sends, std::span<recv_part const> recvs, cuda::stream_ref stream) const;
 
   /**
+   * @brief Waits for @p stream as the communicator waits for its own work: past the timeout, or
+   * on an NCCL error, the communicator is aborted (which ends its pending transfers) and a
+   * `wm::comm_error` names this rank. Use it instead of `cudaStreamSynchronize` for a stream
+   * that holds exchanges with peers: a peer that died or failed before its side of an exchange
+   * then gives an error instead of a wait with no end. wm's own synchronizing operations use it.
+   */
+  void synchronize(cuda::stream_ref stream, std::string_view what = "synchronize") const
+  {
+    check_usable();
+    wait_stream(what, stream.get());
+  }
+
+  /**
    * @brief Device all-to-all with per-peer counts (collective), grouped `ncclSend`/`ncclRecv`.
    *
    * Rank r sends `send_counts[p]` elements starting at `send + sum(send_counts[0..p))` to rank p
@@ -262,7 +281,7 @@ class communicator {
   void finish_setup();
   /// Polls @p which (default: the nonblocking communicator) until NCCL is done with it.
   void wait_nccl(std::string_view what, ncclComm_t which = nullptr) const;
-  void wait_stream(std::string_view what) const;
+  void wait_stream(std::string_view what, cudaStream_t stream) const;
   void ensure_scratch(std::size_t bytes);
   std::vector<std::vector<std::byte>> exchange(std::string_view what,
                                                std::uint64_t args,

@@ -333,6 +333,24 @@ TEST_CASE("ranks: all-gather and all-to-all-v with uneven and zero counts", "[mu
   });
 }
 
+TEST_CASE("ranks: one rank without the exchange twin turns it off for all; exchanges still work", "[multi_gpu]")
+{
+  int const n              = ranks_for_multi();
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(n, [&](wm::communicator& comm) {
+    for (int without = 0; without < n; ++without) {
+      wm::communicator_options options;
+      options.exchange_twin = comm.rank() != without;
+      options.timeout       = std::chrono::seconds{30};  // a rank left out of the twin's split would hang here
+      auto const id         = comm.all_gather(wm::unique_id::create().bytes())[0];  // rank 0's
+      wm::communicator c{wm::unique_id::from_bytes(id), comm.rank(), n, options};
+      check_send_recv(c, seed + static_cast<std::uint64_t>(without));
+      check_all_to_all(c, seed + 50 + static_cast<std::uint64_t>(without), false);
+      c.barrier();
+    }
+  });
+}
+
 TEST_CASE("ranks: split by color and key", "[multi_gpu]")
 {
   int const n              = ranks_for_multi();

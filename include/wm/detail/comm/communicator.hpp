@@ -53,29 +53,39 @@ inline communicator::state::~state()
   int previous{};
   bool const restore = cudaGetDevice(&previous) == cudaSuccess;
   (void)cudaSetDevice(device);
+  bool hung = false;  // the twin's finalize is still running on its thread
   if (p2p != nullptr) {
     // The blocking twin's finalize waits for this rank's operations on it and may wait for the
-    // node's other ranks, with no deadline of its own: a thread runs it, and past the timeout
-    // the twin is aborted (which ends the finalize) and so is the communicator below.
+    // node's other ranks, with no deadline of its own: a thread runs it. Past the timeout the
+    // thread is left to it, with the twin: aborting the twin now would free it under that
+    // thread. The communicator below is aborted, and what the twin's pending work may still
+    // use (stream, buffers) is left alone; this rank is failing anyway.
     bool clean = !failed && std::uncaught_exceptions() == 0;
     if (clean) {
-      std::promise<ncclResult_t> result;
-      auto finalized = result.get_future();
-      std::thread finalizer;
+      auto result    = std::make_shared<std::promise<ncclResult_t>>();
+      auto finalized = result->get_future();
+      bool started   = false;
       try {
-        finalizer = std::thread{[&result, c = p2p] { result.set_value(ncclCommFinalize(c)); }};
-      } catch (...) {  // no thread: abort, as on a timeout
+        std::thread{[result, c = p2p] { result->set_value(ncclCommFinalize(c)); }}.detach();
+        started = true;
+      } catch (...) {  // no thread: abort, as after an error
       }
-      clean = finalizer.joinable() && finalized.wait_for(timeout) == std::future_status::ready &&
-              finalized.get() == ncclSuccess;
-      // (Aborting from this thread ends a finalize stuck in the other, as a watchdog would.)
-      if (!clean) { (void)ncclCommAbort(p2p); }
-      if (finalizer.joinable()) { finalizer.join(); }
+      if (started && finalized.wait_for(timeout) != std::future_status::ready) {
+        hung  = true;
+        clean = false;
+      } else {
+        clean = started && finalized.get() == ncclSuccess;
+        if (clean) {
+          (void)ncclCommDestroy(p2p);
+        } else {
+          (void)ncclCommAbort(p2p);
+        }
+      }
       failed = failed || !clean;
-      if (clean) { (void)ncclCommDestroy(p2p); }
     } else {
       (void)ncclCommAbort(p2p);
     }
+    p2p = nullptr;
   }
   if (comm != nullptr) {
     // Destroyed by stack unwinding: this rank is failing, and its peers may be waiting in a
@@ -102,9 +112,11 @@ inline communicator::state::~state()
       (void)ncclCommAbort(comm);
     }
   }
-  if (stream != nullptr) { (void)cudaStreamDestroy(stream); }
-  if (scratch != nullptr) { (void)cudaFree(scratch); }
-  if (staging != nullptr) { (void)cudaFreeHost(staging); }
+  if (!hung) {
+    if (stream != nullptr) { (void)cudaStreamDestroy(stream); }
+    if (scratch != nullptr) { (void)cudaFree(scratch); }
+    if (staging != nullptr) { (void)cudaFreeHost(staging); }
+  }
   if (restore) { (void)cudaSetDevice(previous); }
 }
 
@@ -138,7 +150,18 @@ inline communicator::communicator(unique_id const& id,
 inline void communicator::finish_setup()
 {
   expect_same("communicator", static_cast<std::uint64_t>(s_->size));
-  s_->node_of_rank = all_gather(detail::node_key());
+  struct about {
+    std::uint64_t node;
+    int twin;
+  };
+  auto const all = all_gather(about{detail::node_key(), s_->twin ? 1 : 0});
+  s_->node_of_rank.clear();
+  for (auto const& a : all) {
+    s_->node_of_rank.push_back(a.node);
+    // The twin is made only if every rank wants it (the split is collective; a rank left out
+    // would hang the others). A rank that turned it off turns it off for all.
+    s_->twin = s_->twin && a.twin != 0;
+  }
   s_->node_ranks.clear();
   for (int r = 0; r < s_->size; ++r) {
     if (s_->node_of_rank[static_cast<std::size_t>(r)] ==
@@ -174,7 +197,7 @@ inline void communicator::finish_setup()
     recvs.push_back({q, s_->scratch + n + static_cast<std::size_t>(q), 1});
   }
   send_recv(sends, recvs, cuda::stream_ref{s_->stream});
-  wait_stream("communicator construction");
+  wait_stream("communicator construction", s_->stream);
 }
 
 inline void communicator::check_usable() const
@@ -223,12 +246,12 @@ inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) con
   }
 }
 
-inline void communicator::wait_stream(std::string_view what) const
+inline void communicator::wait_stream(std::string_view what, cudaStream_t stream) const
 {
   auto const deadline = detail::clock_type::now() + s_->timeout;
   detail::backoff wait{std::chrono::microseconds{20}};
   while (true) {
-    cudaError_t const q = cudaStreamQuery(s_->stream);
+    cudaError_t const q = cudaStreamQuery(stream);
     if (q == cudaSuccess) { return; }
     if (q != cudaErrorNotReady) { WM_CUDA_TRY(q); }
     ncclResult_t r{};
@@ -239,7 +262,7 @@ inline void communicator::wait_stream(std::string_view what) const
     bool const late = detail::clock_type::now() >= deadline;
     if ((r != ncclSuccess && r != ncclInProgress) || late) {
       const_cast<communicator*>(this)->abort();
-      (void)cudaStreamSynchronize(s_->stream);  // the abort ends the pending kernels
+      (void)cudaStreamSynchronize(stream);  // the abort ends the pending transfers
       throw comm_error{"wm: rank " + std::to_string(s_->rank) +
                        (late ? " timed out after " + std::to_string(s_->timeout.count()) +
                                  " ms waiting for peers in "
@@ -290,7 +313,7 @@ inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_vi
   wait_nccl(what);
   WM_CUDA_TRY(cudaMemcpyAsync(s_->staging, s_->scratch, n * desc, cudaMemcpyDeviceToHost,
                               s_->stream));
-  wait_stream(what);
+  wait_stream(what, s_->stream);
 
   std::vector<detail::collective_descriptor> all(n);
   std::memcpy(all.data(), s_->staging, n * desc);
@@ -321,7 +344,7 @@ inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_vi
   wait_nccl(what);
   WM_CUDA_TRY(cudaMemcpyAsync(s_->staging, s_->scratch, n * longest, cudaMemcpyDeviceToHost,
                               s_->stream));
-  wait_stream(what);
+  wait_stream(what, s_->stream);
   for (std::size_t r = 0; r < n; ++r) {
     auto const* p = s_->staging + r * longest;
     out[r].assign(p, p + all[r].bytes);
@@ -371,7 +394,13 @@ inline void communicator::send_recv(std::span<send_part const> sends,
   }
   // Blocking: the group is launched (or failed) when this returns. A failure there leaves the
   // operations' state unknown to the peers: the communicator is failed, as after a timeout.
-  if (ncclResult_t const r = ncclGroupEnd(); r != ncclSuccess) {
+  // (NCCL_COMM_BLOCKING=0 in the environment makes the twin nonblocking: then wait as above.)
+  ncclResult_t const r = ncclGroupEnd();
+  if (r == ncclInProgress) {
+    wait_nccl("send_recv", s_->p2p);
+    return;
+  }
+  if (r != ncclSuccess) {
     const_cast<communicator*>(this)->abort();
     throw comm_error{"wm: NCCL failed during send_recv on rank " + std::to_string(s_->rank) + ": " +
                      ncclGetErrorString(r) + "; the communicator was aborted"};
@@ -416,7 +445,12 @@ inline communicator communicator::split(int color, int key)
   config.blocking     = 0;
   ncclComm_t sub      = nullptr;
   WM_NCCL_TRY(ncclCommSplit(s_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &config));
-  wait_nccl("split");
+  try {
+    wait_nccl("split");
+  } catch (...) {
+    if (sub != nullptr) { (void)ncclCommAbort(sub); }  // made before the parent was aborted
+    throw;
+  }
   std::uint64_t const seq = s_->split_seq++;
   if (color < 0) { return communicator{}; }
 
