@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -461,6 +462,68 @@ void bad_path_setting_throws_everywhere(wm::communicator& comm, int bad_rank)
   RANK_REQUIRE(path_of_fresh_tensor(comm) != wm::row_path::undecided);  // the group still works
 }
 
+// Back-to-back async gathers reuse the tensor's workspaces (and mailboxes): three calls with
+// growing batches (the buffers grow between calls; the last rank asks for nothing in the second),
+// synchronized once at the end, first on one stream, then each on its own stream with nothing
+// ordering them but the tensor itself.
+template <class L, class Y, class M>
+void back_to_back(wm::communicator& comm, std::uint64_t seed)
+{
+  using Index             = std::int64_t;
+  int const me            = comm.rank();
+  int const world         = comm.size();
+  std::size_t const rows  = 100'003;
+  std::size_t const cols  = 64;
+  std::size_t const rb    = cols * sizeof(float);
+  std::string const what  = std::string{"back to back "} + L::name + "." + Y::name + "." + M::name;
+  std::mt19937_64 shared{seed};  // the table, the same on every rank
+  auto const table = random_bytes(shared, rows * rb);
+  wm::tensor<float, L, Y, M> t{comm, rows, cols};
+  auto const lv = t.local_view();
+  if (lv.rows > 0) {  // this rank's rows of the table: every world-th (cyclic) or a range (block)
+    auto const first            = global_row<M>(t.storage().partition(), world, me, 0);
+    std::size_t const src_pitch = std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(world) * rb;
+    WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(float), table.data() + first * rb, src_pitch, rb, lv.rows,
+                             cudaMemcpyDefault));
+  }
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  comm.barrier();
+  std::mt19937_64 rng{seed + 1 + static_cast<std::uint64_t>(me)};  // batches differ by rank
+  std::size_t const sizes[3] = {1000 + 37 * static_cast<std::size_t>(me),
+                                me == world - 1 ? 0 : 60'000 + 1001 * static_cast<std::size_t>(me), 200'000};
+  for (bool const own_streams : {false, true}) {
+    std::vector<std::vector<Index>> batches;
+    std::vector<std::unique_ptr<device_indices<Index>>> keys;
+    std::vector<std::unique_ptr<device_bytes>> outs;
+    cudaStream_t streams[3]{};
+    for (int i = 0; i < 3; ++i) {
+      WM_CUDA_TRY(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+      std::vector<Index> b(sizes[i]);
+      for (auto& k : b) { k = static_cast<Index>(rng() % (rows / 2)); }  // duplicates: half the rows
+      batches.push_back(b);
+      keys.push_back(std::make_unique<device_indices<Index>>(b));
+      outs.push_back(std::make_unique<device_bytes>(b.size() * rb));
+    }
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // the inputs are in place before the gathers
+    for (int i = 0; i < 3; ++i) {
+      cuda::stream_ref const s{streams[own_streams ? i : 0]};
+      t.gather_async(keys[static_cast<std::size_t>(i)]->span(), reinterpret_cast<float*>(outs[static_cast<std::size_t>(i)]->ptr), s);
+    }
+    for (auto st : streams) { t.check_errors(cuda::stream_ref{st}); }
+    for (std::size_t i = 0; i < 3; ++i) {
+      auto const got    = outs[i]->to_host();
+      std::size_t wrong = 0;
+      for (std::size_t j = 0; j < batches[i].size(); ++j) {
+        wrong += std::memcmp(got.data() + j * rb, table.data() + static_cast<std::size_t>(batches[i][j]) * rb, rb) != 0;
+      }
+      RANK_REQUIRE_MSG(wrong == 0, what << (own_streams ? " (a stream each)" : " (one stream)") << " call " << i << ": "
+                                         << wrong << " of " << batches[i].size() << " rows differ");
+    }
+    for (auto st : streams) { WM_CUDA_TRY(cudaStreamDestroy(st)); }
+  }
+  comm.barrier();
+}
+
 }  // namespace
 
 TEST_CASE("one rank: gather/scatter on every kind, type and index type", "[gpu]") { run_suite(1); }
@@ -565,6 +628,36 @@ TEST_CASE("ranks: scatter from and gather to half values not aligned to 16 bytes
 // row of a 140 MB table moves 70 MB per peer on 2 ranks (three pieces) and 35 MB on 4 (two),
 // with row counts that do not divide evenly.
 // From 5 ranks on each peer's share fits one piece and this test no longer pipelines.
+TEST_CASE("one rank: async gathers back to back, on one stream and on several", "[gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(1, [&](wm::communicator& comm) {
+    back_to_back<wm::device, wm::distributed, wm::block>(comm, seed);
+    back_to_back<wm::host, wm::chunked, wm::cyclic>(comm, seed + 1);  // sorted reads: workspaces
+    back_to_back<wm::device, wm::continuous, wm::block>(comm, seed + 2);
+  });
+}
+
+TEST_CASE("ranks: async gathers back to back, on one stream and on several, on every path", "[multi_gpu]")
+{
+  std::uint64_t const seed = std::random_device{}();
+  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
+    for (char const* how : {"put", "copy", "nccl"}) {
+      RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", how, 1) == 0);
+      try {
+        back_to_back<wm::device, wm::distributed, wm::block>(comm, seed);
+        back_to_back<wm::device, wm::distributed, wm::cyclic>(comm, seed + 1);
+      } catch (std::exception const& e) {
+        ::unsetenv("WM_DISPATCH_ROWS");
+        throw std::runtime_error{std::string{"WM_DISPATCH_ROWS="} + how + ": " + e.what()};
+      }
+    }
+    RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+    back_to_back<wm::device, wm::chunked, wm::block>(comm, seed + 2);
+    back_to_back<wm::host, wm::chunked, wm::block>(comm, seed + 3);
+  });
+}
+
 TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
 {
   std::uint64_t const seed = std::random_device{}();

@@ -449,6 +449,7 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   cudaStream_t const s = stream.get();
   std::size_t const n  = indices.size();
   WM_EXPECTS(n == 0 || (indices.data() != nullptr && grads != nullptr), "apply_gradients: null indices or gradients");
+  detail::scratch_use const use{scratch_->plan, s};  // its workspaces, after the last call's
   std::size_t const rb        = dim() * sizeof(T);
   std::int64_t const step     = global_step_ + 1;
   auto const local            = weights_.local_view();
@@ -618,7 +619,7 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   }
   // 3. One rank: a bad key stopped the update kernels; say so. Several: checked before sending.
   WM_CUDA_TRY(cudaMemcpyAsync(scratch_->plan.err_host, err, sizeof(unsigned), cudaMemcpyDeviceToHost, s));
-  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  comm.synchronize(cuda::stream_ref{s}, "apply_gradients");  // a peer that failed: an error, not a hang
   if (*scratch_->plan.err_host != 0) {
     WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
     WM_CUDA_TRY(cudaStreamSynchronize(s));

@@ -297,7 +297,8 @@ inline constexpr int locate_shared_ranks = 4096;
 
 /**
  * For the dispatch path: owner rank (world for an invalid index) and local row of each index,
- * and the count per owner. Counting with one global atomic per index serialized a million
+ * the identity position (for the sort; @p position may be null when nothing sorts), and the
+ * count per owner. Counting with one global atomic per index serialized a million
  * indices on a few addresses (~0.8 ms); lanes with the same owner add once per warp, into the
  * block's counters, which go to @p counts once per block.
  */
@@ -326,7 +327,7 @@ __global__ void locate_kernel(mapping_ref<Mapping> map, Index const* idx, std::s
     }
     owner[i]              = r;
     local[i]              = l;
-    position[i]           = i;
+    if (position != nullptr) { position[i] = i; }
     unsigned const same   = __match_any_sync(__activemask(), r);
     if (static_cast<int>(threadIdx.x % 32) == __ffs(static_cast<int>(same)) - 1) {
       atomicAdd(tally + r, static_cast<unsigned long long>(__popc(same)));

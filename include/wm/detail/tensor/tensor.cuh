@@ -107,6 +107,13 @@ class side_stream {
   }
   /// Whether the streams and events exist (the first `get` or `aux` makes them).
   [[nodiscard]] bool made() const noexcept { return stream_ != nullptr; }
+  /// Waits for everything on both streams (errors ignored: for teardown and regrowth).
+  void synchronize() const noexcept
+  {
+    for (cudaStream_t st : {stream_, aux_}) {
+      if (st != nullptr) { (void)cudaStreamSynchronize(st); }
+    }
+  }
   /// The stream that serves this rank's own rows while the others cross (rows put by kernels), or
   /// that hands gathered pieces to the copy engine (rows copied).
   [[nodiscard]] cudaStream_t aux()
@@ -124,8 +131,6 @@ class side_stream {
   [[nodiscard]] cudaEvent_t forked() const { return marks_[0]; }
   /// The aux stream's work is done (the caller's stream waits for it).
   [[nodiscard]] cudaEvent_t joined() const { return marks_[1]; }
-  /// The last distributed gather that put rows into peers' mailboxes is done on its stream.
-  [[nodiscard]] cudaEvent_t done() const { return marks_[2]; }
 
  private:
   void make()
@@ -153,7 +158,7 @@ class side_stream {
   std::array<cudaEvent_t, max_pieces> ready_{};
   std::array<cudaEvent_t, max_pieces> arrived_{};
   std::array<cudaEvent_t, max_pieces> copied_{};
-  std::array<cudaEvent_t, 3> marks_{};
+  std::array<cudaEvent_t, 2> marks_{};
 };
 
 /// Where the distributed gather's owners store rows for this rank: a receive buffer of equal
@@ -172,11 +177,7 @@ struct mailbox {
   mailbox() = default;
   mailbox(mailbox const&)            = delete;
   mailbox& operator=(mailbox const&) = delete;
-  ~mailbox()
-  {
-    // Kernels of this rank may still write into peers' buffers or read this one.
-    if (buffer) { (void)cudaDeviceSynchronize(); }
-  }
+  // (~tensor_scratch waits for this rank's work that writes into peers' buffers or reads this one.)
 };
 
 struct tensor_scratch {
@@ -187,21 +188,53 @@ struct tensor_scratch {
   unsigned* err{};
   unsigned* err_host{};
   unsigned long long* counts_host{};  // pinned: send counts (world + 1), then 3 words per peer (plan)
+  cudaEvent_t last{};                 // the end of the last call that used a, b or the mailboxes
   tensor_scratch(tensor_scratch const&)            = delete;
   tensor_scratch& operator=(tensor_scratch const&) = delete;
   explicit tensor_scratch(int world)
   {
-    WM_CUDA_TRY(cudaMalloc(&err, sizeof(unsigned)));
-    WM_CUDA_TRY(cudaMemset(err, 0, sizeof(unsigned)));
-    WM_CUDA_TRY(cudaMallocHost(&err_host, sizeof(unsigned)));
-    WM_CUDA_TRY(cudaMallocHost(&counts_host, (4 * static_cast<std::size_t>(world) + 1) * sizeof(unsigned long long)));
+    try {
+      WM_CUDA_TRY(cudaEventCreateWithFlags(&last, cudaEventDisableTiming));
+      WM_CUDA_TRY(cudaMalloc(&err, sizeof(unsigned)));
+      WM_CUDA_TRY(cudaMemset(err, 0, sizeof(unsigned)));
+      WM_CUDA_TRY(cudaMallocHost(&err_host, sizeof(unsigned)));
+      WM_CUDA_TRY(cudaMallocHost(&counts_host, (4 * static_cast<std::size_t>(world) + 1) * sizeof(unsigned long long)));
+    } catch (...) {
+      free_own();
+      throw;
+    }
   }
   ~tensor_scratch()
   {
+    // This rank's work may still use the buffers, or write into peers' mailboxes.
+    if (last != nullptr) { (void)cudaEventSynchronize(last); }
+    side.synchronize();
+    free_own();
+  }
+
+ private:
+  void free_own() noexcept
+  {
+    if (last != nullptr) { (void)cudaEventDestroy(last); }
     (void)cudaFree(err);
     (void)cudaFreeHost(err_host);
     (void)cudaFreeHost(counts_host);
   }
+};
+
+/// For the span of a call that uses a tensor's scratch buffers (workspaces, mailboxes): the call
+/// starts after the last one that used them has finished with them, on whatever stream that ran
+/// (the buffers are reused; calls on one stream are ordered anyway), and marks its own end.
+class scratch_use {
+ public:
+  scratch_use(tensor_scratch& sc, cudaStream_t s) : sc_{sc}, s_{s} { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.last, 0)); }
+  scratch_use(scratch_use const&)            = delete;
+  scratch_use& operator=(scratch_use const&) = delete;
+  ~scratch_use() { (void)cudaEventRecord(sc_.last, s_); }
+
+ private:
+  tensor_scratch& sc_;
+  cudaStream_t s_;
 };
 
 /// Batches at least this long are read in ascending row order from host memory.
@@ -338,7 +371,7 @@ template <class T, location Location, layout Layout, mapping Mapping>
 void tensor<T, Location, Layout, Mapping>::throw_if_error(cudaStream_t stream, char const* what)
 {
   WM_CUDA_TRY(cudaMemcpyAsync(scratch_->err_host, scratch_->err, sizeof(unsigned), cudaMemcpyDeviceToHost, stream));
-  WM_CUDA_TRY(cudaStreamSynchronize(stream));
+  comm_->synchronize(cuda::stream_ref{stream}, what);  // (distributed: exchanges with peers)
   if (*scratch_->err_host != 0) {
     WM_CUDA_TRY(cudaMemsetAsync(scratch_->err, 0, sizeof(unsigned), stream));
     WM_CUDA_TRY(cudaStreamSynchronize(stream));
@@ -373,6 +406,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     bool const sort_long = Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
     bool const fresh     = Location::is_host;  // other GPUs may have written these rows
     if (sort_long && n >= detail::host_sort_threshold) {
+      detail::scratch_use const use{*scratch_, s};
       // Chunked device rows with block mapping: ascending order starts at the next rank's rows
       // and wraps around; ranks that all began at row 0 read the same owner at the same time
       // (seen with 4 ranks: chunked gathers at 0.59 of the peer-copy floor, continuous ones at
@@ -401,6 +435,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
                             stride_bytes(), scratch_->err, s, fresh);
     }
   } else {
+    detail::scratch_use const use{*scratch_, stream.get()};
     gather_dispatch(indices.data(), indices.size(), out, stream.get());
   }
 }
@@ -425,6 +460,7 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
     std::size_t const n = indices.size();
     if (n == 0) { return; }
     cudaStream_t const s = stream.get();
+    detail::scratch_use const use{*scratch_, s};
     // Sort (index, position) stably on every bit: the last occurrence of each index is the last
     // of its run (an invalid index sharing a valid one's low bits must not split the run).
     auto const sorted = detail::sort_with_positions(indices.data(), n, int{sizeof(Index) * 8}, scratch_->a, s);
@@ -433,6 +469,7 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
                            detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
                            row_bytes(), stride_bytes(), scratch_->err, s, Location::is_host);
   } else {
+    detail::scratch_use const use{*scratch_, stream.get()};
     scatter_dispatch(indices.data(), indices.size(), values, stream.get());
   }
 }
@@ -504,9 +541,9 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   bool const place = !in_order && world < place_shared_ranks;
   carver c;
   auto const o_owner  = c.add<int>(n);
-  auto const o_sowner = c.add<int>(n);
+  auto const o_sowner = c.add<int>(place ? 0 : n);
   auto const o_local  = c.add<Index>(n);
-  auto const o_pos    = c.add<std::size_t>(n);
+  auto const o_pos    = c.add<std::size_t>(place ? 0 : n);
   auto const o_order  = c.add<std::size_t>(n);
   auto const o_keys   = c.add<Index>(n);
   auto const o_counts = c.add<unsigned long long>(8 * w + 2);  // counts, invalid, words in, words out, starts
@@ -533,7 +570,8 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (w + 1) * sizeof(unsigned long long), s));
   if (n > 0) {
     std::size_t const shared = world < locate_shared_ranks ? (w + 1) * sizeof(unsigned long long) : 0;
-    locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, p.owner, p.local, pos, counts, scratch.err);
+    locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, p.owner, p.local, place ? nullptr : pos, counts,
+                                                                scratch.err);
     WM_CHECK_LAUNCH();
   }
   // Counts travel on the device (three words per peer), then both directions come back at once.
@@ -551,7 +589,7 @@ dispatch_plan_device<Index> plan_dispatch_device(communicator& comm,
   comm.all_to_all_v(static_cast<unsigned long long const*>(words), std::span<std::size_t const>{three}, recv,
                     std::span<std::size_t const>{three}, cuda::stream_ref{s});
   WM_CUDA_TRY(cudaMemcpyAsync(scratch.counts_host, counts, (4 * w + 1) * sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
-  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  comm.synchronize(cuda::stream_ref{s}, "the distributed gather/scatter's count exchange");  // a peer that failed: an error
   auto const* got = scratch.counts_host + w + 1;
   p.send_counts.assign(scratch.counts_host, scratch.counts_host + w);
   for (std::size_t q = 0; q < w; ++q) {
@@ -593,8 +631,9 @@ namespace detail {
 /// `WM_DISPATCH_ROWS=copy`. A mailbox that cannot be made (no peer access between the GPUs, no
 /// memory) leaves the tensor on the NCCL path on every rank. Any other value of the variable on
 /// any rank throws on every rank (the vote stays open).
-inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
+inline bool mailbox_ready(communicator& comm, tensor_scratch& sc, std::size_t bytes)
 {
+  mailbox& m = sc.mail;
   if (m.mode == mailbox::state::unknown) {
     char const* env = std::getenv("WM_DISPATCH_ROWS");
     std::string_view const how = env != nullptr ? env : "";
@@ -612,9 +651,11 @@ inline bool mailbox_ready(communicator& comm, mailbox& m, std::size_t bytes)
   if (m.mode == mailbox::state::off) { return false; }
   if (bytes <= m.bytes) { return true; }
   // Every rank's earlier gathers are done with every buffer before any is freed: this rank's
-  // kernels by the sync, peers' writes into this buffer because this rank waited for their
-  // flags, and no rank frees before all have synced (the release is collective).
-  WM_CUDA_TRY(cudaDeviceSynchronize());
+  // kernels by these syncs (the last call's work, joined into its stream, and anything left on
+  // the side streams), peers' writes into this buffer because this rank waited for their flags,
+  // and no rank frees before all have synced (the release is collective).
+  WM_CUDA_TRY(cudaEventSynchronize(sc.last));
+  sc.side.synchronize();
   m.buffer.reset();
   m.at.clear();
   m.bytes = 0;
@@ -658,17 +699,15 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
 {
   auto& comm   = *comm_;
   auto& sc     = *scratch_;
-  // The last call's mailbox reads (on the side stream) come before peers' writes of this call,
-  // which follow this rank's keys.
-  if (sc.mail.mode == detail::mailbox::state::on && sc.side.made()) {
-    WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.done(), 0));
-  }
+  // The last call's mailbox reads (joined into its stream before it ended; the caller's
+  // scratch_use waits for that end) come before peers' writes of this call, which follow this
+  // rank's keys.
   // The order inside each owner's group does not matter here: every row finds its place by p.order.
   auto const p = detail::plan_dispatch_device(comm, map_ref(), idx, n, sc, s, false);
   std::size_t const rb = row_bytes();
   auto const world     = static_cast<std::size_t>(comm.size());
   auto const me        = static_cast<std::size_t>(comm.rank());
-  bool const put       = detail::mailbox_ready(comm, sc.mail, p.most_remote * rb);
+  bool const put       = detail::mailbox_ready(comm, sc, p.most_remote * rb);
   bool const copy      = put && sc.mail.copy;  // gathered here, then copied into the mailboxes
   // Rows this rank owns are served in place; only the other ranks' share crosses.
   auto remote_send = p.send_counts;  // keys out = rows back in
@@ -717,7 +756,6 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   for (std::size_t q = 0; q < world; ++q) {
     pieces = std::max({pieces, detail::pieces_of(remote_send[q], rb), detail::pieces_of(remote_recv[q], rb)});
   }
-  // The side stream and its events exist whenever the mailboxes are in use (`done` below).
   cudaStream_t const side = pieces > 0 || put ? sc.side.get() : nullptr;
   if (put && pieces > 0) { WM_CUDA_TRY(cudaMemsetAsync(flags, 0, 2 * world * sizeof(unsigned), s)); }
   // 3. This rank's own rows, straight from the table to their output rows: on the aux stream
@@ -742,7 +780,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
       std::size_t const n_in = in_piece.last - in_piece.first;
       if (n_in == 0) { continue; }
       detail::launch_gather(detail::local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
-                            static_cast<Index const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
+                            static_cast<std::size_t const*>(nullptr), p.order + key_at[q] + in_piece.first, n_in, dst, rb, rb,
                             sc.err, on, false, blocks_per_sm);
     }
   };
@@ -808,9 +846,8 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
     }
   }
   // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
-  detail::launch_gather(detail::local_rows{back, 0, rb}, static_cast<Index const*>(nullptr), p.order + p.n_sent,
+  detail::launch_gather(detail::local_rows{back, 0, rb}, static_cast<std::size_t const*>(nullptr), p.order + p.n_sent,
                         n - p.n_sent, dst, rb, rb, sc.err, s);
-  if (put) { WM_CUDA_TRY(cudaEventRecord(sc.side.done(), s)); }
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
