@@ -24,9 +24,12 @@
  * `check_errors(stream)` throws it. A gathered row for a bad index is zero; a bad index in a
  * scatter writes nothing.
  *
- * One operation at a time per tensor: calls on different streams must be ordered by the caller
- * (they share the tensor's workspace and error state). A bad index makes only the rank that
- * passed it throw; on the distributed layout every rank still completes the exchange.
+ * Calls that use the tensor's buffers (distributed gathers and scatters, mapped scatters, long
+ * sorted gathers of host or chunked tables) run one after another, whatever their streams: each
+ * waits on the device for the last one's end. The error state is shared too: `check_errors` on
+ * any stream reports a bad index of any earlier call once that call has run. Not thread-safe:
+ * call a tensor from one host thread at a time. A bad index makes only the rank that passed it
+ * throw; on the distributed layout every rank still completes the exchange.
  *
  * Duplicate indices in `scatter`: the row receives the values of the last occurrence in the
  * caller's batch. Across ranks scattering to the same row at the same time: on mapped layouts

@@ -66,7 +66,15 @@ inline communicator::state::~state()
       auto finalized = result->get_future();
       bool started   = false;
       try {
-        std::thread{[result, c = p2p] { result->set_value(ncclCommFinalize(c)); }}.detach();
+        std::thread{[result, c = p2p] {
+          ncclResult_t r = ncclCommFinalize(c);
+          // Nonblocking after all (NCCL_COMM_BLOCKING=0 in the environment): wait for it here.
+          while (r == ncclInProgress) {
+            std::this_thread::sleep_for(std::chrono::microseconds{100});
+            if (ncclCommGetAsyncError(c, &r) != ncclSuccess) { r = ncclSystemError; }
+          }
+          result->set_value(r);
+        }}.detach();
         started = true;
       } catch (...) {  // no thread: abort, as after an error
       }

@@ -619,7 +619,11 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   }
   // 3. One rank: a bad key stopped the update kernels; say so. Several: checked before sending.
   WM_CUDA_TRY(cudaMemcpyAsync(scratch_->plan.err_host, err, sizeof(unsigned), cudaMemcpyDeviceToHost, s));
-  comm.synchronize(cuda::stream_ref{s}, "apply_gradients");  // a peer that failed: an error, not a hang
+  if (one_rank) {
+    WM_CUDA_TRY(cudaStreamSynchronize(s));
+  } else {
+    comm.synchronize(cuda::stream_ref{s}, "apply_gradients");  // a peer that failed: an error, not a hang
+  }
   if (*scratch_->plan.err_host != 0) {
     WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
     WM_CUDA_TRY(cudaStreamSynchronize(s));

@@ -461,7 +461,20 @@ memory<Location, Layout>::memory(communicator& comm,
                ? block_partition{total_bytes / granularity, comm.size()}
                : block_partition{total_bytes / granularity, comm.size(), entries_per_rank};
   WM_CUDA_TRY(cudaGetDevice(&r->device));
-  detail::allocate(*r);
+  try {
+    detail::allocate(*r);
+  } catch (...) {
+    // The steps fail on every rank together. As in `release`: an owner frees its part (when r
+    // goes) only after every peer closed its mapping of it.
+    if (r->kind == detail::memory_kind::chunked_device) {
+      r->release_imports();
+      try {
+        comm.barrier();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
   r_ = std::move(r);
 }
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <exception>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -131,6 +132,15 @@ class side_stream {
   [[nodiscard]] cudaEvent_t forked() const { return marks_[0]; }
   /// The aux stream's work is done (the caller's stream waits for it).
   [[nodiscard]] cudaEvent_t joined() const { return marks_[1]; }
+  /// Makes @p s wait for everything on both streams (a call that failed half-way: what it left
+  /// there still uses the scratch buffers). Errors ignored.
+  void join_into(cudaStream_t s) noexcept
+  {
+    if (stream_ == nullptr || marks_[2] == nullptr) { return; }
+    for (cudaStream_t st : {stream_, aux_}) {  // a wait takes the event as last recorded
+      if (cudaEventRecord(marks_[2], st) == cudaSuccess) { (void)cudaStreamWaitEvent(s, marks_[2], 0); }
+    }
+  }
 
  private:
   void make()
@@ -158,7 +168,7 @@ class side_stream {
   std::array<cudaEvent_t, max_pieces> ready_{};
   std::array<cudaEvent_t, max_pieces> arrived_{};
   std::array<cudaEvent_t, max_pieces> copied_{};
-  std::array<cudaEvent_t, 2> marks_{};
+  std::array<cudaEvent_t, 3> marks_{};
 };
 
 /// Where the distributed gather's owners store rows for this rank: a receive buffer of equal
@@ -230,11 +240,17 @@ class scratch_use {
   scratch_use(tensor_scratch& sc, cudaStream_t s) : sc_{sc}, s_{s} { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.last, 0)); }
   scratch_use(scratch_use const&)            = delete;
   scratch_use& operator=(scratch_use const&) = delete;
-  ~scratch_use() { (void)cudaEventRecord(sc_.last, s_); }
+  ~scratch_use()
+  {
+    // A call that threw may have left work on the side streams that it had not joined yet.
+    if (std::uncaught_exceptions() > unwinding_) { sc_.side.join_into(s_); }
+    (void)cudaEventRecord(sc_.last, s_);
+  }
 
  private:
   tensor_scratch& sc_;
   cudaStream_t s_;
+  int unwinding_{std::uncaught_exceptions()};
 };
 
 /// Batches at least this long are read in ascending row order from host memory.
@@ -371,7 +387,11 @@ template <class T, location Location, layout Layout, mapping Mapping>
 void tensor<T, Location, Layout, Mapping>::throw_if_error(cudaStream_t stream, char const* what)
 {
   WM_CUDA_TRY(cudaMemcpyAsync(scratch_->err_host, scratch_->err, sizeof(unsigned), cudaMemcpyDeviceToHost, stream));
-  comm_->synchronize(cuda::stream_ref{stream}, what);  // (distributed: exchanges with peers)
+  if constexpr (std::same_as<Layout, distributed>) {
+    comm_->synchronize(cuda::stream_ref{stream}, what);  // exchanges with peers: a peer that failed is an error
+  } else {
+    WM_CUDA_TRY(cudaStreamSynchronize(stream));  // local work: no deadline
+  }
   if (*scratch_->err_host != 0) {
     WM_CUDA_TRY(cudaMemsetAsync(scratch_->err, 0, sizeof(unsigned), stream));
     WM_CUDA_TRY(cudaStreamSynchronize(stream));
