@@ -206,7 +206,8 @@ class communicator {
   /**
    * @brief Waits for @p stream as the communicator waits for its own work: past the timeout, or
    * on an NCCL error, the communicator is aborted (which ends its pending transfers) and a
-   * `wm::comm_error` names this rank. Use it instead of `cudaStreamSynchronize` for a stream
+   * `wm::comm_error` names this rank. (NCCL's abort frees device memory, which waits for the
+   * kernels running on the device: NCCL's end with the abort, others run to their end.) Use it instead of `cudaStreamSynchronize` for a stream
    * that holds exchanges with peers: a peer that died or failed before its side of an exchange
    * then gives an error instead of a wait with no end. wm's own synchronizing operations use it.
    */

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -314,6 +315,57 @@ TEST_CASE("one rank: communicators made and destroyed in a loop free what they h
                                                          << " MiB: the option made no difference");
     // Destruction finalizes without waiting out the timeout (300 s; a finalize that hung would).
     RANK_REQUIRE_MSG(seconds < 60.0, "8 communicators took " << seconds << " s");
+  });
+}
+
+// Spins until @p ns nanoseconds of the GPU's global timer have passed.
+__global__ void spin_for(unsigned long long ns)
+{
+  unsigned long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+TEST_CASE("one rank: synchronize waits for a stream, and gives up on it after the timeout", "[gpu]")
+{
+  wm::launch(1, [&](wm::communicator&) {
+    wm::communicator_options options;
+    options.timeout = std::chrono::milliseconds{500};
+    wm::communicator c{wm::unique_id::create(), 0, 1, options};
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    auto const seconds_since = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    // Work that ends within the timeout is waited for.
+    spin_for<<<1, 1, 0, s>>>(200'000'000ull);  // 0.2 s
+    auto t0 = std::chrono::steady_clock::now();
+    c.synchronize(cuda::stream_ref{s});
+    double const waited = seconds_since(t0);
+    RANK_REQUIRE_MSG(waited > 0.1 && cudaStreamQuery(s) == cudaSuccess, "returned after " << waited << " s");
+    // Work that does not: an error once the timeout has passed (the abort waits for the kernel
+    // that runs, as freeing device memory does), and the communicator is failed from then on.
+    spin_for<<<1, 1, 0, s>>>(1'500'000'000ull);
+    t0                = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+      c.synchronize(cuda::stream_ref{s}, "a long spin");
+    } catch (wm::comm_error const& e) {
+      error = e.what();
+    }
+    double const gave_up = seconds_since(t0);
+    RANK_REQUIRE_MSG(error.find("timed out") != std::string::npos && error.find("a long spin") != std::string::npos,
+                     "error: '" << error << "'");
+    RANK_REQUIRE_MSG(gave_up > 0.4 && gave_up < 30.0, "gave up after " << gave_up << " s");
+    bool failed = false;
+    try {
+      c.barrier();
+    } catch (wm::comm_error const&) {
+      failed = true;
+    }
+    RANK_REQUIRE(failed);
+    WM_CUDA_TRY(cudaStreamSynchronize(s));
+    WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }
 

@@ -270,7 +270,10 @@ inline void communicator::wait_stream(std::string_view what, cudaStream_t stream
     bool const late = detail::clock_type::now() >= deadline;
     if ((r != ncclSuccess && r != ncclInProgress) || late) {
       const_cast<communicator*>(this)->abort();
-      (void)cudaStreamSynchronize(stream);  // the abort ends the pending transfers
+      // The abort ends the pending transfers (and waits, as any cudaFree does, for the kernels
+      // running on the device); the communicator's own stream is drained before its buffers are
+      // reused. A caller's stream is left to the caller.
+      if (stream == s_->stream) { (void)cudaStreamSynchronize(stream); }
       throw comm_error{"wm: rank " + std::to_string(s_->rank) +
                        (late ? " timed out after " + std::to_string(s_->timeout.count()) +
                                  " ms waiting for peers in "
