@@ -35,8 +35,8 @@
  *     Reported too, to show where the time goes: the same lookup with keys of this rank's rows
  *     only (no rows cross) and with keys of other ranks' rows only (every row crosses), and the
  *     lookup with its rows through NCCL (WM_DISPATCH_ROWS=nccl: the path across nodes) instead
- *     of the mailboxes that ranks of one node use, and with the rows moved into the mailboxes by
- *     the copy engines (WM_DISPATCH_ROWS=copy) instead of the gather kernels' stores.
+ *     of the mailboxes that ranks of one node use, and with the rows stored into the mailboxes
+ *     by the gather kernels (WM_DISPATCH_ROWS=put) instead of moved there by the copy engines.
  *     On one GPU too: the distributed lookup of 1M keys on a 1-rank communicator against the
  *     continuous layout's gather of the same keys (what the dispatch costs when nothing crosses).
  *
@@ -186,7 +186,7 @@ struct results {
   double d_nccl_ms{nan};                   // (d) limit: NCCL moving a uniform batch's remote rows
   double d_own_ms{nan}, d_remote_ms{nan};  // (d) keys of this rank's rows only / of others' only
   double d_via_nccl_ms{nan};               // (d) with the rows through NCCL (WM_DISPATCH_ROWS=nccl)
-  double d_via_copy_ms{nan};               // (d) rows copied into the mailboxes (WM_DISPATCH_ROWS=copy)
+  double d_via_put_ms{nan};                // (d) rows stored into the mailboxes by kernels (WM_DISPATCH_ROWS=put)
 };
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
@@ -292,10 +292,10 @@ class bench {
       res.d_own_ms    = max_of(mine_only, &rank_figures::ms);
       res.d_remote_ms = max_of(others, &rank_figures::ms);
       // The path taken across nodes or without peer access: rows through NCCL, not mailboxes;
-      // and rows moved into the mailboxes by the copy engines. A tensor takes its path at its
-      // first gather.
+      // and rows stored into the mailboxes by the gather kernels instead of the copy engines. A
+      // tensor takes its path at its first gather.
       res.d_via_nccl_ms = other_path("nccl", wm::row_path::nccl, 230);
-      res.d_via_copy_ms = other_path("copy", wm::row_path::copy, 240);
+      res.d_via_put_ms  = other_path("put", wm::row_path::put, 240);
     }
   }
 
@@ -554,8 +554,8 @@ void print_table(results const& r, peer_result const& p, double seconds)
       r.d_nccl_ms / r.d_ms, 0);
   row("(d) with rows through NCCL", two ? fmt("%.3f ms", r.d_via_nccl_ms) : "n/a (1 GPU)",
       std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_nccl_ms, 0);
-  row("(d) rows by copy engine", two ? fmt("%.3f ms", r.d_via_copy_ms) : "n/a (1 GPU)",
-      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_copy_ms, 0);
+  row("(d) rows put by kernels", two ? fmt("%.3f ms", r.d_via_put_ms) : "n/a (1 GPU)",
+      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_put_ms, 0);
   row("(d) one rank, 1M keys", fmt("%.3f ms", r.d_one_ms), fmt("continuous layout, same keys %.3f ms", r.d_one_direct_ms),
       r.d_one_direct_ms / r.d_one_ms, 0);
   row("(d) own rows only", two ? fmt("%.3f ms", r.d_own_ms) : "n/a (1 GPU)", "-", nan, 0);

@@ -664,23 +664,23 @@ TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
     exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
-    // ... with the rows put into the mailboxes (the default on one node with peer access).
-    RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers_reach_each_other() ? wm::row_path::put : wm::row_path::nccl));
+    // ... with the rows copied into the mailboxes (the default on one node with peer access).
+    RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers_reach_each_other() ? wm::row_path::copy : wm::row_path::nccl));
   });
 }
 
-// On one node the distributed gather's owners write rows straight into the asking rank's mailbox
-// with their gather kernels (the cases above). With WM_DISPATCH_ROWS=copy they gather the rows
-// locally and the copy engines move them into the mailbox; across nodes, without peer access, or
-// with WM_DISPATCH_ROWS=nccl the rows cross through NCCL instead: the same gathers, on each path.
-TEST_CASE("ranks: distributed gathers with rows copied or through NCCL", "[multi_gpu]")
+// On one node the distributed gather's owners gather rows locally and the copy engines move them
+// into the asking rank's mailbox (the cases above). With WM_DISPATCH_ROWS=put their gather
+// kernels store the rows into the mailbox; across nodes, without peer access, or with
+// WM_DISPATCH_ROWS=nccl the rows cross through NCCL instead: the same gathers, on each path.
+TEST_CASE("ranks: distributed gathers with rows put by kernels or through NCCL", "[multi_gpu]")
 {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     bool const peers = peers_reach_each_other();
-    for (char const* how : {"copy", "nccl"}) {
+    for (char const* how : {"put", "nccl"}) {
       RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", how, 1) == 0);  // this rank's process only
-      auto const want = peers && std::string_view{how} == "copy" ? wm::row_path::copy : wm::row_path::nccl;
+      auto const want = peers && std::string_view{how} == "put" ? wm::row_path::put : wm::row_path::nccl;
       RANK_REQUIRE(path_of_fresh_tensor(comm) == want);  // the cases below run on that path
       try {
         exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
@@ -692,8 +692,12 @@ TEST_CASE("ranks: distributed gathers with rows copied or through NCCL", "[multi
       }
     }
     RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
-    // Ranks that disagree: copy only where every rank asks for it, put otherwise.
+    // Ranks that disagree: put where any rank asks for it (copy, the default, needs every rank).
     RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", comm.rank() == 0 ? "copy" : "put", 1) == 0);
+    RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers ? wm::row_path::put : wm::row_path::nccl));
+    RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
+    // And unset on some ranks, put on one: put.
+    if (comm.rank() == 0) { RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", "put", 1) == 0); }
     RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers ? wm::row_path::put : wm::row_path::nccl));
     RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
     bad_path_setting_throws_everywhere(comm, comm.size() - 1);

@@ -647,8 +647,9 @@ namespace detail {
 /// Whether this call's rows go through the mailboxes (see `mailbox`); makes or grows them first.
 /// Collective: every rank passes the same @p bytes (from the count exchange). The first call
 /// decides, for the life of the tensor, with every rank's vote: one node, more than one rank, and
-/// `WM_DISPATCH_ROWS` not set to `nccl`; rows are copied by the copy engines when every rank has
-/// `WM_DISPATCH_ROWS=copy`. A mailbox that cannot be made (no peer access between the GPUs, no
+/// `WM_DISPATCH_ROWS` not set to `nccl`; rows are copied by the copy engines unless some rank has
+/// `WM_DISPATCH_ROWS=put` (then the gather kernels store them; measured on 2 H200s, 1M keys:
+/// copy 0.844 ms, put 1.030 ms). A mailbox that cannot be made (no peer access between the GPUs, no
 /// memory) leaves the tensor on the NCCL path on every rank. Any other value of the variable on
 /// any rank throws on every rank (the vote stays open).
 inline bool mailbox_ready(communicator& comm, tensor_scratch& sc, std::size_t bytes)
@@ -658,7 +659,7 @@ inline bool mailbox_ready(communicator& comm, tensor_scratch& sc, std::size_t by
     char const* env = std::getenv("WM_DISPATCH_ROWS");
     std::string_view const how = env != nullptr ? env : "";
     // 0: NCCL, 1: put, 2: copy, -1: a value nobody knows.
-    int want = how.empty() || how == "put" ? 1 : how == "copy" ? 2 : how == "nccl" ? 0 : -1;
+    int want = how.empty() || how == "copy" ? 2 : how == "put" ? 1 : how == "nccl" ? 0 : -1;
     if (want > 0 && (comm.size() == 1 || !comm.single_node())) { want = 0; }
     auto const votes = comm.all_gather(want);
     if (std::ranges::any_of(votes, [](int v) { return v < 0; })) {
