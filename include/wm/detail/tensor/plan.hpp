@@ -60,8 +60,9 @@ inline constexpr int max_pieces = 6;
 
 /// Rows [first, last) of piece k of @p count rows cut into pieces_of(count, row_bytes) pieces
 /// (empty for k past the last piece). From three pieces on, the first and the last are a
-/// quarter of the others (when that leaves them two rows or more): nothing crosses until the first piece is gathered, and the last one
-/// is put in the caller's order after everything has crossed, so both are pure latency.
+/// quarter of the others (when that leaves them two rows or more): nothing crosses until the
+/// first piece is gathered, and the last one is put in the caller's order after everything has
+/// crossed, so both are pure latency.
 struct piece {
   std::size_t first;
   std::size_t last;
