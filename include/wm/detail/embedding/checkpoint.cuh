@@ -120,7 +120,7 @@ void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
       m.dtype = detail::dtype_name<T>();
       m.dtype_bytes = sizeof(T);
       m.optimizer = Optimizer::name;
-      m.optimizer_tag = checkpoint_tag(opt_);
+      m.optimizer_tag = wm::checkpoint_tag(opt_);
       m.states = Optimizer::states;
       m.steps = steps_.has_value();
       {
@@ -177,7 +177,7 @@ void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
     here.dtype = detail::dtype_name<T>();
     here.dtype_bytes = sizeof(T);
     here.optimizer = Optimizer::name;
-    here.optimizer_tag = checkpoint_tag(opt_);
+    here.optimizer_tag = wm::checkpoint_tag(opt_);
     here.states = Optimizer::states;
     here.steps = steps_.has_value();
     detail::check_meta_fits(m, here, p);
