@@ -92,11 +92,16 @@ for t in json.load(open(sys.argv[1]))["tests"]:
 PY
   )
   [[ ${#entries[@]} -eq 0 ]] && fail "sanitizer: no gpu test programs found"
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/compute-sanitizer/compute-sanitizer)
+  if [[ ! -x $sanitizer ]]; then
+    fail "sanitizer: compute-sanitizer not found (PATH, /usr/local/cuda/compute-sanitizer)"
+    entries=()
+  fi
   for e in "${entries[@]}"; do
     IFS=$'\t' read -r -a f <<<"$e"
     name=${f[0]}; cmd=("${f[@]:1}")
     log="$out/sanitize-$name.log"
-    CUDA_VISIBLE_DEVICES=0 timeout "${SANITIZE_TIMEOUT:-540}" compute-sanitizer --tool memcheck \
+    CUDA_VISIBLE_DEVICES=0 timeout "${SANITIZE_TIMEOUT:-540}" "$sanitizer" --tool memcheck \
       --report-api-errors no --target-processes all "${cmd[@]}" >"$log" 2>&1
     rc=$?
     # One "ERROR SUMMARY" per process (ranks are forked): add them up.
