@@ -21,16 +21,14 @@ static_assert(__cplusplus >= 202002L, "wm::wm did not request C++20");
 namespace {
 
 template <class Tensor>
-void round_trip(Tensor& t, std::span<std::int64_t const> ids, float* rows, cudaStream_t s)
-{
+void round_trip(Tensor& t, std::span<std::int64_t const> ids, float* rows, cudaStream_t s) {
   t.gather(ids, rows, cuda::stream_ref{s});
   t.scatter(ids, rows, cuda::stream_ref{s});
 }
 
 }  // namespace
 
-int main()
-{
+int main() {
   if (wm::local_device_count() == 0) {
     std::printf("consumer: no GPU found, nothing to run\n");
     return 0;
