@@ -6,6 +6,7 @@
 // continues training bit for bit. Bad indices are rejected on every rank with nothing updated.
 #include "catch.hpp"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 #include <wm/wm.cuh>
 
@@ -17,6 +18,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -480,28 +482,30 @@ void apply_here_gather_there(wm::communicator& comm, std::uint64_t seed)
 
 }  // namespace
 
-TEST_CASE("one rank: null gradients or indices throw at once and the next step is exact", "[gpu]")
+// ---- cases run inside every rank (--ranks; tests/support/ranks.hpp) ----------------------------
+
+namespace {
+
+// A seed drawn on rank 0, the same on every rank.
+std::uint64_t shared_seed(wm::communicator& comm)
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(1, [&](wm::communicator& comm) {
-    null_gradients_everywhere<wm::distributed, wm::block>(comm, 0, seed);
-    null_gradients_everywhere<wm::chunked, wm::cyclic>(comm, 0, seed + 1);
-  });
+  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
 }
 
-TEST_CASE("ranks: null gradients on one rank make every rank throw within 5 s; the next step is exact",
-          "[multi_gpu]")
+}  // namespace
+
+TEMPLATE_TEST_CASE("ranked: null gradients or indices make every rank throw within 5 s; the next step is exact",
+                   "[ranked]", (std::tuple<wm::distributed, wm::block>), (std::tuple<wm::distributed, wm::cyclic>),
+                   (std::tuple<wm::chunked, wm::block>))
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    null_gradients_everywhere<wm::distributed, wm::block>(comm, 0, seed);
-    null_gradients_everywhere<wm::distributed, wm::cyclic>(comm, comm.size() - 1, seed + 1);
-    null_gradients_everywhere<wm::chunked, wm::block>(comm, comm.size() - 1, seed + 2);
-  });
+  using Y    = std::tuple_element_t<0, TestType>;
+  using M    = std::tuple_element_t<1, TestType>;
+  auto& comm = wm_test::comm();
+  null_gradients_everywhere<Y, M>(comm, comm.size() - 1, shared_seed(comm));
 }
 
-TEST_CASE("ranks: apply_gradients on one rank and gather on another throw on every rank", "[multi_gpu]")
+TEST_CASE("ranked: apply_gradients on one rank and gather on another throw on every rank", "[ranked][multi]")
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) { apply_here_gather_there(comm, seed); });
+  auto& comm = wm_test::comm();
+  apply_here_gather_there(comm, shared_seed(comm));
 }

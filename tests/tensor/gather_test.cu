@@ -4,6 +4,7 @@
 // reference; outputs are poisoned first; batches have duplicates, empty batches, bad indices.
 #include "catch.hpp"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 #include <wm/tensor.cuh>
 #include <wm/wm.cuh>
@@ -22,6 +23,7 @@
 #include <sstream>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <chrono>
 #include <vector>
 
@@ -991,76 +993,70 @@ void move_during_async(wm::communicator& comm, std::uint64_t seed)
 
 }  // namespace
 
-TEST_CASE("one rank: a null pointer in a distributed call throws at once and the next call works", "[gpu]")
+// ---- cases run inside every rank (--ranks; tests/support/ranks.hpp) ----------------------------
+
+namespace {
+
+// A seed drawn on rank 0, the same on every rank.
+std::uint64_t shared_seed(wm::communicator& comm)
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(1, [&](wm::communicator& comm) {
-    null_pointer_everywhere<wm::block>(comm, 0, seed);
-    null_pointer_everywhere<wm::cyclic>(comm, 0, seed + 100);
-  });
+  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
 }
 
-TEST_CASE("ranks: a null pointer on one rank makes every rank throw within 5 s; the communicator stays usable",
-          "[multi_gpu]")
+}  // namespace
+
+#define WM_EVERY_KIND                                                                                        \
+  (std::tuple<wm::device, wm::continuous, wm::block>), (std::tuple<wm::device, wm::chunked, wm::block>),     \
+    (std::tuple<wm::device, wm::distributed, wm::block>), (std::tuple<wm::host, wm::continuous, wm::block>), \
+    (std::tuple<wm::host, wm::chunked, wm::block>), (std::tuple<wm::host, wm::distributed, wm::block>),      \
+    (std::tuple<wm::device, wm::continuous, wm::cyclic>), (std::tuple<wm::device, wm::chunked, wm::cyclic>), \
+    (std::tuple<wm::device, wm::distributed, wm::cyclic>), (std::tuple<wm::host, wm::continuous, wm::cyclic>), \
+    (std::tuple<wm::host, wm::chunked, wm::cyclic>), (std::tuple<wm::host, wm::distributed, wm::cyclic>)
+
+TEST_CASE("ranked: a null pointer in a distributed call makes every rank throw within 5 s; the next call works",
+          "[ranked]")
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    null_pointer_everywhere<wm::block>(comm, 0, seed);
-    null_pointer_everywhere<wm::cyclic>(comm, comm.size() - 1, seed + 100);
-  });
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
+  null_pointer_everywhere<wm::block>(comm, 0, seed);
+  null_pointer_everywhere<wm::cyclic>(comm, comm.size() - 1, seed + 100);
 }
 
-TEST_CASE("ranks: gather on one rank and scatter on another, or different rows or indices, throw on every rank",
-          "[multi_gpu]")
+TEST_CASE("ranked: gather on one rank and scatter on another, or other rows or indices, throw on every rank",
+          "[ranked][multi]")
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) { different_calls_everywhere(comm, seed); });
+  auto& comm = wm_test::comm();
+  different_calls_everywhere(comm, shared_seed(comm));
 }
 
-TEST_CASE("one rank: 0-row tensors take 70,000-index gathers and scatters on every kind", "[gpu]")
+TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters", "[ranked]", WM_EVERY_KIND)
 {
-  wm::launch(1, [&](wm::communicator& comm) {
-    zero_rows_all_kinds<wm::block>(comm);
-    zero_rows_all_kinds<wm::cyclic>(comm);
-  });
+  using L = std::tuple_element_t<0, TestType>;
+  using Y = std::tuple_element_t<1, TestType>;
+  using M = std::tuple_element_t<2, TestType>;
+  zero_rows<L, Y, M>(wm_test::comm());
 }
 
-TEST_CASE("ranks: 0-row tensors take 70,000-index gathers and scatters on every kind", "[multi_gpu]")
+TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, stores the new rows", "[ranked]",
+                   WM_EVERY_KIND)
 {
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    zero_rows_all_kinds<wm::block>(comm);
-    zero_rows_all_kinds<wm::cyclic>(comm);
-  });
-}
-
-TEST_CASE("one rank: scatter_async on a stream, then store() at once, stores the new rows", "[gpu]")
-{
-  std::uint64_t const seed = std::random_device{}();
-  auto const dir           = std::filesystem::temp_directory_path() / ("wm_scatter_store_" + std::to_string(seed));
+  using L                  = std::tuple_element_t<0, TestType>;
+  using Y                  = std::tuple_element_t<1, TestType>;
+  using M                  = std::tuple_element_t<2, TestType>;
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
+  auto const dir = std::filesystem::temp_directory_path() / ("wm_scatter_store_" + std::to_string(seed));
   std::filesystem::create_directories(dir);
-  wm::launch(1, [&](wm::communicator& comm) {
-    for_every_kind([&]<class L, class Y>() {
-      scatter_then_store<L, Y, wm::block>(comm, seed, dir);
-      scatter_then_store<L, Y, wm::cyclic>(comm, seed + 1, dir);
-    });
-  });
-  std::filesystem::remove_all(dir);
+  scatter_then_store<L, Y, M>(comm, seed, dir);
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
 }
 
-TEST_CASE("one rank: move-assignment while gathers run", "[gpu]")
+TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_EVERY_KIND)
 {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(1, [&](wm::communicator& comm) {
-    for_every_kind([&]<class L, class Y>() { move_during_async<L, Y, wm::block>(comm, seed); });
-    move_during_async<wm::host, wm::chunked, wm::cyclic>(comm, seed + 1);
-  });
-}
-
-TEST_CASE("ranks: move-assignment while gathers run", "[multi_gpu]")
-{
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    move_during_async<wm::device, wm::distributed, wm::block>(comm, seed);
-    move_during_async<wm::device, wm::chunked, wm::block>(comm, seed + 1);
-  });
+  using L    = std::tuple_element_t<0, TestType>;
+  using Y    = std::tuple_element_t<1, TestType>;
+  using M    = std::tuple_element_t<2, TestType>;
+  auto& comm = wm_test::comm();
+  move_during_async<L, Y, M>(comm, shared_seed(comm));
 }
