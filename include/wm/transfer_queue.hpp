@@ -114,6 +114,9 @@ class transfer_queue {
 
   /** @brief Puts @p t at the back. @return false (task refused) while the queue is locked. */
   bool enqueue(transfer_task t);
+  /** @brief Puts @p t at the back even while the queue is locked: a follow-up a copier queues
+   * from `complete` belongs to the drain in progress. @return false only once closed. */
+  bool requeue(transfer_task t);
   /** @brief Puts @p t at the front as a passive task. @return false while locked. */
   bool enqueue_front(transfer_task t);
   /** @brief Removes the waiting task of buffer @p id. @return false if none waits (started,

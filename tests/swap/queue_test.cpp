@@ -239,13 +239,16 @@ TEST_CASE("transfer_queue: wait unlocks afterwards, wait_and_stop refuses new ta
     CHECK(q.locked());
     CHECK_FALSE(q.enqueue(task(3, mib)));
     CHECK_FALSE(q.enqueue_front(task(4, mib)));
-    q.pause();  // unlocked, back tasks held
+    CHECK(q.requeue(task(6, mib)));  // a copier's follow-up goes in while locked
+    REQUIRE(q.wait(deadline()));
+    CHECK(q.locked());  // wait restores the lock it found
+    q.pause();          // unlocked, back tasks held
     REQUIRE(q.enqueue(task(5, mib)));
     std::this_thread::sleep_for(20ms);
-    CHECK(c.submitted_ids().size() == 2);
+    CHECK(c.submitted_ids().size() == 3);
     q.start();
     REQUIRE(q.wait(deadline()));
-    CHECK(c.submitted_ids() == std::vector<std::uint64_t>{1, 2, 5});
+    CHECK(c.submitted_ids() == std::vector<std::uint64_t>{1, 2, 6, 5});
   }
 }
 

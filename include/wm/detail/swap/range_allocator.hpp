@@ -75,6 +75,12 @@ class range_allocator {
     free_.emplace(begin, size);
   }
 
+  /// Size of the range at @p offset as handed out (rounded), or 0 if it is not allocated.
+  [[nodiscard]] std::size_t size_of(std::size_t offset) const noexcept {
+    auto const it = used_.find(offset);
+    return it == used_.end() ? 0 : it->second;
+  }
+
   [[nodiscard]] std::size_t round(std::size_t bytes) const noexcept {
     std::size_t const b = bytes == 0 ? 1 : bytes;
     return (b + alignment_ - 1) / alignment_ * alignment_;

@@ -37,6 +37,22 @@ bool transfer_queue<Copier>::enqueue(transfer_task t) {
 }
 
 template <transfer_copier Copier>
+bool transfer_queue<Copier>::requeue(transfer_task t) {
+  {
+    std::lock_guard lock{mutex_};
+    if (closing_) {
+      return false;
+    }
+    t.passive = false;
+    t.admission = transfer_admission::start;
+    tasks_.push_back(t);
+    blocked_ = false;
+  }
+  work_.notify_one();
+  return true;
+}
+
+template <transfer_copier Copier>
 bool transfer_queue<Copier>::enqueue_front(transfer_task t) {
   {
     std::lock_guard lock{mutex_};
