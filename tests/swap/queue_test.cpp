@@ -459,6 +459,8 @@ TEST_CASE("range_allocator: first fit by address, aligned, neighbours joined", "
   CHECK(y == 64);
   CHECK(z == 192);
   CHECK(a.in_use() == 256);
+  CHECK(a.size_of(y) == 128);  // 100 rounded up to the alignment
+  CHECK(a.size_of(5) == 0);
   CHECK(a.allocate(0) == 256);  // zero bytes still take a unit
   CHECK(a.allocate(10'000) == wm::detail::range_allocator::npos);
   a.free(y);
