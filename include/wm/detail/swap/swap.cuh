@@ -718,16 +718,10 @@ class swap_core {
         throw_timeout("room in the device pool");
       }
       waited = true;
-      if (!outs) {  // only released buffers: wait for the oldest
-        cudaEvent_t const ev = pending_frees_.front().ev;
-        lock.unlock();
-        cudaError_t const e = cudaEventSynchronize(ev);
-        lock.lock();
-        WM_CUDA_TRY(e);
-      } else {
-        cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
-                                                    std::chrono::milliseconds{1}));
-      }
+      // Page-outs or released buffers will make room: poll (reclaim() at the top of the loop)
+      // rather than block in cudaEventSynchronize, so that the deadline holds.
+      cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
+                                                  std::chrono::microseconds{200}));
     }
   }
 
