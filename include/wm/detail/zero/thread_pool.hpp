@@ -2,6 +2,7 @@
 // offload path): `run(tasks, fn)` calls fn(task) for every task over the workers and the calling
 // thread and returns when all are done. Task k always runs on thread k mod size(), so memory a
 // caller first touches with the same split stays on the thread (and NUMA node) that uses it.
+// One caller at a time: `run` is not reentrant and two threads must not call it at once.
 // Host-only, no dependency beyond the standard library.
 #pragma once
 
