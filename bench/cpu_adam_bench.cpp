@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -195,14 +196,18 @@ int main(int argc, char** argv) {
   }
 
   if (peer) {
-    std::string const dir = [&] {
+    // The script beside this source file, or under bench/peers/ of the working directory (a
+    // binary built elsewhere and run from the repository root).
+    std::string script = "bench/peers/torch_cpu_adam.py";
+    if (!std::filesystem::exists(script)) {
       std::string s = __FILE__;
       auto const at = s.rfind('/');
-      return at == std::string::npos ? std::string{"."} : s.substr(0, at);
-    }();
-    std::string const cmd = "python3 " + dir + "/peers/torch_cpu_adam.py --json --params " +
-                            std::to_string(n) + " --threads " + std::to_string(pool.size()) +
-                            " --reps " + std::to_string(reps);
+      script = (at == std::string::npos ? std::string{"."} : s.substr(0, at)) +
+               "/peers/torch_cpu_adam.py";
+    }
+    std::string const cmd = "python3 " + script + " --json --params " + std::to_string(n) +
+                            " --threads " + std::to_string(pool.size()) + " --reps " +
+                            std::to_string(reps);
     std::fflush(stdout);
     FILE* p = ::popen(cmd.c_str(), "r");
     std::string last;
