@@ -69,7 +69,7 @@ class block_partition {
   {
     WM_EXPECTS(world >= 1, "the rank count must be at least 1, got " + std::to_string(world));
     per_rank_ = (entries + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world);
-    starts_.resize(static_cast<std::size_t>(world) + 1);
+    starts_.assign(static_cast<std::size_t>(world) + 1, 0);
     for (std::size_t r = 0; r <= static_cast<std::size_t>(world); ++r) {
       starts_[r] = std::min(r * per_rank_, entries);
     }

@@ -3,6 +3,7 @@
 // wm::launch turns that into a launch_error that fails the test in the parent.
 #include "catch.hpp"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 #include <wm/wm.cuh>
 
@@ -586,4 +587,48 @@ TEST_CASE("ranks: the environment entry point joins a group through an id file",
       RANK_REQUIRE(!std::filesystem::exists(path));  // rank 0 removed it after everyone joined
     },
     {std::chrono::seconds{120}, std::chrono::seconds{5}});
+}
+
+// ---- cases run inside every rank (--ranks; tests/support/ranks.hpp) ----------------------------
+
+TEST_CASE("ranked: every rank runs this case with its own communicator and GPU", "[ranked]")
+{
+  auto& comm       = wm_test::comm();
+  auto const ranks = comm.all_gather(comm.rank());
+  REQUIRE(static_cast<int>(ranks.size()) == comm.size());
+  for (int r = 0; r < comm.size(); ++r) { CHECK(ranks[static_cast<std::size_t>(r)] == r); }
+  int device = -1;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  CHECK(device == comm.device());
+}
+
+TEST_CASE("ranked: a device all-to-all between every pair of ranks", "[ranked][multi]")
+{
+  auto& comm     = wm_test::comm();
+  auto const w   = static_cast<std::size_t>(comm.size());
+  auto const me  = static_cast<std::size_t>(comm.rank());
+  // Rank r sends q + 1 ints of value 1000 r + q to rank q.
+  std::vector<std::size_t> send_counts(w), recv_counts(w);
+  std::vector<int> send;
+  for (std::size_t q = 0; q < w; ++q) {
+    send_counts[q] = q + 1;
+    recv_counts[q] = me + 1;
+    for (std::size_t i = 0; i <= q; ++i) { send.push_back(static_cast<int>(1000 * me + q)); }
+  }
+  std::size_t const n_recv = w * (me + 1);
+  int *d_send = nullptr, *d_recv = nullptr;
+  REQUIRE(cudaMalloc(&d_send, send.size() * sizeof(int)) == cudaSuccess);
+  REQUIRE(cudaMalloc(&d_recv, n_recv * sizeof(int)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(d_send, send.data(), send.size() * sizeof(int), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemset(d_recv, 0xff, n_recv * sizeof(int)) == cudaSuccess);  // poisoned
+  comm.all_to_all_v(d_send, std::span<std::size_t const>{send_counts}, d_recv,
+                    std::span<std::size_t const>{recv_counts}, cuda::stream_ref{cudaStreamLegacy});
+  comm.synchronize(cuda::stream_ref{cudaStreamLegacy}, "ranked all-to-all");
+  std::vector<int> got(n_recv);
+  REQUIRE(cudaMemcpy(got.data(), d_recv, n_recv * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess);
+  for (std::size_t q = 0; q < w; ++q) {
+    for (std::size_t i = 0; i <= me; ++i) { CHECK(got[q * (me + 1) + i] == static_cast<int>(1000 * q + me)); }
+  }
+  (void)cudaFree(d_send);
+  (void)cudaFree(d_recv);
 }

@@ -1,32 +1,153 @@
-// Test main shared by every test program. `--gpus N` makes the program report "skipped" (exit
-// code 77, ctest's SKIP_RETURN_CODE) when fewer than N GPUs are present. The GPUs are counted
-// in a child process so that this process never initializes CUDA and can still fork ranks.
+// Test main shared by every test program.
+//   --gpus N    report "skipped" (exit code 77, ctest's SKIP_RETURN_CODE) when fewer than N GPUs
+//               are present. The GPUs are counted in a child process, so this process never
+//               initializes CUDA and can still fork ranks.
+//   --ranks N   fork N ranks (`all`: one per GPU) and run the [ranked] cases inside every rank
+//               (see ranks.hpp). Without it, the [ranked] cases are left out.
 #define CATCH_CONFIG_RUNNER
-#include "catch.hpp"
-
 #include <wm/launch.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <unistd.h>
 #include <vector>
 
-int main(int argc, char** argv)
-{
+#include "catch.hpp"
+#include "ranks.hpp"
+
+namespace {
+
+wm::communicator* this_rank_comm = nullptr;
+
+#if __has_include(<catch2/catch_all.hpp>)
+using listener_base = Catch::EventListenerBase;
+#else
+using listener_base = Catch::TestEventListenerBase;
+#endif
+
+// Catch2 v3 holds the case's info by pointer, v2 by value.
+std::string const& case_name(Catch::TestCaseInfo const* info) {
+  return info->name;
+}
+std::string const& case_name(Catch::TestCaseInfo const& info) {
+  return info.name;
+}
+
+// Every rank learns which ranks failed the case that just ended (a host all-gather, with the
+// communicator's deadline); rank 0 names them.
+struct rank_agreement : listener_base {
+  using listener_base::listener_base;
+  void testCaseEnded(Catch::TestCaseStats const& stats) override {
+    if (this_rank_comm == nullptr) {
+      return;
+    }
+    int const mine = stats.totals.assertions.failed > 0 ? 1 : 0;
+    auto const failed = this_rank_comm->all_gather(mine);
+    std::string ranks;
+    for (std::size_t r = 0; r < failed.size(); ++r) {
+      if (failed[r] != 0) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    if (!ranks.empty()) {
+      any_failed = true;
+      if (this_rank_comm->rank() == 0) {
+        std::cout << "FAILED on rank(s) " << ranks << " of " << failed.size() << ": "
+                  << case_name(stats.testInfo) << std::endl;
+      }
+    }
+  }
+  static inline bool any_failed = false;
+};
+
+}  // namespace
+
+CATCH_REGISTER_LISTENER(rank_agreement)
+
+wm::communicator& wm_test::comm() {
+  if (this_rank_comm == nullptr) {
+    throw std::logic_error{"wm_test::comm(): only inside a [ranked] case run with --ranks"};
+  }
+  return *this_rank_comm;
+}
+
+int main(int argc, char** argv) {
   std::vector<char*> args;
   int need = 0;
+  int ranks = 0;  // 0: not ranked; -1: one per GPU
   for (int i = 0; i < argc; ++i) {
     if (std::strcmp(argv[i], "--gpus") == 0 && i + 1 < argc) {
       need = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--ranks") == 0 && i + 1 < argc) {
+      ++i;
+      ranks = std::strcmp(argv[i], "all") == 0 ? -1 : std::atoi(argv[i]);
     } else {
       args.push_back(argv[i]);
     }
   }
-  if (need > 0) {
-    int const have = wm::local_device_count();
-    if (have < need) {
-      std::printf("SKIPPED: this test needs %d GPU(s); %d found\n", need, have);
-      return 77;
-    }
+  int const have = need > 0 || ranks < 0 ? wm::local_device_count() : 0;
+  if (need > 0 && have < need) {
+    std::printf("SKIPPED: this test needs %d GPU(s); %d found\n", need, have);
+    return 77;
   }
-  return Catch::Session().run(static_cast<int>(args.size()), args.data());
+  if (ranks == 0) {
+    // The [ranked] cases need a rank's communicator: leave them out unless a filter names them.
+    bool const filtered =
+        std::any_of(args.begin() + 1, args.end(), [](char const* a) { return a[0] != '-'; });
+    std::string const not_ranked = "~[ranked]";
+    if (!filtered) {
+      args.push_back(const_cast<char*>(not_ranked.c_str()));
+    }
+    return Catch::Session().run(static_cast<int>(args.size()), args.data());
+  }
+  if (ranks < 0) {
+    ranks = have;
+  }
+  std::string const order = "--order", decl = "decl";
+  args.push_back(const_cast<char*>(order.c_str()));  // the same cases in the same order everywhere
+  args.push_back(const_cast<char*>(decl.c_str()));
+  try {
+    wm::launch(ranks, [&](wm::communicator& comm) {
+      this_rank_comm = &comm;
+      // Ranks other than 0 write to a file, shown only if that rank failed.
+      std::string const log = "/tmp/wm-test-rank-" + std::to_string(::getpid()) + ".log";
+      int saved = -1;
+      if (comm.rank() != 0) {
+        std::fflush(nullptr);
+        saved = ::dup(1);
+        if (std::FILE* f = std::freopen(log.c_str(), "w", stdout); f == nullptr) {
+          saved = -1;
+        }
+      }
+      int const failed = Catch::Session().run(static_cast<int>(args.size()), args.data());
+      bool const bad = failed != 0 || rank_agreement::any_failed;
+      if (saved >= 0) {
+        std::fflush(nullptr);
+        std::cout.flush();
+        if (bad && comm.rank() != 0) {
+          std::ifstream in{log};
+          std::stringstream text;
+          text << in.rdbuf();
+          std::string const head = "---- rank " + std::to_string(comm.rank()) + "'s output ----\n";
+          (void)!::write(saved, head.data(), head.size());
+          std::string const body = text.str();
+          (void)!::write(saved, body.data(), body.size());
+        }
+        std::remove(log.c_str());
+      }
+      this_rank_comm = nullptr;
+      if (bad) {
+        throw std::runtime_error{std::to_string(failed) + " Catch case(s) failed on this rank"};
+      }
+    });
+  } catch (std::exception const& e) {
+    std::cout << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
 }

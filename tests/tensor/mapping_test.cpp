@@ -113,7 +113,7 @@ TEST_CASE("the distributed gather's pieces cover each peer's rows once, the same
   std::vector<std::pair<std::size_t, std::size_t>> cases{{0, 512}, {1, 512}, {65536, 512}, {65537, 512},
                                                          {std::size_t{1} << 31, 4}, {3, 64 * mib}};
   for (int i = 0; i < 200; ++i) { cases.emplace_back(rng() % 2'000'000, std::size_t{4} << (rng() % 10)); }
-  for (auto const [count, rb] : cases) {
+  for (auto const& [count, rb] : cases) {
     int const n = wm::detail::pieces_of(count, rb);
     INFO("count " << count << ", row bytes " << rb << ", pieces " << n);
     REQUIRE(n >= (count > 0 ? 1 : 0));

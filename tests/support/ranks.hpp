@@ -1,0 +1,22 @@
+// Test programs whose cases run inside every rank. Run a program with `--ranks N` (or
+// `--ranks all`: one rank per GPU) and its main forks N ranks once, before any CUDA call; each
+// rank builds its communicator and runs the Catch cases tagged [ranked] in declaration order, so
+// every combination of types and policies is a case of its own and a failure names it. Without
+// `--ranks` the program runs the other cases, as before.
+//
+// After each case the ranks agree on its outcome: a case that failed on some rank is reported,
+// with the failing ranks, by rank 0 and counts as failed on every rank. Rank 0's Catch output
+// goes to the terminal; the other ranks' output is shown only when that rank failed.
+//
+// Cases that need at least two ranks carry the tag [multi] as well; the one-rank entries filter
+// them out.
+#pragma once
+
+#include <wm/comm.hpp>
+
+namespace wm_test {
+
+/// This rank's communicator (only inside a [ranked] case of a program run with --ranks).
+[[nodiscard]] wm::communicator& comm();
+
+}  // namespace wm_test
