@@ -100,8 +100,7 @@ class unique_id {
   [[nodiscard]] std::uint64_t token() const noexcept { return token_; }  ///< the group token
   [[nodiscard]] ncclUniqueId const& nccl_id() const noexcept { return nccl_; }  ///< NCCL's id
 
-  friend bool operator==(unique_id const& a, unique_id const& b) noexcept
-  {
+  friend bool operator==(unique_id const& a, unique_id const& b) noexcept {
     return a.bytes() == b.bytes();
   }
 
@@ -147,9 +146,7 @@ class node_channel {
    * @throw wm::logic_error if @p node_ranks is not ascending or lacks @p rank
    * @throw wm::comm_error if the socket cannot be bound (e.g. the name is taken)
    */
-  node_channel(std::uint64_t token,
-               int rank,
-               std::vector<int> node_ranks,
+  node_channel(std::uint64_t token, int rank, std::vector<int> node_ranks,
                std::chrono::milliseconds timeout);
 
   node_channel(node_channel&&) noexcept            = default;

@@ -71,8 +71,7 @@ struct launch_options {
  * @throw wm::launch_error naming every rank that failed and why (exception text, signal, exit
  * code, timeout)
  */
-inline void launch(int n,
-                   std::function<void(communicator&)> const& fn,
+inline void launch(int n, std::function<void(communicator&)> const& fn,
                    launch_options options = {});
 
 /**
@@ -108,9 +107,9 @@ struct launch_env {
  * @throw wm::logic_error if a variable is missing or malformed
  */
 [[nodiscard]] inline launch_env read_launch_env(
-  std::function<char const*(char const*)> const& getenv = [](char const* k) {
-    return std::getenv(k);
-  });
+    std::function<char const*(char const*)> const& getenv = [](char const* k) {
+      return std::getenv(k);
+    });
 
 /**
  * @brief Joins the group described by the environment (see `read_launch_env`): selects GPU

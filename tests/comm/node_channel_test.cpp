@@ -6,15 +6,14 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <signal.h>
 #include <string>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <thread>
-#include <vector>
-
-#include <signal.h>
 #include <unistd.h>
+#include <vector>
 
 #include "catch.hpp"
 #include "rank_check.hpp"
@@ -22,13 +21,11 @@
 using namespace std::chrono_literals;
 
 namespace {
-std::string text_of(int rank, std::uint64_t salt)
-{
+std::string text_of(int rank, std::uint64_t salt) {
   return "rank " + std::to_string(rank) + " salt " + std::to_string(salt);
 }
 
-bool socket_listed(std::string const& name)
-{
+bool socket_listed(std::string const& name) {
   std::ifstream in{"/proc/net/unix"};
   std::string line;
   while (std::getline(in, line)) {
@@ -37,15 +34,13 @@ bool socket_listed(std::string const& name)
   return false;
 }
 
-bool proc_net_unix_contains(std::string const& text)
-{
+bool proc_net_unix_contains(std::string const& text) {
   std::ifstream in{"/proc/net/unix"};
   std::string const all{std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{}};
   return all.find(text) != std::string::npos;
 }
 
-std::size_t open_descriptors()
-{
+std::size_t open_descriptors() {
   std::size_t n = 0;
   for ([[maybe_unused]] auto const& e : std::filesystem::directory_iterator{"/proc/self/fd"}) {
     ++n;
@@ -53,15 +48,13 @@ std::size_t open_descriptors()
   return n;
 }
 
-int memfd_with(std::string const& text)
-{
+int memfd_with(std::string const& text) {
   int const fd = ::memfd_create("wm-test", MFD_CLOEXEC);
   if (fd >= 0) { (void)!::pwrite(fd, text.data(), text.size(), 0); }
   return fd;
 }
 
-std::string read_fd(int fd, std::size_t n)
-{
+std::string read_fd(int fd, std::size_t n) {
   std::string out(n, '\0');
   auto const got = ::pread(fd, out.data(), n, 0);
   out.resize(got > 0 ? static_cast<std::size_t>(got) : 0);
@@ -70,8 +63,8 @@ std::string read_fd(int fd, std::size_t n)
 
 // Connects to the abstract socket @p name and sends @p bytes with @p fds attached (a forger's
 // message). Returns the connected socket (kept open by the caller), or -1.
-int raw_send(std::string const& name, void const* bytes, std::size_t n, std::vector<int> const& fds)
-{
+int raw_send(std::string const& name, void const* bytes, std::size_t n,
+             std::vector<int> const& fds) {
   int const s      = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   auto [addr, len] = wm::detail::abstract_address(name);
   for (int i = 0; i < 200 && ::connect(s, reinterpret_cast<sockaddr const*>(&addr), len) != 0;
@@ -99,8 +92,7 @@ int raw_send(std::string const& name, void const* bytes, std::size_t n, std::vec
 
 // Runs @p f in a forked child that exits when @p f returns; returns the child's pid.
 template <class F>
-pid_t spawn(F&& f)
-{
+pid_t spawn(F&& f) {
   std::fflush(nullptr);
   pid_t const pid = ::fork();
   if (pid == 0) {
@@ -111,8 +103,7 @@ pid_t spawn(F&& f)
 }
 }  // namespace
 
-TEST_CASE("node_channel passes file descriptors between forked ranks", "[host]")
-{
+TEST_CASE("node_channel passes file descriptors between forked ranks", "[host]") {
   int const n = GENERATE(1, 2, 4);
   std::mt19937_64 rng{std::random_device{}()};
   std::uint64_t const token = rng();
@@ -121,50 +112,49 @@ TEST_CASE("node_channel passes file descriptors between forked ranks", "[host]")
   for (int r = 0; r < n; ++r) { ranks[static_cast<std::size_t>(r)] = r; }
 
   REQUIRE_NOTHROW(wm::detail::fork_ranks(
-    n,
-    [&](wm::detail::rank_context& ctx) {
-      int const me = ctx.rank();
-      wm::node_channel ch{token, me, ranks, 10s};
-      // Each rank shares a memfd holding its own text; every rank reads every rank's text.
-      wm::detail::unique_fd mine{::memfd_create("wm-test", MFD_CLOEXEC)};
-      RANK_REQUIRE(mine.valid());
-      auto const text = text_of(me, salt);
-      RANK_REQUIRE(::pwrite(mine.get(), text.data(), text.size(), 0) ==
-                   static_cast<ssize_t>(text.size()));
-      for (int round = 0; round < 3; ++round) {  // repeated collectives stay in step
-        auto fds = ch.all_gather(mine.get());
-        RANK_REQUIRE(fds.size() == static_cast<std::size_t>(n));
-        for (int r = 0; r < n; ++r) {
-          auto const expect = text_of(r, salt);
-          std::string got(expect.size(), '\0');
-          RANK_REQUIRE(fds[static_cast<std::size_t>(r)].valid());
-          RANK_REQUIRE(::pread(fds[static_cast<std::size_t>(r)].get(), got.data(), got.size(), 0) ==
-                       static_cast<ssize_t>(got.size()));
-          RANK_REQUIRE_MSG(got == expect, "round " << round << " from rank " << r);
+      n,
+      [&](wm::detail::rank_context& ctx) {
+        int const me = ctx.rank();
+        wm::node_channel ch{token, me, ranks, 10s};
+        // Each rank shares a memfd holding its own text; every rank reads every rank's text.
+        wm::detail::unique_fd mine{::memfd_create("wm-test", MFD_CLOEXEC)};
+        RANK_REQUIRE(mine.valid());
+        auto const text = text_of(me, salt);
+        RANK_REQUIRE(::pwrite(mine.get(), text.data(), text.size(), 0) ==
+                     static_cast<ssize_t>(text.size()));
+        for (int round = 0; round < 3; ++round) {  // repeated collectives stay in step
+          auto fds = ch.all_gather(mine.get());
+          RANK_REQUIRE(fds.size() == static_cast<std::size_t>(n));
+          for (int r = 0; r < n; ++r) {
+            auto const expect = text_of(r, salt);
+            std::string got(expect.size(), '\0');
+            RANK_REQUIRE(fds[static_cast<std::size_t>(r)].valid());
+            RANK_REQUIRE(::pread(fds[static_cast<std::size_t>(r)].get(), got.data(), got.size(),
+                                 0) == static_cast<ssize_t>(got.size()));
+            RANK_REQUIRE_MSG(got == expect, "round " << round << " from rank " << r);
+          }
         }
-      }
-      // Point to point, received out of the order sent: tags keep messages apart.
-      int const next = (me + 1) % n;
-      int const prev = (me + n - 1) % n;
-      ch.send(next, 7, -1, 700 + static_cast<std::uint64_t>(me));
-      ch.send(next, 5, mine.get(), 500 + static_cast<std::uint64_t>(me));
-      auto m7 = ch.receive(prev, 7);
-      auto m5 = ch.receive(prev, 5);
-      RANK_REQUIRE(m7.payload == 700 + static_cast<std::uint64_t>(prev));
-      RANK_REQUIRE(!m7.fd.valid());
-      RANK_REQUIRE(m5.payload == 500 + static_cast<std::uint64_t>(prev));
-      RANK_REQUIRE(m5.fd.valid());
-      RANK_REQUIRE(socket_listed(ch.name(me)));
-    },
-    {30s, 2s}));
+        // Point to point, received out of the order sent: tags keep messages apart.
+        int const next = (me + 1) % n;
+        int const prev = (me + n - 1) % n;
+        ch.send(next, 7, -1, 700 + static_cast<std::uint64_t>(me));
+        ch.send(next, 5, mine.get(), 500 + static_cast<std::uint64_t>(me));
+        auto m7 = ch.receive(prev, 7);
+        auto m5 = ch.receive(prev, 5);
+        RANK_REQUIRE(m7.payload == 700 + static_cast<std::uint64_t>(prev));
+        RANK_REQUIRE(!m7.fd.valid());
+        RANK_REQUIRE(m5.payload == 500 + static_cast<std::uint64_t>(prev));
+        RANK_REQUIRE(m5.fd.valid());
+        RANK_REQUIRE(socket_listed(ch.name(me)));
+      },
+      {30s, 2s}));
   // Abstract sockets vanish with their processes: nothing is left behind.
   for (int r = 0; r < n; ++r) {
     CHECK_FALSE(socket_listed(wm::node_channel::socket_name(token, r)));
   }
 }
 
-TEST_CASE("node_channel reports a missing peer instead of hanging", "[host]")
-{
+TEST_CASE("node_channel reports a missing peer instead of hanging", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   std::uint64_t const token = rng();
   wm::node_channel ch{token, 0, {0, 1}, 300ms};
@@ -178,8 +168,7 @@ TEST_CASE("node_channel reports a missing peer instead of hanging", "[host]")
 }
 
 TEST_CASE("node_channel: silent, garbage, forged and foreign senders neither block nor inject",
-          "[host]")
-{
+          "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   std::uint64_t const token    = rng();
   std::string const secret     = "the real peer's bytes " + std::to_string(rng());
@@ -252,9 +241,7 @@ TEST_CASE("node_channel: silent, garbage, forged and foreign senders neither blo
         wm::node_channel peer{token, 1, {0, 1}, 5s};
         wm::detail::unique_fd fd{memfd_with(secret)};
         peer.send(0, 7, fd.get(), 4242);  // delivered after this process ends, too
-      } catch (...) {
-        ::_exit(2);
-      }
+      } catch (...) { ::_exit(2); }
     }));
 
     auto const start = std::chrono::steady_clock::now();
@@ -276,9 +263,7 @@ TEST_CASE("node_channel: silent, garbage, forged and foreign senders neither blo
       try {
         wm::node_channel peer{token, 1, {0, 1}, 5s};
         peer.send(0, 8, -1, 88);
-      } catch (...) {
-        ::_exit(2);
-      }
+      } catch (...) { ::_exit(2); }
     }));
     auto m8 = ch.receive(1, 8);
     CHECK(m8.payload == 88);
@@ -293,18 +278,17 @@ TEST_CASE("node_channel: silent, garbage, forged and foreign senders neither blo
   CHECK(open_descriptors() == fds_before);
 }
 
-TEST_CASE("node_channel: a timeout of milliseconds::max() means no limit", "[host]")
-{
+TEST_CASE("node_channel: a timeout of milliseconds::max() means no limit", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   std::uint64_t const token = rng();
   REQUIRE_NOTHROW(wm::detail::fork_ranks(
-    2,
-    [&](wm::detail::rank_context& ctx) {
-      wm::node_channel ch{token, ctx.rank(), {0, 1}, std::chrono::milliseconds::max()};
-      if (ctx.rank() == 1) { std::this_thread::sleep_for(200ms); }  // rank 0 waits for it
-      ch.send(1 - ctx.rank(), 3, -1, 30 + static_cast<std::uint64_t>(ctx.rank()));
-      auto const m = ch.receive(1 - ctx.rank(), 3);
-      RANK_REQUIRE(m.payload == 30 + static_cast<std::uint64_t>(1 - ctx.rank()));
-    },
-    {30s, 1s}));
+      2,
+      [&](wm::detail::rank_context& ctx) {
+        wm::node_channel ch{token, ctx.rank(), {0, 1}, std::chrono::milliseconds::max()};
+        if (ctx.rank() == 1) { std::this_thread::sleep_for(200ms); }  // rank 0 waits for it
+        ch.send(1 - ctx.rank(), 3, -1, 30 + static_cast<std::uint64_t>(ctx.rank()));
+        auto const m = ch.receive(1 - ctx.rank(), 3);
+        RANK_REQUIRE(m.payload == 30 + static_cast<std::uint64_t>(1 - ctx.rank()));
+      },
+      {30s, 1s}));
 }

@@ -13,8 +13,7 @@ using namespace std::chrono_literals;
 using ms         = std::chrono::milliseconds;
 using clock_type = wm::detail::clock_type;
 
-TEST_CASE("deadline_after saturates at the clock's end instead of wrapping", "[host]")
-{
+TEST_CASE("deadline_after saturates at the clock's end instead of wrapping", "[host]") {
   auto const now = clock_type::now();
   // Plain values: exact.
   CHECK(wm::detail::deadline_after(ms{10'000}, now) == now + 10s);
@@ -51,8 +50,7 @@ TEST_CASE("deadline_after saturates at the clock's end instead of wrapping", "[h
 }
 
 TEST_CASE("WM_TIMEOUT_S: seconds, 'inf' or a huge value for no limit, errors for the rest",
-          "[host]")
-{
+          "[host]") {
   auto parse = [](std::string const& s) { return wm::detail::parse_timeout_seconds(s, "X"); };
   CHECK(parse("300") == ms{300'000});
   CHECK(parse("0.5") == ms{500});
@@ -85,8 +83,7 @@ TEST_CASE("WM_TIMEOUT_S: seconds, 'inf' or a huge value for no limit, errors for
   if (saved) { ::setenv("WM_TIMEOUT_S", saved->c_str(), 1); }
 }
 
-TEST_CASE("siphash24 matches the reference vectors of its paper", "[host]")
-{
+TEST_CASE("siphash24 matches the reference vectors of its paper", "[host]") {
   // Key 00 01 .. 0f; messages 00 01 .. (n-1); outputs from SipHash's reference test vectors.
   std::uint64_t const k0 = 0x0706050403020100ull;
   std::uint64_t const k1 = 0x0f0e0d0c0b0a0908ull;

@@ -10,15 +10,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fcntl.h>
+#include <poll.h>
 #include <string>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <fcntl.h>
-#include <poll.h>
 
 namespace wm {
 namespace detail {
@@ -39,8 +38,7 @@ inline constexpr std::uint64_t node_wire_magic = 0x3265646f6e2d6d77ull;  // "wm-
 /// Most connections kept open while their message has not arrived; the oldest goes first.
 inline constexpr std::size_t node_channel_max_open = 64;
 
-[[nodiscard]] inline std::pair<sockaddr_un, socklen_t> abstract_address(std::string const& name)
-{
+[[nodiscard]] inline std::pair<sockaddr_un, socklen_t> abstract_address(std::string const& name) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   // Abstract namespace: sun_path starts with a NUL byte; the name is not NUL-terminated.
@@ -49,8 +47,7 @@ inline constexpr std::size_t node_channel_max_open = 64;
 }
 
 /// The user id of the process at the other end of a connected AF_UNIX socket, or -1.
-[[nodiscard]] inline long long peer_uid(int fd) noexcept
-{
+[[nodiscard]] inline long long peer_uid(int fd) noexcept {
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof(cred)) {
@@ -61,25 +58,21 @@ inline constexpr std::size_t node_channel_max_open = 64;
 
 }  // namespace detail
 
-inline std::string node_channel::socket_name(std::uint64_t token, int rank)
-{
+inline std::string node_channel::socket_name(std::uint64_t token, int rank) {
   char data[32];
   int const n           = std::snprintf(data, sizeof(data), "wm-node-channel/%d", rank);
-  std::uint64_t const h = detail::siphash24(
-    token, 0x6e6f64652d6e616dull, std::string_view{data, static_cast<std::size_t>(n)});
+  std::uint64_t const h = detail::siphash24(token, 0x6e6f64652d6e616dull,
+                                            std::string_view{data, static_cast<std::size_t>(n)});
   char buf[32];
   std::snprintf(buf, sizeof(buf), "wm-%016llx", static_cast<unsigned long long>(h));
   return buf;
 }
 
-inline node_channel::node_channel(std::uint64_t token,
-                                  int rank,
-                                  std::vector<int> node_ranks,
+inline node_channel::node_channel(std::uint64_t token, int rank, std::vector<int> node_ranks,
                                   std::chrono::milliseconds timeout)
-  : token_{token}, rank_{rank}, node_ranks_{std::move(node_ranks)}, timeout_{timeout}
-{
+    : token_{token}, rank_{rank}, node_ranks_{std::move(node_ranks)}, timeout_{timeout} {
   WM_EXPECTS(std::is_sorted(node_ranks_.begin(), node_ranks_.end()) &&
-               std::find(node_ranks_.begin(), node_ranks_.end(), rank) != node_ranks_.end(),
+                 std::find(node_ranks_.begin(), node_ranks_.end(), rank) != node_ranks_.end(),
              "node_ranks must be ascending and contain this rank");
   listen_.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!listen_.valid()) { throw comm_error{"wm: node channel: socket(): " + detail::errno_text()}; }
@@ -97,8 +90,7 @@ inline node_channel::node_channel(std::uint64_t token,
   }
 }
 
-inline void node_channel::send(int dst, std::uint64_t tag, int fd, std::uint64_t payload) const
-{
+inline void node_channel::send(int dst, std::uint64_t tag, int fd, std::uint64_t payload) const {
   check_peer(dst);
   detail::unique_fd s{::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0)};
   if (!s.valid()) { throw comm_error{"wm: node channel: socket(): " + detail::errno_text()}; }
@@ -126,8 +118,8 @@ inline void node_channel::send(int dst, std::uint64_t tag, int fd, std::uint64_t
   if (detail::peer_uid(s.get()) != static_cast<long long>(::geteuid())) {
     throw unreachable("the socket '" + name(dst) + "' belongs to another user");
   }
-  detail::node_wire_header h{
-    detail::node_wire_magic, token_, rank_, fd >= 0 ? 1u : 0u, tag, payload};
+  detail::node_wire_header h{detail::node_wire_magic, token_, rank_,
+                             fd >= 0 ? 1u : 0u,       tag,    payload};
   iovec iov{&h, sizeof(h)};
   msghdr msg{};
   msg.msg_iov    = &iov;
@@ -156,8 +148,7 @@ inline void node_channel::send(int dst, std::uint64_t tag, int fd, std::uint64_t
   }
 }
 
-inline node_channel::message node_channel::receive(int src, std::uint64_t tag)
-{
+inline node_channel::message node_channel::receive(int src, std::uint64_t tag) {
   check_peer(src);
   auto const deadline = detail::deadline_after(timeout_);
   std::vector<pollfd> polls;
@@ -196,8 +187,7 @@ inline node_channel::message node_channel::receive(int src, std::uint64_t tag)
   }
 }
 
-inline std::vector<detail::unique_fd> node_channel::all_gather(int fd)
-{
+inline std::vector<detail::unique_fd> node_channel::all_gather(int fd) {
   std::uint64_t const tag = (std::uint64_t{1} << 63) | collective_seq_++;
   for (int r : node_ranks_) {
     if (r != rank_) { send(r, tag, fd); }
@@ -214,20 +204,18 @@ inline std::vector<detail::unique_fd> node_channel::all_gather(int fd)
   return out;
 }
 
-inline void node_channel::check_peer(int r) const
-{
+inline void node_channel::check_peer(int r) const {
   WM_EXPECTS(listen_.valid(), "node channel is not open");
   WM_EXPECTS(std::binary_search(node_ranks_.begin(), node_ranks_.end(), r),
              "rank " + std::to_string(r) + " is not on this node");
 }
 
-inline void node_channel::accept_ready()
-{
+inline void node_channel::accept_ready() {
   // A connection gets the channel's timeout (at most a minute) to deliver its one message.
   auto const life = std::min<std::chrono::milliseconds>(timeout_, std::chrono::minutes{1});
   while (true) {
     detail::unique_fd conn{
-      ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)};
+        ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)};
     if (!conn.valid()) {
       if (errno == EINTR || errno == ECONNABORTED) { continue; }
       return;  // EAGAIN: none left (other errors: the next poll tells)
@@ -240,15 +228,13 @@ inline void node_channel::accept_ready()
   }
 }
 
-inline void node_channel::drop_expired(detail::clock_type::time_point now)
-{
+inline void node_channel::drop_expired(detail::clock_type::time_point now) {
   std::erase_if(open_, [&](connection const& c) { return c.expires <= now; });
 }
 
-inline void node_channel::read_message(int conn)
-{
-  auto const at = std::find_if(
-    open_.begin(), open_.end(), [&](connection const& c) { return c.fd.get() == conn; });
+inline void node_channel::read_message(int conn) {
+  auto const at = std::find_if(open_.begin(), open_.end(),
+                               [&](connection const& c) { return c.fd.get() == conn; });
   if (at == open_.end()) { return; }
   detail::node_wire_header h{};
   iovec iov{&h, sizeof(h)};

@@ -11,13 +11,11 @@
 #include <span>
 #include <string>
 #include <string_view>
-
 #include <unistd.h>
 
 namespace wm {
 
-inline unique_id unique_id::create()
-{
+inline unique_id unique_id::create() {
   unique_id id;
   WM_NCCL_TRY(ncclGetUniqueId(&id.nccl_));
   id.magic_ = magic;
@@ -25,8 +23,7 @@ inline unique_id unique_id::create()
   return id;
 }
 
-inline unique_id unique_id::from_parts(std::uint64_t token, ncclUniqueId const& nccl) noexcept
-{
+inline unique_id unique_id::from_parts(std::uint64_t token, ncclUniqueId const& nccl) noexcept {
   unique_id id;
   id.magic_ = magic;
   id.token_ = token;
@@ -34,8 +31,7 @@ inline unique_id unique_id::from_parts(std::uint64_t token, ncclUniqueId const& 
   return id;
 }
 
-inline std::array<std::byte, unique_id::size_bytes> unique_id::bytes() const noexcept
-{
+inline std::array<std::byte, unique_id::size_bytes> unique_id::bytes() const noexcept {
   std::array<std::byte, size_bytes> out{};
   std::memcpy(out.data(), &magic_, 8);
   std::memcpy(out.data() + 8, &token_, 8);
@@ -43,11 +39,9 @@ inline std::array<std::byte, unique_id::size_bytes> unique_id::bytes() const noe
   return out;
 }
 
-inline unique_id unique_id::from_bytes(std::span<std::byte const> b)
-{
-  WM_EXPECTS(b.size() == size_bytes,
-             "a wm::unique_id has " + std::to_string(size_bytes) + " bytes, got " +
-               std::to_string(b.size()));
+inline unique_id unique_id::from_bytes(std::span<std::byte const> b) {
+  WM_EXPECTS(b.size() == size_bytes, "a wm::unique_id has " + std::to_string(size_bytes) +
+                                         " bytes, got " + std::to_string(b.size()));
   unique_id id;
   std::memcpy(&id.magic_, b.data(), 8);
   std::memcpy(&id.token_, b.data() + 8, 8);
@@ -56,8 +50,7 @@ inline unique_id unique_id::from_bytes(std::span<std::byte const> b)
   return id;
 }
 
-inline std::string unique_id::to_string() const
-{
+inline std::string unique_id::to_string() const {
   static constexpr char digits[] = "0123456789abcdef";
   std::string s;
   s.reserve(2 * size_bytes);
@@ -68,11 +61,10 @@ inline std::string unique_id::to_string() const
   return s;
 }
 
-inline unique_id unique_id::from_string(std::string_view s)
-{
-  WM_EXPECTS(s.size() == 2 * size_bytes,
-             "a wm::unique_id string has " + std::to_string(2 * size_bytes) + " hex digits, got " +
-               std::to_string(s.size()));
+inline unique_id unique_id::from_string(std::string_view s) {
+  WM_EXPECTS(s.size() == 2 * size_bytes, "a wm::unique_id string has " +
+                                             std::to_string(2 * size_bytes) + " hex digits, got " +
+                                             std::to_string(s.size()));
   auto nibble = [](char c) -> int {
     if (c >= '0' && c <= '9') { return c - '0'; }
     if (c >= 'a' && c <= 'f') { return c - 'a' + 10; }
@@ -89,13 +81,12 @@ inline unique_id unique_id::from_string(std::string_view s)
   return from_bytes(b);
 }
 
-inline std::uint64_t unique_id::random_token()
-{
+inline std::uint64_t unique_id::random_token() {
   std::random_device rd;
   return (std::uint64_t{rd()} << 32) ^ rd() ^
          detail::mix64(
-           static_cast<std::uint64_t>(::getpid()),
-           static_cast<std::uint64_t>(detail::clock_type::now().time_since_epoch().count()));
+             static_cast<std::uint64_t>(::getpid()),
+             static_cast<std::uint64_t>(detail::clock_type::now().time_since_epoch().count()));
 }
 
 }  // namespace wm

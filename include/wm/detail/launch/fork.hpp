@@ -14,25 +14,21 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fcntl.h>
 #include <functional>
+#include <poll.h>
+#include <signal.h>
 #include <string>
 #include <sys/wait.h>
 #include <typeinfo>
 #include <vector>
 
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-
 namespace wm {
 
 inline launch_error::launch_error(std::vector<rank_failure> failures)
-  : std::runtime_error{describe(failures)}, failures_{std::move(failures)}
-{
-}
+    : std::runtime_error{describe(failures)}, failures_{std::move(failures)} {}
 
-inline std::string launch_error::describe(std::vector<rank_failure> const& f)
-{
+inline std::string launch_error::describe(std::vector<rank_failure> const& f) {
   std::string s = "wm::launch: ";
   int primary   = 0;
   for (auto const& x : f) { primary += x.primary ? 1 : 0; }
@@ -47,22 +43,18 @@ namespace detail {
 class rank_context {
  public:
   rank_context(int rank, int size, int from_parent, int to_parent)
-    : rank_{rank}, size_{size}, from_parent_{from_parent}, to_parent_{to_parent}
-  {
-  }
+      : rank_{rank}, size_{size}, from_parent_{from_parent}, to_parent_{to_parent} {}
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
 
   /// Rank 0 hands @p bytes to the launcher, which relays them to every rank (rank 0 included).
-  void publish(std::string const& bytes) const
-  {
+  void publish(std::string const& bytes) const {
     WM_EXPECTS(rank_ == 0, "only rank 0 publishes");
     send_message(to_parent_, 'B', bytes);
   }
 
   /// Waits up to @p timeout for what rank 0 published.
-  [[nodiscard]] std::string receive_published(std::chrono::milliseconds timeout) const
-  {
+  [[nodiscard]] std::string receive_published(std::chrono::milliseconds timeout) const {
     auto const deadline = deadline_after(timeout);
     pollfd p{from_parent_, POLLIN, 0};
     while (true) {
@@ -86,8 +78,7 @@ class rank_context {
   /// Child side of failure reporting: the text is shown in the launch_error.
   void report_error(std::string const& text) const noexcept { send_message(to_parent_, 'E', text); }
 
-  static void send_message(int fd, char kind, std::string const& bytes) noexcept
-  {
+  static void send_message(int fd, char kind, std::string const& bytes) noexcept {
     std::uint64_t const n = bytes.size();
     (void)write_all(fd, &kind, 1);
     (void)write_all(fd, &n, sizeof(n));
@@ -101,19 +92,15 @@ class rank_context {
   int to_parent_;
 };
 
-[[nodiscard]] inline std::string describe_current_exception()
-{
+[[nodiscard]] inline std::string describe_current_exception() {
   try {
     throw;
   } catch (std::exception const& e) {
     return std::string{"threw "} + typeid(e).name() + ": " + e.what();
-  } catch (...) {
-    return "threw an exception not derived from std::exception";
-  }
+  } catch (...) { return "threw an exception not derived from std::exception"; }
 }
 
-[[nodiscard]] inline std::string describe_status(int status)
-{
+[[nodiscard]] inline std::string describe_status(int status) {
   if (WIFSIGNALED(status)) {
     int const sig = WTERMSIG(status);
     char const* n = ::strsignal(sig);
@@ -133,15 +120,13 @@ struct fork_system {
 /// Sets SIGPIPE to be ignored and puts the caller's disposition back when it goes.
 class sigpipe_ignored {
  public:
-  sigpipe_ignored() noexcept
-  {
+  sigpipe_ignored() noexcept {
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
     ::sigemptyset(&ignore.sa_mask);
     saved_ = ::sigaction(SIGPIPE, &ignore, &previous_) == 0;
   }
-  ~sigpipe_ignored()
-  {
+  ~sigpipe_ignored() {
     if (saved_) { (void)::sigaction(SIGPIPE, &previous_, nullptr); }
   }
   sigpipe_ignored(sigpipe_ignored const&)            = delete;
@@ -164,11 +149,8 @@ class sigpipe_ignored {
  * @throw std::runtime_error if a pipe or a process cannot be made (the ranks already started
  * are killed and reaped first)
  */
-inline void fork_ranks(int n,
-                       std::function<void(rank_context&)> const& body,
-                       launch_options opts,
-                       fork_system const& sys = {})
-{
+inline void fork_ranks(int n, std::function<void(rank_context&)> const& body, launch_options opts,
+                       fork_system const& sys = {}) {
   WM_EXPECTS(n >= 1, "the number of ranks must be at least 1, got " + std::to_string(n));
   struct child {
     pid_t pid{-1};
@@ -184,8 +166,7 @@ inline void fork_ranks(int n,
   // and reaped (a no-op after a normal run). Declared after `kids`, so it runs first.
   struct reaper {
     std::vector<child>& kids;
-    ~reaper()
-    {
+    ~reaper() {
       for (auto& k : kids) {
         if (k.pid <= 0 || k.done) { continue; }
         (void)::kill(k.pid, SIGKILL);
@@ -352,17 +333,17 @@ inline void fork_ranks(int n,
     if (ok) { continue; }
     if (stopped[static_cast<std::size_t>(r)]) {
       std::string why =
-        timed_out
-          ? "timed out after " + timeout_text(opts.timeout) + " and was killed by the launcher"
-          : "stopped by the launcher after rank " + std::to_string(first_failed) + " failed";
+          timed_out
+              ? "timed out after " + timeout_text(opts.timeout) + " and was killed by the launcher"
+              : "stopped by the launcher after rank " + std::to_string(first_failed) + " failed";
       failures.push_back({r, why, timed_out});
     } else {
       failures.push_back({r, k.error.empty() ? describe_status(k.status) : k.error, true});
     }
   }
   if (!failures.empty()) {
-    std::stable_partition(
-      failures.begin(), failures.end(), [](rank_failure const& f) { return f.primary; });
+    std::stable_partition(failures.begin(), failures.end(),
+                          [](rank_failure const& f) { return f.primary; });
     throw launch_error{std::move(failures)};
   }
 }

@@ -18,9 +18,8 @@
 #include <string>
 #include <system_error>
 #include <thread>
-#include <utility>
-
 #include <unistd.h>
+#include <utility>
 
 namespace wm::detail {
 
@@ -31,17 +30,15 @@ inline constexpr char const* id_file_format = "wm-id-file 2";
 inline constexpr std::chrono::milliseconds id_file_max_skew{std::chrono::seconds{30}};
 
 /// Milliseconds since the Unix epoch, now.
-[[nodiscard]] inline std::int64_t unix_ms_now()
-{
+[[nodiscard]] inline std::int64_t unix_ms_now() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
-           std::chrono::system_clock::now().time_since_epoch())
-    .count();
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 /// When this process started, in milliseconds since the Unix epoch (Linux: /proc/stat's boot
 /// time plus /proc/self/stat's start time); now if that cannot be read.
-[[nodiscard]] inline std::int64_t process_start_unix_ms()
-{
+[[nodiscard]] inline std::int64_t process_start_unix_ms() {
   std::ifstream stat{"/proc/self/stat"};
   std::string all{std::istreambuf_iterator<char>{stat}, std::istreambuf_iterator<char>{}};
   auto const close = all.rfind(')');  // the command name may hold spaces and parentheses
@@ -73,16 +70,14 @@ struct id_file_contents {
   std::string id;             ///< the unique id as hex
 };
 
-[[nodiscard]] inline std::string format_id_file(id_file_contents const& c)
-{
+[[nodiscard]] inline std::string format_id_file(id_file_contents const& c) {
   return std::string{id_file_format} + "\njob " + c.job + "\nwritten_ms " +
          std::to_string(c.written_ms) + "\nid " + c.id + "\n";
 }
 
 /// Parses an id file; nothing if it is not one (partly written files never appear: see
 /// `id_file_lease`).
-[[nodiscard]] inline std::optional<id_file_contents> parse_id_file(std::string const& text)
-{
+[[nodiscard]] inline std::optional<id_file_contents> parse_id_file(std::string const& text) {
   std::istringstream in{text};
   std::string line;
   if (!std::getline(in, line) || line != id_file_format) { return std::nullopt; }
@@ -101,9 +96,7 @@ struct id_file_contents {
       try {
         c.written_ms = std::stoll(value);
         written      = true;
-      } catch (std::exception const&) {
-        return std::nullopt;
-      }
+      } catch (std::exception const&) { return std::nullopt; }
     } else if (key == "id") {
       c.id = value;
       id   = value.size() == 2 * unique_id::size_bytes;
@@ -113,8 +106,7 @@ struct id_file_contents {
   return c;
 }
 
-[[nodiscard]] inline std::optional<id_file_contents> read_id_file(std::filesystem::path const& p)
-{
+[[nodiscard]] inline std::optional<id_file_contents> read_id_file(std::filesystem::path const& p) {
   std::ifstream in{p};
   if (!in) { return std::nullopt; }
   std::string text{std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{}};
@@ -131,12 +123,11 @@ class id_file_lease {
   id_file_lease() = default;
   /// Writes @p contents to @p path. @throw wm::io_error if it cannot
   id_file_lease(std::filesystem::path path, id_file_contents const& contents)
-    : path_{std::move(path)}, id_{contents.id}
-  {
+      : path_{std::move(path)}, id_{contents.id} {
     namespace fs = std::filesystem;
     std::random_device rd;
     fs::path const tmp =
-      path_.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
+        path_.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
     {
       std::ofstream out{tmp, std::ios::trunc};
       out << format_id_file(contents);
@@ -157,11 +148,8 @@ class id_file_lease {
     }
   }
   id_file_lease(id_file_lease&& o) noexcept
-    : path_{std::exchange(o.path_, {})}, id_{std::exchange(o.id_, {})}
-  {
-  }
-  id_file_lease& operator=(id_file_lease&& o) noexcept
-  {
+      : path_{std::exchange(o.path_, {})}, id_{std::exchange(o.id_, {})} {}
+  id_file_lease& operator=(id_file_lease&& o) noexcept {
     if (this != &o) {
       release();
       path_ = std::exchange(o.path_, {});
@@ -174,8 +162,7 @@ class id_file_lease {
   ~id_file_lease() { release(); }
 
   /// Removes the file now (if it still holds this lease's id).
-  void release() noexcept
-  {
+  void release() noexcept {
     if (path_.empty()) { return; }
     try {
       if (auto c = read_id_file(path_); c && c->id == id_) {
@@ -206,11 +193,8 @@ struct id_file_exchange {
  * @throw wm::comm_error if no file of this run appears in time (naming a stale one if seen)
  */
 [[nodiscard]] inline id_file_exchange exchange_id_file(
-  launch_env const& env,
-  std::function<unique_id()> const& make,
-  std::chrono::milliseconds timeout,
-  std::optional<std::int64_t> not_before_ms = std::nullopt)
-{
+    launch_env const& env, std::function<unique_id()> const& make,
+    std::chrono::milliseconds timeout, std::optional<std::int64_t> not_before_ms = std::nullopt) {
   namespace fs = std::filesystem;
   fs::path const path{env.id_file};
   if (env.rank == 0) {
@@ -219,7 +203,7 @@ struct id_file_exchange {
     return {id, std::move(lease)};
   }
   std::int64_t const not_before =
-    not_before_ms.value_or(process_start_unix_ms() - id_file_max_skew.count());
+      not_before_ms.value_or(process_start_unix_ms() - id_file_max_skew.count());
   auto const deadline = deadline_after(timeout);
   std::string stale;  // why the last file seen was not taken
   while (true) {
@@ -234,13 +218,13 @@ struct id_file_exchange {
       }
     }
     if (clock_type::now() >= deadline) {
-      throw comm_error{"wm: rank " + std::to_string(env.rank) + " waited " + timeout_text(timeout) +
-                       " for the id file '" + path.string() + "' that rank 0 writes" +
-                       (stale.empty()
-                          ? std::string{}
-                          : "; the file there is from another run (" + stale +
-                              "): stale from an earlier run? Set WM_JOB_ID to a value unique to "
-                              "each run")};
+      throw comm_error{
+          "wm: rank " + std::to_string(env.rank) + " waited " + timeout_text(timeout) +
+          " for the id file '" + path.string() + "' that rank 0 writes" +
+          (stale.empty() ? std::string{}
+                         : "; the file there is from another run (" + stale +
+                               "): stale from an earlier run? Set WM_JOB_ID to a value unique to "
+                               "each run")};
     }
     std::this_thread::sleep_for(std::chrono::milliseconds{20});
   }

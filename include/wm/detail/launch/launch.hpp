@@ -18,31 +18,28 @@
 #include <optional>
 #include <string>
 #include <sys/wait.h>
-
 #include <unistd.h>
 
 namespace wm {
 
-inline void launch(int n, std::function<void(communicator&)> const& fn, launch_options options)
-{
+inline void launch(int n, std::function<void(communicator&)> const& fn, launch_options options) {
   detail::fork_ranks(
-    n,
-    [&](detail::rank_context& ctx) {
-      int devices = 0;
-      WM_CUDA_TRY(cudaGetDeviceCount(&devices));
-      WM_CUDA_TRY(cudaSetDevice(ctx.rank() % devices));
-      if (ctx.rank() == 0) { ctx.publish(unique_id::create().to_string()); }
-      // The id wait is a wait for a peer: the communicator's timeout, or the run's if shorter.
-      auto const wait = std::min(options.timeout, communicator_options::default_timeout());
-      auto const id   = unique_id::from_string(ctx.receive_published(wait));
-      communicator comm{id, ctx.rank(), ctx.size()};
-      fn(comm);
-    },
-    options);
+      n,
+      [&](detail::rank_context& ctx) {
+        int devices = 0;
+        WM_CUDA_TRY(cudaGetDeviceCount(&devices));
+        WM_CUDA_TRY(cudaSetDevice(ctx.rank() % devices));
+        if (ctx.rank() == 0) { ctx.publish(unique_id::create().to_string()); }
+        // The id wait is a wait for a peer: the communicator's timeout, or the run's if shorter.
+        auto const wait = std::min(options.timeout, communicator_options::default_timeout());
+        auto const id   = unique_id::from_string(ctx.receive_published(wait));
+        communicator comm{id, ctx.rank(), ctx.size()};
+        fn(comm);
+      },
+      options);
 }
 
-inline int local_device_count()
-{
+inline int local_device_count() {
   std::fflush(nullptr);
   pid_t const pid = ::fork();
   if (pid < 0) { throw std::runtime_error{"wm: fork(): " + detail::errno_text()}; }
@@ -56,8 +53,7 @@ inline int local_device_count()
   return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
 }
 
-inline launch_env read_launch_env(std::function<char const*(char const*)> const& getenv)
-{
+inline launch_env read_launch_env(std::function<char const*(char const*)> const& getenv) {
   auto first = [&](std::initializer_list<char const*> names) -> std::optional<std::string> {
     for (char const* n : names) {
       if (char const* v = getenv(n); v != nullptr && *v != '\0') { return std::string{v}; }
@@ -69,9 +65,7 @@ inline launch_env read_launch_env(std::function<char const*(char const*)> const&
     int v            = -1;
     try {
       v = std::stoi(s, &used);
-    } catch (std::exception const&) {
-      used = 0;
-    }
+    } catch (std::exception const&) { used = 0; }
     WM_EXPECTS(used == s.size() && v >= 0,
                std::string{what} + " must be a non-negative integer, got '" + s + "'");
     return v;
@@ -79,20 +73,17 @@ inline launch_env read_launch_env(std::function<char const*(char const*)> const&
   launch_env env;
   auto rank = first({"WM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"});
   auto size =
-    first({"WM_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});
+      first({"WM_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});
   WM_EXPECTS(rank.has_value() && size.has_value(),
              "set WM_RANK and WM_WORLD_SIZE (or RANK/WORLD_SIZE, or run under mpirun or srun)");
-  env.rank       = to_int(*rank, "the rank");
-  env.size       = to_int(*size, "the world size");
-  auto lr        = first({"WM_LOCAL_RANK",
-                          "LOCAL_RANK",
-                          "OMPI_COMM_WORLD_LOCAL_RANK",
-                          "MPI_LOCALRANKID",
-                          "SLURM_LOCALID"});
+  env.rank = to_int(*rank, "the rank");
+  env.size = to_int(*size, "the world size");
+  auto lr  = first({"WM_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                    "SLURM_LOCALID"});
   env.local_rank = lr ? to_int(*lr, "the local rank") : env.rank;
-  WM_EXPECTS(env.size >= 1 && env.rank < env.size,
-             "rank " + std::to_string(env.rank) + " is not below the world size " +
-               std::to_string(env.size));
+  WM_EXPECTS(env.size >= 1 && env.rank < env.size, "rank " + std::to_string(env.rank) +
+                                                       " is not below the world size " +
+                                                       std::to_string(env.size));
   env.id      = first({"WM_UNIQUE_ID"}).value_or("");
   env.id_file = first({"WM_ID_FILE"}).value_or("");
   WM_EXPECTS(!env.id.empty() || !env.id_file.empty(),
@@ -110,15 +101,12 @@ inline launch_env read_launch_env(std::function<char const*(char const*)> const&
     env.job = "ompi:" + *ompi;
   }
   std::replace_if(
-    env.job.begin(),
-    env.job.end(),
-    [](char c) { return c == '\n' || c == '\r'; },
-    '_');  // one line in the id file
+      env.job.begin(), env.job.end(), [](char c) { return c == '\n' || c == '\r'; },
+      '_');  // one line in the id file
   return env;
 }
 
-inline communicator communicator_from_env(communicator_options options)
-{
+inline communicator communicator_from_env(communicator_options options) {
   launch_env const env = read_launch_env();
   int devices          = 0;
   WM_CUDA_TRY(cudaGetDeviceCount(&devices));
