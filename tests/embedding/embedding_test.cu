@@ -758,6 +758,12 @@ TEST_CASE(
 
     // A complete checkpoint of the same kind, then each of its files missing in turn.
     auto good = trained(wm::adam{}, dim);
+    {  // its last row trained for sure: the files' last bytes are not the initial zeros
+      auto last        = draw_batch(rng, rows, dim, 2);
+      last.keys.back() = static_cast<std::int64_t>(rows - 1);
+      apply_batch(good, last, s);
+    }
+    RANK_REQUIRE(snapshot(good, s) != before);
     good.store(dir / "good");
     for (char const* part : {".states", ".steps", ".weights"}) {
       auto const file = std::filesystem::path{(dir / "good").string() + part + ".rank0-of-1.bin"};
@@ -766,12 +772,13 @@ TEST_CASE(
       refused(dir / "good", part, "missing");
       std::filesystem::rename(kept, file);
     }
-    {  // a short states file
+    {  // a short states file (cut on a copy: growing it back would zero the last value)
       auto const file = std::filesystem::path{(dir / "good").string() + ".states.rank0-of-1.bin"};
-      auto const size = std::filesystem::file_size(file);
-      std::filesystem::resize_file(file, size - 4);
+      auto const kept = std::filesystem::path{file.string() + ".kept"};
+      std::filesystem::copy_file(file, kept);
+      std::filesystem::resize_file(file, std::filesystem::file_size(file) - 4);
       refused(dir / "good", "short .states", "bytes");
-      std::filesystem::resize_file(file, size);
+      std::filesystem::rename(kept, file);
     }
     std::filesystem::rename(dir / "good.meta", dir / "good.meta.kept");
     refused(dir / "good", "no .meta", "good.meta");
