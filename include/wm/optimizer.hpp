@@ -117,12 +117,11 @@ struct adam {
     F const t = static_cast<F>(s.step);
     F const c1 = one_minus_pow_(b1, t);
     F const sqrt_c2 = sqrt_(one_minus_pow_(b2, t));
-    F const sqrt_v = sqrt_(v);
-    if (epsilon == adam_epsilon::torch_adam) {
-      w -= s.lr / c1 * m / (sqrt_v / sqrt_c2 + e);
-    } else {
-      w -= s.lr * sqrt_c2 / c1 * m / (sqrt_v + e);
-    }
+    // torch's lr / c1 · m / (sqrt(v) / sqrt(c2) + eps), with numerator and denominator times
+    // sqrt(c2): one division per value, as in the SparseAdam form.
+    F const step_size = s.lr * sqrt_c2 / c1;
+    F const eps_hat   = epsilon == adam_epsilon::torch_adam ? e * sqrt_c2 : e;
+    w -= step_size * m / (sqrt_(v) + eps_hat);
   }
 
  private:

@@ -31,10 +31,10 @@ using listener_base = Catch::TestEventListenerBase;
 #endif
 
 // Catch2 v3 holds the case's info by pointer, v2 by value.
-std::string const& case_name(Catch::TestCaseInfo const* info) {
+[[maybe_unused]] std::string const& case_name(Catch::TestCaseInfo const* info) {
   return info->name;
 }
-std::string const& case_name(Catch::TestCaseInfo const& info) {
+[[maybe_unused]] std::string const& case_name(Catch::TestCaseInfo const& info) {
   return info.name;
 }
 
