@@ -19,6 +19,7 @@
 #include <wm/config.hpp>
 #endif
 
+#include <cstddef>
 #include <cstdint>
 
 #ifndef WM_HOST_DEVICE
@@ -260,6 +261,35 @@ struct set_ref {
       if (states[v] < states[w] || (states[v] == states[w] && v < w)) { ++r; }
     }
     return r;
+  }
+};
+
+/**
+ * A whole cache's metadata (structure of arrays, see the top of this file) and its hash: the
+ * trivially copyable form kernels take by value.
+ */
+template <class Impl>
+struct cache_ref {
+  using state_type = typename Impl::state_type;
+
+  std::uint32_t* tags{};  ///< sets * 32 keys
+  state_type* states{};   ///< sets * 32 replacement states
+  set_header* headers{};  ///< sets headers
+  std::uint32_t sets{};   ///< number of sets (>= 1)
+  std::uint32_t seed{};   ///< hash seed
+
+  /// The set @p key maps to.
+  [[nodiscard]] WM_HOST_DEVICE std::uint32_t set_index(std::uint32_t key) const noexcept {
+    return set_of(key, sets, seed);
+  }
+  /// Set @p s's metadata.
+  [[nodiscard]] WM_HOST_DEVICE set_ref<Impl> set(std::uint32_t s) const noexcept {
+    return {tags + static_cast<std::size_t>(s) * ways, states + static_cast<std::size_t>(s) * ways,
+            headers + s};
+  }
+  /// Data slot of line (set @p s, way @p w).
+  [[nodiscard]] WM_HOST_DEVICE static std::size_t slot(std::uint32_t s, int w) noexcept {
+    return static_cast<std::size_t>(s) * ways + static_cast<std::size_t>(w);
   }
 };
 
