@@ -31,14 +31,14 @@ struct device_array {
     WM_CUDA_TRY(cudaMemset(ptr, 0x7f, std::max<std::size_t>(n, 1) * sizeof(T)));  // poison
   }
   explicit device_array(std::vector<T> const& h) : device_array(h.size()) {
-    WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+    if (n != 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
   }
   ~device_array() { (void)cudaFree(ptr); }
   device_array(device_array const&)            = delete;
   device_array& operator=(device_array const&) = delete;
   [[nodiscard]] std::vector<T> to_host() const {
     std::vector<T> h(n);
-    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    if (n != 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost)); }
     return h;
   }
 };
