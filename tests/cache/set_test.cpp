@@ -1,6 +1,7 @@
 // Host tests: one 32-way cache set (detail/cache/set.hpp) against a plain model of LFU / LRU
 // with write-back, driven by random access sequences; the key -> set hash; the policy traits.
 #include <wm/cache.hpp>
+#include <wm/detail/cache/plan.hpp>
 #include <wm/optimizer.hpp>
 
 #include <algorithm>
@@ -346,4 +347,39 @@ TEST_CASE("cache hash: the seed changes the placement; mix32 is a bijection", "[
   for (std::uint32_t k = 0; k < (1u << 20); ++k) { v.push_back(cache::mix32(k << 12, 5)); }
   std::sort(v.begin(), v.end());
   CHECK(std::adjacent_find(v.begin(), v.end()) == v.end());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Geometry.
+
+TEST_CASE("cache plan: sets from rows and ratio; edges", "[cache]") {
+  using cache::plan_cache;
+  auto const p = plan_cache<cache::lfu_impl>(10'000'000, 0.1);
+  CHECK(p.sets == 31250);
+  CHECK(p.lines == 1'000'000);
+  CHECK(p.metadata_bytes == 31250u * (32 * 6 + 16));  // 6.5 bytes per line, none per row
+  CHECK(plan_cache<cache::lru_impl>(1000, 0.1).metadata_bytes == 4u * (32 * 8 + 16));
+  CHECK(plan_cache<cache::lfu_impl>(1, 0.001).sets == 1);  // at least one set
+  CHECK(plan_cache<cache::lfu_impl>(10, 1.0).sets == 1);   // cache larger than the table
+  CHECK(plan_cache<cache::lfu_impl>(33, 1.0).sets == 2);
+  CHECK(plan_cache<cache::lfu_impl>(64, 1.0).sets == 2);
+  CHECK(plan_cache<cache::lfu_impl>(0, 0.5).sets == 0);  // a rank that owns nothing
+  CHECK(plan_cache<cache::lfu_impl>(0xffffffffull, 1.0).sets == 134217728u);
+  CHECK_THROWS_AS(plan_cache<cache::lfu_impl>(100, 0.0), wm::logic_error);
+  CHECK_THROWS_AS(plan_cache<cache::lfu_impl>(100, 1.5), wm::logic_error);
+  CHECK_THROWS_AS(plan_cache<cache::lfu_impl>(100, -0.1), wm::logic_error);
+  CHECK_THROWS_AS(plan_cache<cache::lfu_impl>(std::size_t{1} << 32, 0.1), wm::logic_error);
+}
+
+TEST_CASE("cache plan: at ratio 1 the hashed sets hold most but not all rows", "[cache]") {
+  auto const rows = GENERATE(std::size_t{32}, std::size_t{1000}, std::size_t{1'000'000});
+  auto const p    = cache::plan_cache<cache::lfu_impl>(rows, 1.0);
+  std::vector<std::uint32_t> load(p.sets, 0);
+  for (std::uint32_t k = 0; k < rows; ++k) { ++load[cache::set_of(k, p.sets)]; }
+  std::size_t held = 0;
+  for (auto const l : load) { held += std::min<std::uint32_t>(l, 32); }
+  double const fraction = static_cast<double>(held) / static_cast<double>(rows);
+  INFO("rows " << rows << ": a full cache holds " << fraction * 100 << "% of them at once");
+  CHECK(fraction > 0.88);
+  if (rows == 32) { CHECK(fraction == 1.0); }  // one set
 }
