@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <random>
 #include <set>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "catch.hpp"
