@@ -1,0 +1,203 @@
+/**
+ * @file cache.hpp
+ * @brief Embedding cache policies: `wm::device_cache<Access, Replacement>`,
+ * `wm::group_cache<Replacement>`, the access types `wm::read_only` / `wm::read_write`, the
+ * replacement types `wm::lfu` / `wm::lru`, run-time `wm::cache_options` and host-readable
+ * `wm::cache_statistics`.
+ *
+ * - `device_cache` (seed: device-cached host memory): the cache's group is the table's; each GPU
+ *   caches rows of its own part of the table in its own memory. With `wm::read_write` a line
+ *   carries a dirty bit and is written back on eviction and on `flush()`; with `wm::read_only`
+ *   nothing is ever written back, and an optimizer with it does not compile.
+ * - `group_cache` (seed: local-cached global memory): the cache's group is a subset of the
+ *   table's (e.g. one node's ranks from `communicator::split`); together they cache the whole
+ *   table, each rank the rows hashed to it. Read-only by nature.
+ *
+ * Structure (DESIGN.md §5): 32-way sets probed by one warp, set index = hash of the key (not a
+ * contiguous id range, so renumbered hot ids spread), a 4-byte tag plus valid/dirty bits and a
+ * replacement word per line, nothing per table row. The set bookkeeping lives in
+ * <wm/detail/cache/set.hpp> and compiles with a plain C++20 compiler as well as nvcc.
+ *
+ * Host and device; no CUDA headers: compiles with plain g++.
+ */
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <type_traits>
+
+namespace wm {
+
+class communicator;
+
+namespace detail::cache {
+struct lfu_impl;
+struct lru_impl;
+}  // namespace detail::cache
+
+// ---------------------------------------------------------------------------------------------
+// Access
+
+/** @brief Cache access: lines are never written; nothing is written back. */
+struct read_only {
+  static constexpr char const* name = "read_only";
+  static constexpr bool writable    = false;  ///< an optimizer may not update through it
+};
+
+/** @brief Cache access: lines are updated in place, marked dirty and written back on eviction
+ * and on `flush()` (write-back). */
+struct read_write {
+  static constexpr char const* name = "read_write";
+  static constexpr bool writable    = true;  ///< an optimizer may update through it
+};
+
+/**
+ * @brief A cache access type: `static constexpr char const* name` and
+ * `static constexpr bool writable` (`wm::read_only`, `wm::read_write`).
+ */
+template <class A>
+concept cache_access = requires {
+  { A::name } -> std::convertible_to<char const*>;
+  { A::writable } -> std::convertible_to<bool>;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Replacement
+
+/**
+ * @brief Replacement: least frequently used, with decay. Each line keeps a 16-bit use count; a
+ * hit adds one; when a count would overflow, every count of the set is halved first (old
+ * popularity fades); a newly admitted line starts at the evicted line's count + 1 (LFU with
+ * dynamic aging), so a newcomer is not the next victim of its set by construction. The victim
+ * is an invalid way if any, else the way with the lowest count (lowest way index on ties).
+ */
+struct lfu {
+  static constexpr char const* name = "lfu";
+  using impl                        = detail::cache::lfu_impl;  ///< the set bookkeeping
+};
+
+/**
+ * @brief Replacement: least recently used. Each set has a 32-bit use clock; a hit or an
+ * admission stamps the line with the next clock value; the victim is an invalid way if any, else
+ * the way with the oldest stamp. When the clock would wrap, the set's stamps are renumbered
+ * 1..32 in their order (rare: 2^32 uses of one set).
+ */
+struct lru {
+  static constexpr char const* name = "lru";
+  using impl                        = detail::cache::lru_impl;  ///< the set bookkeeping
+};
+
+/**
+ * @brief A replacement policy: a `name` and an `impl` type that supplies the per-line state and
+ * its updates (see `wm::detail::cache::lfu_impl`); the set code never asks which policy it got.
+ */
+template <class R>
+concept replacement_policy = requires {
+  { R::name } -> std::convertible_to<char const*>;
+  typename R::impl;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Cache policies
+
+/**
+ * @brief Device-cached host table: each GPU caches rows of its own part in its own memory.
+ * @tparam Access `wm::read_write` (default: trainable, write-back) or `wm::read_only`
+ * @tparam Replacement `wm::lfu` (default) or `wm::lru`
+ */
+template <cache_access Access = read_write, replacement_policy Replacement = lfu>
+struct device_cache {
+  using access_type                 = Access;
+  using replacement_type            = Replacement;
+  static constexpr char const* name = "device_cache";
+  static constexpr bool writable    = Access::writable;  ///< write-back with `read_write`
+};
+
+/**
+ * @brief Group-cached global table: a subset of the table's ranks (`cache_options::group`)
+ * cache the whole table together, each rank the rows hashed to it; peers read each other's
+ * lines. Always read-only.
+ * @tparam Replacement `wm::lfu` (default) or `wm::lru`
+ */
+template <replacement_policy Replacement = lfu>
+struct group_cache {
+  using access_type                 = read_only;
+  using replacement_type            = Replacement;
+  static constexpr char const* name = "group_cache";
+  static constexpr bool writable    = false;  ///< read-only by nature
+};
+
+/**
+ * @brief Whether an embedding with cache policy @p C may be trained (updated through an
+ * optimizer). A policy without a `writable` member caches nothing (`wm::no_cache`) and is
+ * writable; otherwise its `writable` constant decides.
+ */
+template <class C>
+struct is_writable_cache : std::true_type {};
+
+/// @copydoc is_writable_cache
+template <class C>
+requires requires {
+  { C::writable } -> std::convertible_to<bool>;
+}
+struct is_writable_cache<C> : std::bool_constant<static_cast<bool>(C::writable)> {};
+
+/// @copydoc is_writable_cache
+template <class C>
+inline constexpr bool is_writable_cache_v = is_writable_cache<C>::value;
+
+/**
+ * @brief A cache policy through which an optimizer may update rows: `wm::no_cache`,
+ * `wm::device_cache<wm::read_write, R>`; not `wm::device_cache<wm::read_only, R>` nor
+ * `wm::group_cache<R>`. The embedding rejects a trainable optimizer with any other policy:
+ * `static_assert(wm::writable_cache<C> || !wm::sparse_optimizer<O>,
+ * wm::detail::cache::read_only_message)`.
+ */
+template <class C>
+concept writable_cache = is_writable_cache_v<C>;
+
+namespace detail::cache {
+/// The compile-time message for an optimizer on a cache that cannot be written.
+inline constexpr char const read_only_message[] =
+    "this cache policy is read-only (wm::group_cache, or wm::device_cache<wm::read_only>): an "
+    "embedding with it cannot be trained; use wm::no_optimizer, or "
+    "wm::device_cache<wm::read_write> for a trainable cached table";
+}  // namespace detail::cache
+
+// ---------------------------------------------------------------------------------------------
+// Run-time options and statistics
+
+/**
+ * @brief Run-time cache settings, the embedding's last constructor argument.
+ */
+struct cache_options {
+  /// Fraction of the rows the cache holds: for `device_cache` of each rank's own part, for
+  /// `group_cache` of the whole table over the group. In (0, 1]; rounded up to whole 32-way sets
+  /// (at least one set).
+  double ratio{0.1};
+  /// `group_cache` only: the ranks that cache the table together (a subset of the table's
+  /// communicator, e.g. one node's ranks from `split`); must outlive the embedding. Null for
+  /// `device_cache` (its group is the table's).
+  communicator* group{nullptr};
+  /// Seed of the key → set hash (the same on every rank of a group).
+  std::uint32_t hash_seed{0};
+};
+
+/**
+ * @brief Cache statistics, counted on the device and read on the host. Counts add up:
+ * `hits + misses == requests` and `write_backs <= evictions + flushed lines`.
+ */
+struct cache_statistics {
+  std::uint64_t requests{};          ///< keys asked for (with repeats)
+  std::uint64_t distinct_keys{};     ///< distinct keys per batch, summed over batches
+  std::uint64_t hits{};              ///< requests served from a line
+  std::uint64_t misses{};            ///< requests not in the cache
+  std::uint64_t evictions{};         ///< valid lines replaced
+  std::uint64_t write_backs{};       ///< dirty lines written to the table
+  std::uint64_t bytes_from_host{};   ///< bytes read from the host table
+  std::uint64_t bytes_from_peers{};  ///< bytes read from peers' lines (group cache)
+};
+
+}  // namespace wm
+
+#include <wm/detail/cache/set.hpp>
