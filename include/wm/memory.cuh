@@ -206,9 +206,12 @@ class memory {
   memory& operator=(memory const&) = delete;
   /**
    * @brief Collective: frees mappings, handles, shared and registered memory. Never throws.
-   * Destroyed by stack unwinding (this rank is failing), or when a peer does not reach its own
-   * release (gone, timed out, or in another collective), it aborts the communicator instead of
-   * waiting, so that the peers' waits fail at once; the communicator is unusable afterwards.
+   * The release barriers carry a descriptor of their own ("memory release"), never that of
+   * `communicator::barrier`. Destroyed by stack unwinding (this rank is failing), it waits for
+   * its peers at most 5 s (peers failing with it, after an error every rank saw, meet it at
+   * once and the communicator stays usable); when a peer does not reach its release in time
+   * (gone, busy elsewhere, or in another collective), the communicator is aborted, so that the
+   * peers' waits fail at once, and the memory is freed without waiting further.
    */
   ~memory();
 

@@ -5,6 +5,7 @@
 #include <wm/comm.hpp>
 #include <wm/error.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -47,21 +48,23 @@ void collective_step(communicator& comm, std::string const& what, F&& step) {
 /// one rank cannot stand in for a peer's unrelated `communicator::barrier` (both get an error).
 inline constexpr char const* release_step_name = "memory release";
 
+/// How long a release run by stack unwinding waits for its peers. Peers that fail with this
+/// rank (an error every rank saw) meet it at once and the communicator stays usable; a peer that
+/// is elsewhere (in a device exchange, computing) is not waited for longer than this: the
+/// communicator is then aborted, and the peer's own waits fail at once.
+inline constexpr std::chrono::milliseconds unwinding_release_limit{5000};
+
 /**
- * The barrier of a release (collective, never throws): every rank waits until all ranks reach
- * their release of the same allocation (@p args identifies it: sizes, kind and partition, so
- * releases in different orders on different ranks are an error too). If the wait fails (a peer is
- * gone, timed out, or called another collective), the communicator is aborted, so that no peer
- * waits on this rank either, and false is returned: the caller skips the rest of its barriers.
+ * The barrier of a release (collective, never throws): every rank waits, at most @p limit,
+ * until all ranks reach their release of the same allocation (@p args identifies it: sizes,
+ * kind and partition, so releases in different orders on different ranks are an error too). If
+ * the wait fails (a peer is gone, late, or in another collective), the communicator is aborted,
+ * so that no peer waits on this rank either, and false is returned: the caller skips the rest of
+ * its barriers.
  */
-[[nodiscard]] inline bool release_barrier(communicator& comm, std::uint64_t args) noexcept {
-  try {
-    comm.expect_same(release_step_name, args);
-    return true;
-  } catch (...) {
-    comm.abort();
-    return false;
-  }
+[[nodiscard]] inline bool release_barrier(communicator& comm, std::uint64_t args,
+                                          std::chrono::milliseconds limit) noexcept {
+  return comm.agree_within(release_step_name, args, limit);
 }
 
 }  // namespace wm::detail

@@ -30,7 +30,7 @@ class ipc_resource {
       // The steps fail on every rank together: close what this rank opened, wait until every
       // peer closed this rank's part (every rank, whether it owns memory or not), then free it.
       close_imports();
-      (void)release_barrier(*s.comm, s.args);
+      (void)release_barrier(*s.comm, s.args, s.comm->timeout());
       release_local();
       throw;
     }

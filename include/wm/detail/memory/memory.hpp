@@ -18,6 +18,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
@@ -48,7 +50,8 @@ struct memory_impl {
       collective_step(*state.comm, "memory: partition table",
                       [&] { table = partition_table{state}; });
     } catch (...) {
-      close_and_wait();  // the step failed on every rank together
+      // The step failed on every rank together.
+      close_and_wait(state.comm->valid() ? state.comm->timeout() : std::chrono::milliseconds{0});
       throw;
     }
   }
@@ -58,29 +61,26 @@ struct memory_impl {
   /**
    * The collective part of destruction (never throws): nobody may still be reading a peer's
    * part, and an owner whose part peers opened frees it only after every peer closed it. Run
-   * by stack unwinding (this rank is failing), or once a barrier failed, it aborts the
-   * communicator instead of waiting: peers get errors at once rather than after the timeout,
-   * and the resource is freed locally.
+   * by stack unwinding (this rank is failing), it waits for its peers at most
+   * `unwinding_release_limit`; when a release barrier fails (then the communicator is aborted)
+   * the rest are skipped and the resource is freed locally.
    */
   void release() noexcept {
     bool const unwinding = std::uncaught_exceptions() > uncaught;
-    if (unwinding) {
-      state.comm->abort();
+    auto const timeout = state.comm->valid() ? state.comm->timeout() : std::chrono::milliseconds{0};
+    auto const limit = unwinding ? std::min(timeout, unwinding_release_limit) : timeout;
+    if (!release_barrier(*state.comm, state.args, limit)) {
       resource.close_imports();
       return;
     }
-    if (!release_barrier(*state.comm, state.args)) {
-      resource.close_imports();
-      return;
-    }
-    close_and_wait();
+    close_and_wait(limit);
   }
 
  private:
-  void close_and_wait() noexcept {
+  void close_and_wait(std::chrono::milliseconds limit) noexcept {
     resource.close_imports();
     if constexpr (resource_type::peers_import) {
-      (void)release_barrier(*state.comm, state.args);
+      (void)release_barrier(*state.comm, state.args, limit);
     }
   }
 };
