@@ -24,9 +24,9 @@
 #include <utility>
 #include <vector>
 
-constexpr std::size_t nodes = 200'003;
+constexpr std::size_t nodes    = 200'003;
 constexpr std::size_t features = 64;
-constexpr std::size_t batch = 50'000;
+constexpr std::size_t batch    = 50'000;
 
 // Feature j of node k is k + j / 100 (exact in float for these sizes).
 __host__ __device__ inline float feature(std::size_t k, std::size_t j) {
@@ -62,11 +62,9 @@ __global__ void count_wrong_rows(Ref table, std::int64_t const* ids, std::size_t
   std::size_t const cols = table.cols();
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n * cols;
        i += gridDim.x * blockDim.x) {
-    auto const k = static_cast<std::size_t>(ids[i / cols]);
+    auto const k     = static_cast<std::size_t>(ids[i / cols]);
     float const* row = table.row(k);
-    if (row[i % cols] != feature(k, i % cols)) {
-      atomicAdd(wrong, 1ull);
-    }
+    if (row[i % cols] != feature(k, i % cols)) { atomicAdd(wrong, 1ull); }
   }
 }
 
@@ -127,9 +125,7 @@ std::vector<float> gather_with(wm::communicator& comm, std::int64_t const* ids,
   // 4. Scatter: rank 0 doubles the features of the first 100 ids of its batch (others pass
   //    nothing; the distributed layout needs every rank in the call).
   std::size_t const n = comm.rank() == 0 ? 100 : 0;
-  for (std::size_t i = 0; i < n * features; ++i) {
-    host[i] *= 2;
-  }
+  for (std::size_t i = 0; i < n * features; ++i) { host[i] *= 2; }
   WM_CUDA_TRY(cudaMemcpy(out, host.data(), n * features * sizeof(float), cudaMemcpyHostToDevice));
   table.scatter(std::span<std::int64_t const>{ids, n}, out, cuda::stream_ref{stream});
   comm.barrier();
@@ -174,14 +170,10 @@ int main() {
         auto const k = static_cast<std::size_t>(host_ids[i]);
         for (std::size_t j = 0; j < features; ++j) {
           float const expect = doubled[k] ? 2 * feature(k, j) : feature(k, j);
-          if (a[i * features + j] != expect) {
-            ++wrong;
-          }
+          if (a[i * features + j] != expect) { ++wrong; }
         }
       }
-      if (!same || wrong != 0) {
-        throw std::runtime_error{"layouts disagree or rows are wrong"};
-      }
+      if (!same || wrong != 0) { throw std::runtime_error{"layouts disagree or rows are wrong"}; }
       std::printf(
           "rank %d: gathered %zu random rows of %zu through continuous, chunked and distributed "
           "layouts: identical and correct; rows read through ref() in a user kernel: correct\n",

@@ -11,7 +11,8 @@
  *   Optimizer state (and Adam's per-row step) lives in tensors with the table's partition, so
  *   updates never cross GPUs. State and gradient sums are float whatever T is.
  * - Checkpoints: `store(prefix)` / `load(prefix)` write and read weights, states, steps and the
- *   global step in global row order; they load into any rank count, layout or mapping.
+ *   global step in global row order; they load into any rank count, layout or mapping. All or
+ *   nothing: `load` checks every file first, `store` writes temporaries and renames them.
  *
  * Cache policies: only `wm::no_cache` exists yet; a cache plugs in around gather and the
  * owner-side update without changing the optimizer code.
@@ -73,7 +74,8 @@ struct embedding_scratch;
  *
  * @tparam T float, half (`__half`) or bfloat16 (`__nv_bfloat16`)
  * @tparam CachePolicy `wm::no_cache`
- * @tparam Optimizer `wm::sgd`, `wm::adam`, `wm::rmsprop`, `wm::adagrad`, `wm::no_optimizer`
+ * @tparam Optimizer `wm::sgd`, `wm::adam`, `wm::rmsprop`, `wm::adagrad`, `wm::no_optimizer`, or
+ * any type satisfying `wm::sparse_optimizer` (see <wm/optimizer.hpp>)
  * @tparam Location, Layout, Mapping the storage, as for `wm::tensor`
  */
 template <class T,
@@ -109,7 +111,7 @@ class embedding {
   [[nodiscard]] tensor<T, Location, Layout, Mapping>& weights() noexcept { return weights_; }
   /// Optimizer state: `Optimizer::states × dim` floats per row (absent if the optimizer has none).
   [[nodiscard]] tensor<float, Location, Layout, Mapping>* states() noexcept { return states_ ? &*states_ : nullptr; }
-  /// Adam's per-row step counts (absent for other optimizers).
+  /// Per-row step counts (present when the optimizer `needs_steps()`, e.g. lazy Adam).
   [[nodiscard]] tensor<std::int64_t, Location, Layout, Mapping>* steps() noexcept { return steps_ ? &*steps_ : nullptr; }
   /// Number of `apply_gradients` calls so far (the global step).
   [[nodiscard]] std::int64_t global_step() const noexcept { return global_step_; }
@@ -137,9 +139,26 @@ class embedding {
   /**
    * @brief Writes the checkpoint `<prefix>.weights.*`, `.states.*`, `.steps.*` and `<prefix>.meta`
    * (collective). Rows are in global order, so it loads into any rank count or layout.
+   *
+   * Every file is written under a temporary name (`<file>.tmp`) and flushed; only when every rank
+   * has written, the old `.meta` is removed, the parts are renamed and the new `.meta` is renamed
+   * last. A crash leaves either the old checkpoint, or one without `.meta` (refused by `load`; the
+   * `.tmp` files are still there), or the new one. The meta records rows, dim, element type,
+   * optimizer name and its `checkpoint_tag()` (Adam: bias-correction mode, epsilon placement).
+   * @throw wm::io_error on every rank if a rank could not write (then the temporaries are
+   * removed and the previous checkpoint is untouched)
    */
   void store(std::filesystem::path const& prefix);
-  /// Reads a checkpoint written by `store` (collective). @throw wm::io_error if it does not fit
+  /**
+   * @brief Reads a checkpoint written by `store` (collective), written by any rank count.
+   *
+   * One collective step first checks, on every rank, the meta against this table (rows, dim,
+   * element type, optimizer name and `checkpoint_tag()`, state slots, per-row steps) and every
+   * part file of every set (present, exact size); only then are weights, states and steps read.
+   * @throw wm::io_error on every rank, with the table unchanged, if anything is missing or does
+   * not fit (another optimizer, another Adam bias-correction mode or epsilon placement, another
+   * dim, a missing `.states` file, ...)
+   */
   void load(std::filesystem::path const& prefix);
 
  private:

@@ -58,18 +58,18 @@ struct memory_impl;
 
 /** @brief Location policy: pinned host memory, mapped into every GPU's address space. */
 struct host {
-  static constexpr bool is_host = true;
+  static constexpr bool is_host     = true;
   static constexpr char const* name = "host";
 };
 /** @brief Location policy: GPU memory. */
 struct device {
-  static constexpr bool is_host = false;
+  static constexpr bool is_host     = false;
   static constexpr char const* name = "device";
 };
 
 /** @brief Layout policy: one pointer reaches the whole memory on every rank. */
 struct continuous {
-  static constexpr bool mapped = true;
+  static constexpr bool mapped      = true;
   static constexpr char const* name = "continuous";
   /// device: driver VMM, every rank's GPU memory mapped into one range; host: a shared memfd.
   template <class Location>
@@ -78,7 +78,7 @@ struct continuous {
 };
 /** @brief Layout policy: every rank maps every rank's part; one pointer per rank. */
 struct chunked {
-  static constexpr bool mapped = true;
+  static constexpr bool mapped      = true;
   static constexpr char const* name = "chunked";
   /// device: cudaMalloc + CUDA IPC handles; host: a shared memfd.
   template <class Location>
@@ -87,7 +87,7 @@ struct chunked {
 };
 /** @brief Layout policy: each rank reaches only its own part. */
 struct distributed {
-  static constexpr bool mapped = false;
+  static constexpr bool mapped      = false;
   static constexpr char const* name = "distributed";
   /// device: cudaMalloc; host: cudaMallocHost. No peer maps it.
   template <class Location>
@@ -179,7 +179,7 @@ template <location Location, layout Layout>
 class memory {
  public:
   using location_type = Location;
-  using layout_type = Layout;
+  using layout_type   = Layout;
 
   /**
    * @brief Allocates collectively with the default block partition.
@@ -202,7 +202,7 @@ class memory {
 
   memory(memory&&) noexcept;
   memory& operator=(memory&&) noexcept;
-  memory(memory const&) = delete;
+  memory(memory const&)            = delete;
   memory& operator=(memory const&) = delete;
   /**
    * @brief Collective: frees mappings, handles, shared and registered memory. Never throws.

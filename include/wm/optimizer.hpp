@@ -1,12 +1,16 @@
 /**
  * @file optimizer.hpp
  * @brief Sparse optimizer policies for `wm::embedding`: `wm::sgd`, `wm::adam`, `wm::rmsprop`,
- * `wm::adagrad`, and `wm::no_optimizer` for inference-only tables.
+ * `wm::adagrad`, `wm::no_optimizer` for inference-only tables, and the `wm::sparse_optimizer`
+ * concept that a user-written optimizer satisfies to train an embedding unchanged.
  *
- * Each policy holds its hyper-parameters (defaults as in PyTorch) and the per-element update
- * rule, written once for float (device) and double (host reference). An update sees one row's
- * summed gradient g (duplicates already added), its weight w and its state slots; `lr` comes
- * with each call. Weight decay is L2 (added to the gradient) unless `adam::decoupled` (AdamW).
+ * Each policy holds its hyper-parameters (defaults as in PyTorch) and carries everything the
+ * table needs from it: the number of float state slots per weight (`states`), their initial
+ * value (`initial_state()`), whether the table keeps a step count per row (`needs_steps()`),
+ * and the per-element update rule, written once for float (device) and double (host
+ * reference). An update sees one row's summed gradient g (duplicates already added), its weight
+ * w and its state slots; `lr` comes with each call. Weight decay is L2 (added to the gradient)
+ * unless `adam::decoupled` (AdamW).
  *
  * Compiles with a plain C++20 compiler as well as nvcc.
  */
@@ -17,24 +21,29 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 namespace wm {
 
 /// Per-call values an update needs besides the hyper-parameters.
 template <class F>
 struct update_step {
-  F lr;              ///< learning rate of this call
-  std::int64_t step; ///< Adam: 1-based step used for bias correction (per row or global)
+  F lr;               ///< learning rate of this call
+  std::int64_t step;  ///< 1-based: the row's own update count if the optimizer `needs_steps()`,
+                      ///< else the table's global step (`apply_gradients` calls, this one included)
 };
 
 /** @brief Plain SGD: w -= lr (g + wd w). */
 struct sgd {
   static constexpr char const* name = "sgd";
-  static constexpr int states       = 0;
+  static constexpr int states = 0;
   float weight_decay{0.0f};
+
+  [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
   template <class F>
-  WM_HOST_DEVICE void update(F& w, F g, F*, update_step<F> s) const noexcept
-  {
+  WM_HOST_DEVICE void update(F& w, F g, F*, update_step<F> s) const noexcept {
     g += static_cast<F>(weight_decay) * w;
     w -= s.lr * g;
   }
@@ -42,31 +51,60 @@ struct sgd {
 
 /** @brief How Adam corrects the bias of its moments. */
 enum class adam_bias_correction {
-  per_row,     ///< lazy Adam: each row counts its own updates (default)
-  global_step  ///< one step count for the table, advanced by every call (torch SparseAdam)
+  per_row,     ///< lazy Adam: each row counts its own updates (default; the table keeps the counts)
+  global_step  ///< one step count for the table, advanced by every call (torch.optim.SparseAdam)
+};
+
+/**
+ * @brief Where Adam adds epsilon, with c1 = 1 - b1^t and c2 = 1 - b2^t. The two forms differ
+ * only where sqrt(v) is not large against eps (small gradients): at step 1 with g = 1e-6 and
+ * lr = 1 the torch form moves a weight by 0.990, the SparseAdam form by 0.760.
+ */
+enum class adam_epsilon {
+  torch_adam,  ///< w -= lr / c1 · m / (sqrt(v) / sqrt(c2) + eps): torch.optim.Adam and AdamW
+  sparse_adam  ///< w -= lr · sqrt(c2) / c1 · m / (sqrt(v) + eps): torch.optim.SparseAdam, TF Adam
 };
 
 /**
  * @brief Adam on the rows present in a batch (rows absent keep their moments):
- * m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²;
- * w -= lr · sqrt(1-b2^t)/(1-b1^t) · m / (sqrt(v) + eps)  (the form of torch.optim.SparseAdam).
- * `decoupled` (AdamW): w -= lr · wd · w before the step instead of adding wd · w to g.
+ * m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²; then the step of `epsilon`'s form.
+ *
+ * Weight decay: L2 (g += wd · w, torch.optim.Adam) or, with `decoupled`, w -= lr · wd · w
+ * before the step (torch.optim.AdamW). The defaults are torch's (betas 0.9/0.999, eps 1e-8,
+ * epsilon placed as torch's Adam/AdamW); note that torch.optim.AdamW's default weight decay is
+ * 0.01, wm's 0. On batches that contain every row, per-row and global steps agree, and
+ * `{decoupled = false}` computes torch.optim.Adam, `{decoupled = true, weight_decay = 0.01}`
+ * torch.optim.AdamW. torch.optim.SparseAdam (no weight decay) is
+ * `{bias_correction = global_step, epsilon = sparse_adam}` on any batches.
  */
 struct adam {
   static constexpr char const* name = "adam";
-  static constexpr int states       = 2;  // m, v
+  static constexpr int states = 2;  // m, v
   float beta1{0.9f};
   float beta2{0.999f};
   float eps{1e-8f};
   float weight_decay{0.0f};
   bool decoupled{false};
   adam_bias_correction bias_correction{adam_bias_correction::per_row};
+  adam_epsilon epsilon{adam_epsilon::torch_adam};
+
+  /// Lazy Adam counts each row's updates; global-step Adam uses the table's step.
+  [[nodiscard]] constexpr bool needs_steps() const noexcept {
+    return bias_correction == adam_bias_correction::per_row;
+  }
+  [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
+  /// The settings that give the stored moments and steps their meaning (checked by `load`).
+  [[nodiscard]] std::string checkpoint_tag() const {
+    return std::string{"bias_correction="} +
+           (bias_correction == adam_bias_correction::per_row ? "per_row" : "global_step") +
+           " epsilon=" + (epsilon == adam_epsilon::torch_adam ? "torch_adam" : "sparse_adam");
+  }
 
   template <class F>
-  WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept
-  {
+  WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     F const b1 = beta1;
     F const b2 = beta2;
+    F const e = eps;
     if (decoupled) {
       w -= s.lr * static_cast<F>(weight_decay) * w;
     } else {
@@ -74,27 +112,30 @@ struct adam {
     }
     F& m = state[0];
     F& v = state[1];
-    m    = b1 * m + (F{1} - b1) * g;
-    v    = b2 * v + (F{1} - b2) * g * g;
-    F const t  = static_cast<F>(s.step);
+    m = b1 * m + (F{1} - b1) * g;
+    v = b2 * v + (F{1} - b2) * g * g;
+    F const t = static_cast<F>(s.step);
     F const c1 = one_minus_pow_(b1, t);
-    F const c2 = one_minus_pow_(b2, t);
-    w -= s.lr * sqrt_(c2) / c1 * m / (sqrt_(v) + static_cast<F>(eps));
+    F const sqrt_c2 = sqrt_(one_minus_pow_(b2, t));
+    F const sqrt_v = sqrt_(v);
+    if (epsilon == adam_epsilon::torch_adam) {
+      w -= s.lr / c1 * m / (sqrt_v / sqrt_c2 + e);
+    } else {
+      w -= s.lr * sqrt_c2 / c1 * m / (sqrt_v + e);
+    }
   }
 
  private:
   /// 1 - b^t without cancellation: in float, 1 - pow(0.999, 1) keeps only 4 of its 7 digits
   /// (b - 1 is exact for b in [0.5, 1], and log1p/expm1 keep full precision near 0).
   template <class F>
-  WM_HOST_DEVICE static F one_minus_pow_(F b, F t) noexcept
-  {
+  WM_HOST_DEVICE static F one_minus_pow_(F b, F t) noexcept {
     using std::expm1;
     using std::log1p;
     return -expm1(t * log1p(b - F{1}));
   }
   template <class F>
-  WM_HOST_DEVICE static F sqrt_(F x) noexcept
-  {
+  WM_HOST_DEVICE static F sqrt_(F x) noexcept {
     using std::sqrt;
     return sqrt(x);
   }
@@ -103,17 +144,19 @@ struct adam {
 /** @brief RMSProp: v = a v + (1-a) g²; w -= lr g / (sqrt(v) + eps). */
 struct rmsprop {
   static constexpr char const* name = "rmsprop";
-  static constexpr int states       = 1;
+  static constexpr int states = 1;
   float alpha{0.99f};
   float eps{1e-8f};
   float weight_decay{0.0f};
+
+  [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
   template <class F>
-  WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept
-  {
+  WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     using std::sqrt;
     g += static_cast<F>(weight_decay) * w;
     F& v = state[0];
-    v    = static_cast<F>(alpha) * v + (F{1} - static_cast<F>(alpha)) * g * g;
+    v = static_cast<F>(alpha) * v + (F{1} - static_cast<F>(alpha)) * g * g;
     w -= s.lr * g / (sqrt(v) + static_cast<F>(eps));
   }
 };
@@ -121,13 +164,15 @@ struct rmsprop {
 /** @brief AdaGrad: s += g²; w -= lr g / (sqrt(s) + eps); s starts at `initial_accumulator`. */
 struct adagrad {
   static constexpr char const* name = "adagrad";
-  static constexpr int states       = 1;
+  static constexpr int states = 1;
   float eps{1e-10f};
   float initial_accumulator{0.0f};
   float weight_decay{0.0f};
+
+  [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  [[nodiscard]] constexpr float initial_state() const noexcept { return initial_accumulator; }
   template <class F>
-  WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept
-  {
+  WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     using std::sqrt;
     g += static_cast<F>(weight_decay) * w;
     F& acc = state[0];
@@ -139,30 +184,56 @@ struct adagrad {
 /** @brief No optimizer: an inference-only table; `apply_gradients` does not compile. */
 struct no_optimizer {
   static constexpr char const* name = "none";
-  static constexpr int states       = 0;
+  static constexpr int states = 0;
+  [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
 };
 
-/** @brief A sparse optimizer policy: hyper-parameters plus a per-element update rule. */
+/**
+ * @brief A sparse optimizer policy: what `wm::embedding` needs from an optimizer, all of it
+ * supplied by the type (the table never asks which optimizer it got). A type `O` provides:
+ * - `static constexpr char const* name`: recorded in checkpoints, which load only into a table
+ *   whose optimizer has the same name;
+ * - `static constexpr int states` (>= 0): float state slots per weight, laid out as `states`
+ *   blocks of `dim` floats per row;
+ * - `bool needs_steps() const noexcept`: whether the table keeps an update count per row (then
+ *   `update_step::step` is the row's own count, else the global step);
+ * - `float initial_state() const noexcept`: the value every state slot starts with;
+ * - `update(F& w, F g, F* state, update_step<F>) const` for F = float (the device kernel, so it
+ *   must be `__host__ __device__`, e.g. `WM_HOST_DEVICE`) and F = double (host references);
+ * - optionally `std::string checkpoint_tag() const`: the settings that give the stored states
+ *   their meaning; `load` refuses a checkpoint whose tag differs.
+ * The type is trivially copyable: the kernel gets it by value.
+ */
 template <class O>
-concept sparse_optimizer = requires(O const& o, float& w, float* st, double& wd, double* sd) {
+concept sparse_optimizer = std::is_trivially_copyable_v<O> &&
+    requires(O const& o, float& w, float* st, double& wd, double* sd) {
   { O::name } -> std::convertible_to<char const*>;
   { O::states } -> std::convertible_to<int>;
+  requires O::states >= 0;
+  { o.needs_steps() }
+  noexcept->std::same_as<bool>;
+  { o.initial_state() }
+  noexcept->std::convertible_to<float>;
   o.update(w, 1.0f, st, update_step<float>{1.0f, 1});
   o.update(wd, 1.0, sd, update_step<double>{1.0, 1});
 };
 
-/// Optimizers with state memory per row beyond the weights.
+/// The initial value of each state slot of @p o (forwards to `o.initial_state()`).
 template <class O>
-inline constexpr bool needs_steps = std::same_as<O, adam>;
+[[nodiscard]] constexpr float initial_state(O const& o) noexcept {
+  return static_cast<float>(o.initial_state());
+}
 
-/// Initial value of each state slot.
+/// `o.checkpoint_tag()` if @p O has one, else empty.
 template <class O>
-[[nodiscard]] constexpr float initial_state(O const& o) noexcept
-{
-  if constexpr (std::same_as<O, adagrad>) {
-    return o.initial_accumulator;
+[[nodiscard]] std::string checkpoint_tag(O const& o) {
+  if constexpr (requires {
+                  { o.checkpoint_tag() } -> std::convertible_to<std::string>;
+                }) {
+    return o.checkpoint_tag();
   } else {
-    return 0.0f;
+    return {};
   }
 }
 

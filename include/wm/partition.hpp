@@ -45,9 +45,7 @@ struct partition_ref {
   [[nodiscard]] WM_HOST_DEVICE std::size_t end(int rank) const noexcept { return starts[rank + 1]; }
   /// The rank that owns @p entry (entry < entries).
   [[nodiscard]] WM_HOST_DEVICE int owner(std::size_t entry) const noexcept {
-    if (per_rank != 0) {
-      return static_cast<int>(entry / per_rank);
-    }
+    if (per_rank != 0) { return static_cast<int>(entry / per_rank); }
     int lo = 0;  // last rank whose start <= entry and that owns something
     int hi = world - 1;
     while (lo < hi) {
@@ -58,9 +56,7 @@ struct partition_ref {
         hi = mid - 1;
       }
     }
-    while (lo > 0 && starts[lo] == starts[lo + 1]) {
-      --lo;
-    }  // skip ranks that own nothing
+    while (lo > 0 && starts[lo] == starts[lo + 1]) { --lo; }  // skip ranks that own nothing
     return lo;
   }
 };
@@ -77,13 +73,11 @@ class block_partition {
   block_partition(std::size_t entries, int world) : entries_{entries}, world_{world} {
     WM_EXPECTS(world >= 1, "the rank count must be at least 1, got " + std::to_string(world));
     per_rank_ = (entries + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world);
-    starts_.resize(static_cast<std::size_t>(world) + 1);
+    starts_.assign(static_cast<std::size_t>(world) + 1, 0);
     for (std::size_t r = 0; r <= static_cast<std::size_t>(world); ++r) {
       starts_[r] = std::min(r * per_rank_, entries);
     }
-    if (per_rank_ == 0) {
-      per_rank_ = 1;
-    }  // 0 entries: owner() is never asked; keep it uniform
+    if (per_rank_ == 0) { per_rank_ = 1; }  // 0 entries: owner() is never asked; keep it uniform
   }
 
   /**
@@ -197,14 +191,12 @@ concept contiguous_mapping = mapping<T> && requires {
  */
 struct block {
   static constexpr char const* name = "block";
-  static constexpr bool contiguous = true;
+  static constexpr bool contiguous  = true;
   /// Rows each rank owns under this mapping.
   [[nodiscard]] static std::vector<std::size_t> counts(std::size_t rows, int world) {
     block_partition const p{rows, world};
     std::vector<std::size_t> c(static_cast<std::size_t>(world));
-    for (int r = 0; r < world; ++r) {
-      c[static_cast<std::size_t>(r)] = p.count(r);
-    }
+    for (int r = 0; r < world; ++r) { c[static_cast<std::size_t>(r)] = p.count(r); }
     return c;
   }
   /// Owner through the partition (a division for the uniform plan).
@@ -233,9 +225,7 @@ struct cyclic {
     WM_EXPECTS(world >= 1, "the rank count must be at least 1");
     std::vector<std::size_t> c(static_cast<std::size_t>(world));
     auto const w = static_cast<std::size_t>(world);
-    for (std::size_t r = 0; r < w; ++r) {
-      c[r] = rows / w + (r < rows % w ? 1 : 0);
-    }
+    for (std::size_t r = 0; r < w; ++r) { c[r] = rows / w + (r < rows % w ? 1 : 0); }
     return c;
   }
   struct ref_type {

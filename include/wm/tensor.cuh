@@ -87,8 +87,8 @@ struct matrix_view {
 template <class T, layout Layout, mapping Mapping>
 class tensor_ref {
  public:
-  using value_type = T;
-  using layout_type = Layout;
+  using value_type   = T;
+  using layout_type  = Layout;
   using mapping_type = Mapping;
 
   tensor_ref() = default;

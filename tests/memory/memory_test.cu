@@ -30,11 +30,11 @@ namespace policy_checks {
 // The policy sets are closed: a type that merely looks like a location or layout (the members
 // the old concepts asked for) is rejected, and so is a memory of it.
 struct foreign_location {
-  static constexpr bool is_host = false;
+  static constexpr bool is_host     = false;
   static constexpr char const* name = "foreign";
 };
 struct foreign_layout {
-  static constexpr bool mapped = false;
+  static constexpr bool mapped      = false;
   static constexpr char const* name = "foreign";
 };
 template <class L, class Y>
@@ -547,13 +547,13 @@ using clock_type = std::chrono::steady_clock;
 template <class L, class Y>
 struct kind {
   using location_type = L;
-  using layout_type = Y;
+  using layout_type   = Y;
 };
-using continuous_device = kind<wm::device, wm::continuous>;
-using chunked_device = kind<wm::device, wm::chunked>;
-using continuous_host = kind<wm::host, wm::continuous>;
+using continuous_device  = kind<wm::device, wm::continuous>;
+using chunked_device     = kind<wm::device, wm::chunked>;
+using continuous_host    = kind<wm::host, wm::continuous>;
 using distributed_device = kind<wm::device, wm::distributed>;
-using distributed_host = kind<wm::host, wm::distributed>;
+using distributed_host   = kind<wm::host, wm::distributed>;
 
 double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
@@ -565,8 +565,8 @@ TEMPLATE_TEST_CASE(
     "ranked: memory destroyed by unwinding on every rank leaves the communicator usable",
     "[ranked]", continuous_device, chunked_device, continuous_host, distributed_device,
     distributed_host) {
-  using L = typename TestType::location_type;
-  using Y = typename TestType::layout_type;
+  using L    = typename TestType::location_type;
+  using Y    = typename TestType::layout_type;
   auto& comm = wm_test::comm();
   // A communicator of its own, so that a failure here leaves the program's one alone.
   auto sub = comm.split(0, comm.rank());
@@ -576,14 +576,12 @@ TEMPLATE_TEST_CASE(
   // the communicator goes on.
   for (int round = 0; round < 2; ++round) {
     auto const t0 = clock_type::now();
-    bool caught = false;
+    bool caught   = false;
     try {
       wm::memory<L, Y> a{sub, gran * 1000, gran};
       wm::memory<L, Y> b{sub, gran * 7, gran};
       throw std::runtime_error{"every rank fails holding memory"};
-    } catch (std::runtime_error const&) {
-      caught = true;
-    }
+    } catch (std::runtime_error const&) { caught = true; }
     CHECK(caught);
     CHECK(seconds_since(t0) < 4.0);  // below the 5 s that a rank failing alone would wait
     CHECK_NOTHROW(sub.barrier());
@@ -594,7 +592,7 @@ TEMPLATE_TEST_CASE(
 TEST_CASE("ranked: a rank that fails alone holding memory waits for its peers 5 s, not the timeout",
           "[ranked][multi]") {
   auto& comm = wm_test::comm();
-  auto sub = comm.split(0, comm.rank());
+  auto sub   = comm.split(0, comm.rank());
   REQUIRE(sub.valid());
   double const limit = std::min(std::chrono::duration<double>(sub.timeout()).count(),
                                 5.0);  // what the release waits
@@ -610,8 +608,7 @@ TEST_CASE("ranked: a rank that fails alone holding memory waits for its peers 5 
         wm::memory<wm::host, wm::continuous> held{std::move(*b)};
         b.reset();  // moved from: nothing to release
         throw std::runtime_error{"rank 1 fails alone"};
-      } catch (std::runtime_error const&) {
-      }
+      } catch (std::runtime_error const&) {}
       double const took = seconds_since(t0);
       INFO("the failing rank's release took " << took << " s, limit " << limit << " s");
       CHECK(took >= 0.8 * limit);  // it did wait for its peers, up to the limit
@@ -629,7 +626,7 @@ TEST_CASE("ranked: a rank that fails alone holding memory waits for its peers 5 
 
 TEST_CASE("ranked: a release does not stand in for a peer's barrier", "[ranked][multi]") {
   auto& comm = wm_test::comm();
-  auto sub = comm.split(0, comm.rank());
+  auto sub   = comm.split(0, comm.rank());
   REQUIRE(sub.valid());
   std::optional<wm::memory<wm::device, wm::distributed>> m;
   m.emplace(sub, std::size_t{64} * 100, 64);
@@ -645,9 +642,7 @@ TEST_CASE("ranked: a release does not stand in for a peer's barrier", "[ranked][
     std::string what;
     try {
       sub.barrier();
-    } catch (wm::comm_error const& e) {
-      what = e.what();
-    }
+    } catch (wm::comm_error const& e) { what = e.what(); }
     INFO("barrier error: " << what);
     CHECK(what.find("memory release") != std::string::npos);
     sub.abort();  // this group cannot go on; the release below then skips its barrier
@@ -671,9 +666,7 @@ TEST_CASE("a rank that throws holding memory lets wm::launch report it within se
     wm::launch(n, [&](wm::communicator& comm) {
       wm::memory<wm::device, wm::chunked> a{comm, std::size_t{64} << 20, 64};
       wm::memory<wm::host, wm::continuous> b{comm, std::size_t{16} << 20, 64};
-      if (comm.rank() == 1) {
-        throw std::runtime_error{"rank 1 fails holding memory"};
-      }
+      if (comm.rank() == 1) { throw std::runtime_error{"rank 1 fails holding memory"}; }
       // The others wait for rank 1 in a device exchange, not in a host collective: a release
       // barrier there would wait for the timeout.
       std::byte* buf = nullptr;
@@ -682,9 +675,7 @@ TEST_CASE("a rank that throws holding memory lets wm::launch report it within se
       comm.send_recv({}, std::span{&from_1, 1}, cuda::stream_ref{cudaStreamLegacy});
       comm.synchronize(cuda::stream_ref{cudaStreamLegacy}, "waiting for rank 1");
     });
-  } catch (wm::launch_error const& e) {
-    error = e.what();
-  }
+  } catch (wm::launch_error const& e) { error = e.what(); }
   double const took = seconds_since(t0);
   if (old_timeout != nullptr) {
     ::setenv("WM_TIMEOUT_S", saved.c_str(), 1);

@@ -10,9 +10,7 @@
 namespace {
 std::vector<std::size_t> counts_of(wm::block_partition const& p) {
   std::vector<std::size_t> c;
-  for (int r = 0; r < p.world(); ++r) {
-    c.push_back(p.count(r));
-  }
+  for (int r = 0; r < p.world(); ++r) { c.push_back(p.count(r)); }
   return c;
 }
 
@@ -56,16 +54,12 @@ TEST_CASE("a user-given entry list replaces the plan", "[host]") {
   wm::block_partition const p{7, 4, counts};
   CHECK(counts_of(p) == counts);
   CHECK(p.per_rank() == 0);
-  for (std::size_t e = 0; e < 5; ++e) {
-    CHECK(p.owner(e) == 1);
-  }
+  for (std::size_t e = 0; e < 5; ++e) { CHECK(p.owner(e) == 1); }
   CHECK(p.owner(5) == 3);
   CHECK(p.owner(6) == 3);
   std::vector<std::size_t> const first_only{3, 0, 0};
   wm::block_partition const q{3, 3, first_only};
-  for (std::size_t e = 0; e < 3; ++e) {
-    CHECK(q.owner(e) == 0);
-  }
+  for (std::size_t e = 0; e < 3; ++e) { CHECK(q.owner(e) == 0); }
   // A list equal to the default plan is the default plan (owner() divides instead of searching).
   for (int world = 1; world <= 8; ++world) {
     for (std::size_t entries :
@@ -93,7 +87,7 @@ TEST_CASE("VMM chunk boundaries are granule-aligned and follow the partition", "
                                   std::size_t{123457}, std::size_t{10'000'019}}) {
         wm::block_partition const p{entries, world};
         auto const total = entries * gran;
-        auto const b = wm::detail::vmm_boundaries(p.starts(), gran, G, total);
+        auto const b     = wm::detail::vmm_boundaries(p.starts(), gran, G, total);
         REQUIRE(b.size() == static_cast<std::size_t>(world) + 1);
         CHECK(b.front() == 0);
         CHECK(b.back() >= total);
@@ -136,17 +130,13 @@ TEST_CASE("file lists are read as one concatenated range", "[host]") {
     std::vector<std::uint64_t> got(b - a, ~0ull);
     for (auto const& s : wm::detail::plan_reads(sz, a, b)) {
       std::uint64_t file_start = 0;
-      for (std::size_t f = 0; f < s.file; ++f) {
-        file_start += sz[f];
-      }
+      for (std::size_t f = 0; f < s.file; ++f) { file_start += sz[f]; }
       for (std::uint64_t i = 0; i < s.length; ++i) {
         REQUIRE(got[s.dest + i] == ~0ull);
         got[s.dest + i] = file_start + s.offset + i;
       }
     }
-    for (std::uint64_t i = 0; i < got.size(); ++i) {
-      REQUIRE(got[i] == a + i);
-    }
+    for (std::uint64_t i = 0; i < got.size(); ++i) { REQUIRE(got[i] == a + i); }
   }
 }
 
@@ -174,9 +164,7 @@ TEST_CASE("files are checked and read as one concatenated byte range", "[host]")
   for (int f = 0; f < 5; ++f) {
     std::size_t const bytes = f == 2 ? 0 : gran * (rng() % 300);
     std::vector<std::byte> part(bytes);
-    for (auto& b : part) {
-      b = static_cast<std::byte>(rng());
-    }
+    for (auto& b : part) { b = static_cast<std::byte>(rng()); }
     files.push_back(dir / ("part" + std::to_string(f)));
     std::ofstream{files.back(), std::ios::binary}.write(reinterpret_cast<char const*>(part.data()),
                                                         static_cast<std::streamsize>(bytes));

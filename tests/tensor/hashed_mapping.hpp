@@ -35,9 +35,7 @@ struct hashed {
     /// p(k): a bijection of [0, rows) (cycle walking over a bijection of [0, 2^b)).
     [[nodiscard]] WM_HOST_DEVICE std::size_t permuted(std::size_t k) const noexcept {
       std::uint64_t x = mix(k);
-      while (x >= n_rows) {
-        x = mix(x);
-      }
+      while (x >= n_rows) { x = mix(x); }
       return static_cast<std::size_t>(x);
     }
     [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept { return n_rows; }
@@ -51,9 +49,7 @@ struct hashed {
 
   [[nodiscard]] static ref_type make_ref(wm::partition_ref part) noexcept {
     int bits = 0;
-    while (bits < 64 && (std::uint64_t{1} << bits) < part.entries) {
-      ++bits;
-    }
+    while (bits < 64 && (std::uint64_t{1} << bits) < part.entries) { ++bits; }
     std::uint64_t const mask = bits == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
     return {part.entries, mask, bits / 2 > 0 ? bits / 2 : 1, part.world};
   }

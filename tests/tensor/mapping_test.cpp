@@ -69,7 +69,7 @@ TEST_CASE("block and cyclic mappings place every row once", "[host]") {
         REQUIRE(lb.local == k - hb.part.begin(lb.rank));
         REQUIRE(!seen_b[lb.rank][lb.local]);
         seen_b[lb.rank][lb.local] = true;
-        auto const lc = c.locate(k);
+        auto const lc             = c.locate(k);
         REQUIRE(lc.rank == static_cast<int>(k % world));  // the seed's rule: key % world
         REQUIRE(lc.local == k / world);                   // ... at local row key / world
         REQUIRE(lc.local < cc[lc.rank]);
@@ -103,9 +103,7 @@ TEST_CASE("a user-written mapping (hashed) places every row once, densely", "[ho
       // Reference from the definition: p = mix walked below rows, owner p % world, local p / world.
       auto const p_of = [&](std::size_t k) {
         std::uint64_t x = m.impl.mix(k);
-        while (x >= rows) {
-          x = m.impl.mix(x);
-        }
+        while (x >= rows) { x = m.impl.mix(x); }
         return static_cast<std::size_t>(x);
       };
       std::vector<bool> image(rows, false);  // p is a bijection of [0, rows)
@@ -119,7 +117,7 @@ TEST_CASE("a user-written mapping (hashed) places every row once, densely", "[ho
         std::size_t const p = p_of(k);
         REQUIRE(p < rows);
         REQUIRE(!image[p]);
-        image[p] = true;
+        image[p]      = true;
         auto const at = m.locate(k);
         REQUIRE(at.rank == static_cast<int>(p % static_cast<std::size_t>(world)));
         REQUIRE(at.local == p / static_cast<std::size_t>(world));
@@ -132,9 +130,7 @@ TEST_CASE("a user-written mapping (hashed) places every row once, densely", "[ho
         seen[static_cast<std::size_t>(at.rank)][at.local] = true;
         in_order += at.rank == static_cast<int>(k % static_cast<std::size_t>(world)) ? 1 : 0;
       }
-      if (rows >= 64 && world > 1) {
-        CHECK(in_order < rows);
-      }
+      if (rows >= 64 && world > 1) { CHECK(in_order < rows); }
     }
   }
   // A rank that owns nothing (fewer rows than ranks) is fine.
@@ -143,15 +139,13 @@ TEST_CASE("a user-written mapping (hashed) places every row once, densely", "[ho
 
 TEST_CASE("the dispatch plan through a user-written mapping matches its ref", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
-  int const world = 3;
+  int const world        = 3;
   std::size_t const rows = 101;
   wm::block_partition const part{rows, world, wm_test::hashed::counts(rows, world)};
   auto const m = wm::make_mapping_ref<wm_test::hashed>(part.ref(part.starts().data()));
   std::vector<std::int64_t> idx(500);
-  for (auto& k : idx) {
-    k = static_cast<std::int64_t>(rng() % rows);
-  }
-  auto const p = wm::detail::plan_dispatch<wm_test::hashed, std::int64_t>(idx, m, world);
+  for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % rows); }
+  auto const p   = wm::detail::plan_dispatch<wm_test::hashed, std::int64_t>(idx, m, world);
   std::size_t at = 0;
   for (int r = 0; r < world; ++r) {
     for (std::size_t j = 0; j < p.send_counts[static_cast<std::size_t>(r)]; ++j, ++at) {
@@ -173,9 +167,9 @@ TEMPLATE_TEST_CASE("the dispatch plan groups indices by owner, stably", "[host]"
       std::vector<Index> idx(n);
       for (auto& k : idx) {
         auto const pick = rng() % 20;
-        k = pick == 0   ? Index(-1 - static_cast<Index>(rng() % 5))
-            : pick == 1 ? static_cast<Index>(rows + rng() % 3)
-                        : static_cast<Index>(rng() % rows);
+        k               = pick == 0   ? Index(-1 - static_cast<Index>(rng() % 5))
+                          : pick == 1 ? static_cast<Index>(rows + rng() % 3)
+                                      : static_cast<Index>(rng() % rows);
       }
       auto const c = cyclic_ref(rows, world);
       auto const p = wm::detail::plan_dispatch<wm::cyclic, Index>(idx, c, world);
@@ -223,7 +217,7 @@ TEST_CASE("the distributed gather's pieces cover each peer's rows once, the same
   for (int i = 0; i < 200; ++i) {
     cases.emplace_back(rng() % 2'000'000, std::size_t{4} << (rng() % 10));
   }
-  for (auto const [count, rb] : cases) {
+  for (auto const& [count, rb] : cases) {
     int const n = wm::detail::pieces_of(count, rb);
     INFO("count " << count << ", row bytes " << rb << ", pieces " << n);
     REQUIRE(n >= (count > 0 ? 1 : 0));
@@ -238,15 +232,9 @@ TEST_CASE("the distributed gather's pieces cover each peer's rows once, the same
       auto const p = wm::detail::piece_of(count, rb, k);
       REQUIRE(p.first == next);  // in order, no gap, no overlap
       REQUIRE(p.last >= p.first);
-      if (k >= n) {
-        REQUIRE(p.first == p.last);
-      }
-      if (k < n && count > 0) {
-        REQUIRE(p.last > p.first);
-      }
-      if (k < n) {
-        sizes.push_back(p.last - p.first);
-      }
+      if (k >= n) { REQUIRE(p.first == p.last); }
+      if (k < n && count > 0) { REQUIRE(p.last > p.first); }
+      if (k < n) { sizes.push_back(p.last - p.first); }
       next = p.last;
     }
     REQUIRE(next == count);

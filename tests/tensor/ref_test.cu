@@ -27,10 +27,10 @@ concept has_row = requires(R const r) {
   r.row(std::size_t{});
 };
 
-using chunked_ref = wm::tensor_ref<float, wm::chunked, wm::block>;
-using continuous_ref = wm::tensor_ref<float, wm::continuous, wm_test::hashed>;
+using chunked_ref     = wm::tensor_ref<float, wm::chunked, wm::block>;
+using continuous_ref  = wm::tensor_ref<float, wm::continuous, wm_test::hashed>;
 using distributed_ref = wm::tensor_ref<float, wm::distributed, wm::block>;
-using read_only_ref = wm::tensor_ref<float const, wm::chunked, wm::cyclic>;
+using read_only_ref   = wm::tensor_ref<float const, wm::chunked, wm::cyclic>;
 static_assert(std::is_trivially_copyable_v<chunked_ref> &&
               std::is_trivially_copyable_v<distributed_ref>);
 static_assert(std::is_trivially_copyable_v<continuous_ref> &&
@@ -98,8 +98,8 @@ __global__ void locate_all(Ref t, int* ranks, std::size_t* locals) {
   for (std::size_t k = blockIdx.x * blockDim.x + threadIdx.x; k < t.rows();
        k += gridDim.x * blockDim.x) {
     auto const at = t.locate(k);
-    ranks[k] = at.rank;
-    locals[k] = at.local;
+    ranks[k]      = at.rank;
+    locals[k]     = at.local;
   }
 }
 
@@ -128,22 +128,22 @@ __global__ void negate_my_share(Ref t, int world, std::uint32_t salt) {
 template <class L, class Y, class M>
 struct kind {
   using location_type = L;
-  using layout_type = Y;
-  using mapping_type = M;
+  using layout_type   = Y;
+  using mapping_type  = M;
 };
 
 // Named so that a failing case names its combination.
-using device_continuous_block = kind<wm::device, wm::continuous, wm::block>;
-using device_chunked_block = kind<wm::device, wm::chunked, wm::block>;
-using device_distributed_block = kind<wm::device, wm::distributed, wm::block>;
-using device_continuous_cyclic = kind<wm::device, wm::continuous, wm::cyclic>;
-using device_chunked_cyclic = kind<wm::device, wm::chunked, wm::cyclic>;
+using device_continuous_block   = kind<wm::device, wm::continuous, wm::block>;
+using device_chunked_block      = kind<wm::device, wm::chunked, wm::block>;
+using device_distributed_block  = kind<wm::device, wm::distributed, wm::block>;
+using device_continuous_cyclic  = kind<wm::device, wm::continuous, wm::cyclic>;
+using device_chunked_cyclic     = kind<wm::device, wm::chunked, wm::cyclic>;
 using device_distributed_cyclic = kind<wm::device, wm::distributed, wm::cyclic>;
-using device_continuous_hashed = kind<wm::device, wm::continuous, wm_test::hashed>;
-using device_chunked_hashed = kind<wm::device, wm::chunked, wm_test::hashed>;
+using device_continuous_hashed  = kind<wm::device, wm::continuous, wm_test::hashed>;
+using device_chunked_hashed     = kind<wm::device, wm::chunked, wm_test::hashed>;
 using device_distributed_hashed = kind<wm::device, wm::distributed, wm_test::hashed>;
-using host_chunked_hashed = kind<wm::host, wm::chunked, wm_test::hashed>;
-using host_distributed_block = kind<wm::host, wm::distributed, wm::block>;
+using host_chunked_hashed       = kind<wm::host, wm::chunked, wm_test::hashed>;
+using host_distributed_block    = kind<wm::host, wm::distributed, wm::block>;
 
 }  // namespace
 
@@ -153,17 +153,17 @@ TEMPLATE_TEST_CASE(
     device_continuous_cyclic, device_chunked_cyclic, device_distributed_cyclic,
     device_continuous_hashed, device_chunked_hashed, device_distributed_hashed, host_chunked_hashed,
     host_distributed_block) {
-  using L = typename TestType::location_type;
-  using Y = typename TestType::layout_type;
-  using M = typename TestType::mapping_type;
-  auto& comm = wm_test::comm();
-  int const me = comm.rank();
-  int const world = comm.size();
+  using L                = typename TestType::location_type;
+  using Y                = typename TestType::layout_type;
+  using M                = typename TestType::mapping_type;
+  auto& comm             = wm_test::comm();
+  int const me           = comm.rank();
+  int const world        = comm.size();
   std::size_t const rows = GENERATE(std::size_t{0}, std::size_t{1}, std::size_t{1001});
   std::size_t const cols = 5;
-  std::size_t const pad = 7;  // stride: rows do not touch
-  auto const seed = shared_seed(comm);
-  auto const salt = static_cast<std::uint32_t>(seed >> 40);
+  std::size_t const pad  = 7;  // stride: rows do not touch
+  auto const seed        = shared_seed(comm);
+  auto const salt        = static_cast<std::uint32_t>(seed >> 40);
   INFO(L::name << "." << Y::name << "." << M::name << ", rows " << rows << ", ranks " << world);
   cudaStream_t s{};
   REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
@@ -193,13 +193,11 @@ TEMPLATE_TEST_CASE(
     std::mt19937_64 mine{seed + static_cast<std::uint64_t>(me) + 1};
     std::size_t const batch = rows == 0 ? 0 : 777;
     std::vector<std::int64_t> ids(batch);
-    for (auto& k : ids) {
-      k = static_cast<std::int64_t>(mine() % rows);
-    }
+    for (auto& k : ids) { k = static_cast<std::int64_t>(mine() % rows); }
     device_array<std::int64_t> const d_ids{ids};
     device_array<float> gathered{batch * cols};
     t.gather(std::span<std::int64_t const>{d_ids.ptr, batch}, gathered.ptr, stream);
-    auto const got = gathered.to_host();
+    auto const got    = gathered.to_host();
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < batch; ++i) {
       for (std::size_t j = 0; j < cols; ++j) {
@@ -224,17 +222,15 @@ TEMPLATE_TEST_CASE(
     copy_local_rows<<<64, 256, 0, s>>>(std::as_const(t).ref(), local.ptr);
     WM_CHECK_LAUNCH();
     REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
-    auto const ranks = d_ranks.to_host();
-    auto const locals = d_locals.to_host();
-    auto const mine_h = local.to_host();
+    auto const ranks          = d_ranks.to_host();
+    auto const locals         = d_locals.to_host();
+    auto const mine_h         = local.to_host();
     std::size_t mapping_wrong = 0, local_wrong = 0, owned = 0;
     std::vector<bool> seen(t.local_rows(), false);
     for (std::size_t k = 0; k < rows; ++k) {
       auto const at = t.locate(k);
       mapping_wrong += ranks[k] == at.rank && locals[k] == at.local ? 0 : 1;
-      if (at.rank != me) {
-        continue;
-      }
+      if (at.rank != me) { continue; }
       ++owned;
       if (at.local >= t.local_rows() || seen[at.local]) {
         ++local_wrong;
@@ -264,7 +260,7 @@ TEMPLATE_TEST_CASE(
       comm.barrier();
       device_array<float> again{batch * cols};
       t.gather(std::span<std::int64_t const>{d_ids.ptr, batch}, again.ptr, stream);
-      auto const after = again.to_host();
+      auto const after  = again.to_host();
       std::size_t stale = 0;
       for (std::size_t i = 0; i < batch; ++i) {
         auto const k = static_cast<std::size_t>(ids[i]);
@@ -280,10 +276,10 @@ TEMPLATE_TEST_CASE(
 }
 
 TEST_CASE("ranked: embedding::ref() reads the rows gather returns", "[ranked]") {
-  auto& comm = wm_test::comm();
+  auto& comm             = wm_test::comm();
   std::size_t const rows = 3001;
-  std::size_t const dim = 12;
-  auto const seed = shared_seed(comm);
+  std::size_t const dim  = 12;
+  auto const seed        = shared_seed(comm);
   cudaStream_t s{};
   REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
   {
@@ -291,9 +287,7 @@ TEST_CASE("ranked: embedding::ref() reads the rows gather returns", "[ranked]") 
                            wm::embedding_init::uniform(-1.0f, 1.0f, seed)};
     std::mt19937_64 rng{seed + static_cast<std::uint64_t>(comm.rank())};
     std::vector<std::int64_t> ids(500);
-    for (auto& k : ids) {
-      k = static_cast<std::int64_t>(rng() % rows);
-    }
+    for (auto& k : ids) { k = static_cast<std::int64_t>(rng() % rows); }
     device_array<std::int64_t> const d_ids{ids};
     device_array<float> gathered{ids.size() * dim};
     device_array<float> through_ref{ids.size() * dim};
@@ -307,9 +301,7 @@ TEST_CASE("ranked: embedding::ref() reads the rows gather returns", "[ranked]") 
     CHECK(a == b);
     // Real rows: initial values in [-1, 1], not poison, not all alike.
     std::size_t wrong = 0;
-    for (float x : b) {
-      wrong += x >= -1.0f && x <= 1.0f ? 0 : 1;
-    }
+    for (float x : b) { wrong += x >= -1.0f && x <= 1.0f ? 0 : 1; }
     CHECK(std::adjacent_find(b.begin(), b.end(), std::not_equal_to<>{}) != b.end());
     CHECK(wrong == 0);
     comm.barrier();

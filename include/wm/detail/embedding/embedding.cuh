@@ -1,5 +1,6 @@
 // Bodies of wm::embedding (declared in <wm/embedding.cuh>): initialization, the gradient
-// dispatch to owners, the duplicate sum and the fused optimizer kernel, checkpoints.
+// dispatch to owners, the duplicate sum and the fused optimizer kernel; checkpoints in
+// checkpoint.cuh.
 #pragma once
 
 #include <wm/detail/tensor/tensor.cuh>
@@ -420,11 +421,11 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
     states_.emplace(comm, rows, static_cast<std::size_t>(Optimizer::states) * dim);
     auto const v = states_->local_view();
     if (v.rows > 0) {
-      detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows * v.cols), 256, 0, s>>>(v, initial_state(opt_));
+      detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows * v.cols), 256, 0, s>>>(v, opt_.initial_state());
       WM_CHECK_LAUNCH();
     }
   }
-  if constexpr (needs_steps<Optimizer>) {
+  if (opt_.needs_steps()) {
     steps_.emplace(comm, rows, 1);
     auto const v = steps_->local_view();
     if (v.rows > 0) { WM_CUDA_TRY(cudaMemset(v.data, 0, v.rows * sizeof(std::int64_t))); }
@@ -586,9 +587,7 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     matrix_view<float> st{};
     if (states_) { st = states_->local_view(); }
     std::int64_t* steps = nullptr;
-    if constexpr (needs_steps<Optimizer>) {
-      if (opt_.bias_correction == adam_bias_correction::per_row) { steps = steps_->local_view().data; }
-    }
+    if (opt_.needs_steps()) { steps = steps_->local_view().data; }
     // Widest access (4, 2 or 1 values) that every row start and the row width allow.
     auto aligned = [&](int v) {
       auto ok = [&](void const* ptr, std::size_t elem) { return reinterpret_cast<std::uintptr_t>(ptr) % (elem * static_cast<std::size_t>(v)) == 0; };
@@ -635,66 +634,9 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   if constexpr (Layout::mapped) { comm.barrier(); }
 }
 
-// ---- checkpoints ------------------------------------------------------------------------------
-
-WM_EMBEDDING_TEMPLATE
-void WM_EMBEDDING::store(std::filesystem::path const& prefix)
-{
-  auto& comm = *comm_;
-  (void)weights_.store(prefix.string() + ".weights");
-  if (states_) { (void)states_->store(prefix.string() + ".states"); }
-  if (steps_) { (void)steps_->store(prefix.string() + ".steps"); }
-  detail::collective_step<io_error>(comm, "embedding store (meta)", [&] {
-    if (comm.rank() != 0) { return; }
-    std::ofstream out{prefix.string() + ".meta", std::ios::trunc};
-    out << "wm-embedding 1\nrows " << rows() << "\ndim " << dim() << "\nworld " << comm.size() << "\nglobal_step "
-        << global_step_ << "\noptimizer " << Optimizer::name << "\nstates " << (states_ ? 1 : 0) << "\nsteps "
-        << (steps_ ? 1 : 0) << "\n";
-    if (!out) { throw io_error{"cannot write '" + prefix.string() + ".meta'"}; }
-  });
-}
-
-WM_EMBEDDING_TEMPLATE
-void WM_EMBEDDING::load(std::filesystem::path const& prefix)
-{
-  auto& comm       = *comm_;
-  int world        = 0;
-  std::int64_t gs  = 0;
-  detail::collective_step<io_error>(comm, "embedding load (meta)", [&] {
-    std::ifstream in{prefix.string() + ".meta"};
-    if (!in) { throw io_error{"cannot read '" + prefix.string() + ".meta'"}; }
-    std::string magic, key, opt;
-    int version = 0;
-    std::size_t r = 0, d = 0;
-    int has_states = 0, has_steps = 0;
-    in >> magic >> version >> key >> r >> key >> d >> key >> world >> key >> gs >> key >> opt >> key >> has_states >> key >>
-      has_steps;
-    if (!in || magic != "wm-embedding" || version != 1) { throw io_error{"'" + prefix.string() + ".meta' is not a wm checkpoint"}; }
-    if (r != rows() || d != dim() || opt != Optimizer::name || world < 1) {
-      throw io_error{"checkpoint '" + prefix.string() + "' holds " + std::to_string(r) + " x " + std::to_string(d) + " with " + opt +
-                     "; this table is " + std::to_string(rows()) + " x " + std::to_string(dim()) + " with " + Optimizer::name};
-    }
-    if ((has_states != 0) != states_.has_value() || (has_steps != 0) != steps_.has_value()) {
-      throw io_error{"checkpoint '" + prefix.string() + "' has other optimizer state than this table"};
-    }
-  });
-  auto files = [&](char const* part) {
-    return memory<Location, Layout>::part_files(prefix.string() + part, world);
-  };
-  auto const w = files(".weights");
-  weights_.load(std::span<std::filesystem::path const>{w});
-  if (states_) {
-    auto const f = files(".states");
-    states_->load(std::span<std::filesystem::path const>{f});
-  }
-  if (steps_) {
-    auto const f = files(".steps");
-    steps_->load(std::span<std::filesystem::path const>{f});
-  }
-  global_step_ = gs;
-}
-
 #undef WM_EMBEDDING
 #undef WM_EMBEDDING_TEMPLATE
 
 }  // namespace wm
+
+#include <wm/detail/embedding/checkpoint.cuh>

@@ -26,22 +26,16 @@ void collective_step(communicator& comm, std::string const& what, F&& step) {
     step();
   } catch (std::exception const& e) {
     err = e.what();
-    if (err.empty()) {
-      err = "unknown error";
-    }
+    if (err.empty()) { err = "unknown error"; }
   }
   auto const all = comm.all_gather_bytes(std::as_bytes(std::span{err.data(), err.size()}));
   std::string msg;
   for (std::size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty()) {
-      continue;
-    }
+    if (all[r].empty()) { continue; }
     msg += (msg.empty() ? "" : "; ") + std::string{"rank "} + std::to_string(r) + ": " +
            std::string{reinterpret_cast<char const*>(all[r].data()), all[r].size()};
   }
-  if (!msg.empty()) {
-    throw Error{"wm: " + what + " failed: " + msg};
-  }
+  if (!msg.empty()) { throw Error{"wm: " + what + " failed: " + msg}; }
 }
 
 /// The name every rank's release barrier carries: never the user's `barrier`, so a release on

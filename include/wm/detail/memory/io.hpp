@@ -28,32 +28,20 @@ class staging_buffer {
   static constexpr std::size_t piece = std::size_t{32} << 20;
 
   explicit staging_buffer(bool needed) {
-    if (!needed) {
-      return;
-    }
+    if (!needed) { return; }
     WM_CUDA_TRY(cudaMallocHost(&buf_, 2 * piece));
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    for (auto& e : done_) {
-      WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    }
+    for (auto& e : done_) { WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)); }
   }
-  staging_buffer(staging_buffer const&) = delete;
+  staging_buffer(staging_buffer const&)            = delete;
   staging_buffer& operator=(staging_buffer const&) = delete;
   ~staging_buffer() {
-    if (stream_ != nullptr) {
-      (void)cudaStreamSynchronize(stream_);
-    }
+    if (stream_ != nullptr) { (void)cudaStreamSynchronize(stream_); }
     for (auto& e : done_) {
-      if (e != nullptr) {
-        (void)cudaEventDestroy(e);
-      }
+      if (e != nullptr) { (void)cudaEventDestroy(e); }
     }
-    if (stream_ != nullptr) {
-      (void)cudaStreamDestroy(stream_);
-    }
-    if (buf_ != nullptr) {
-      (void)cudaFreeHost(buf_);
-    }
+    if (stream_ != nullptr) { (void)cudaStreamDestroy(stream_); }
+    if (buf_ != nullptr) { (void)cudaFreeHost(buf_); }
   }
   /// Piece @p i's host buffer, once the copy that last used it has finished.
   [[nodiscard]] std::byte* acquire(std::size_t i) {
@@ -75,11 +63,11 @@ class staging_buffer {
 /// Reads this rank's byte range of the concatenated @p files into its part.
 inline void read_part(memory_state const& r, std::span<std::filesystem::path const> files,
                       std::span<std::uint64_t const> sizes) {
-  auto const me = r.comm->rank();
+  auto const me    = r.comm->rank();
   auto const begin = r.part.begin(me) * r.gran;
-  auto const end = r.part.end(me) * r.gran;
-  auto const plan = plan_reads(sizes, begin, end);
-  bool const host = r.local_host != nullptr;
+  auto const end   = r.part.end(me) * r.gran;
+  auto const plan  = plan_reads(sizes, begin, end);
+  bool const host  = r.local_host != nullptr;
   staging_buffer staging{!host && !plan.empty()};
   std::size_t piece_no = 0;
   for (auto const& s : plan) {
@@ -93,14 +81,12 @@ inline void read_part(memory_state const& r, std::span<std::filesystem::path con
     while (done < s.length) {
       std::size_t const n =
           static_cast<std::size_t>(std::min<std::uint64_t>(s.length - done, staging_buffer::piece));
-      std::byte* dst = host ? r.local_host + s.dest + done : staging.acquire(piece_no);
+      std::byte* dst  = host ? r.local_host + s.dest + done : staging.acquire(piece_no);
       std::size_t got = 0;
       while (got < n) {
         auto const k =
             ::pread(fd.get(), dst + got, n - got, static_cast<off_t>(s.offset + done + got));
-        if (k < 0 && errno == EINTR) {
-          continue;
-        }
+        if (k < 0 && errno == EINTR) { continue; }
         if (k <= 0) {
           throw io_error{"reading '" + files[s.file].string() + "' at byte " +
                          std::to_string(s.offset + done + got) + ": " +
@@ -114,22 +100,18 @@ inline void read_part(memory_state const& r, std::span<std::filesystem::path con
       done += n;
     }
   }
-  if (!host && !plan.empty()) {
-    staging.finish();
-  }
+  if (!host && !plan.empty()) { staging.finish(); }
 }
 
 /// Writes this rank's part to @p file (an empty file if it owns nothing).
 inline void write_part(memory_state const& r, std::filesystem::path const& file) {
   auto const bytes = r.part.count(r.comm->rank()) * r.gran;
   unique_fd fd{::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
-  if (!fd.valid()) {
-    throw io_error{"cannot create '" + file.string() + "': " + errno_text()};
-  }
+  if (!fd.valid()) { throw io_error{"cannot create '" + file.string() + "': " + errno_text()}; }
   bool const host = r.local_host != nullptr;
   staging_buffer staging{!host && bytes > 0};
   std::size_t const pieces = (bytes + staging_buffer::piece - 1) / staging_buffer::piece;
-  auto piece_bytes = [&](std::size_t i) {
+  auto piece_bytes         = [&](std::size_t i) {
     return std::min(staging_buffer::piece, bytes - i * staging_buffer::piece);
   };
   if (!host && pieces > 0) {

@@ -35,7 +35,7 @@ class ipc_resource {
       throw;
     }
   }
-  ipc_resource(ipc_resource const&) = delete;
+  ipc_resource(ipc_resource const&)            = delete;
   ipc_resource& operator=(ipc_resource const&) = delete;
   ~ipc_resource() {
     close_imports();
@@ -44,27 +44,21 @@ class ipc_resource {
 
   /// Closes what this rank opened of its peers' parts. Peers may free theirs after this.
   void close_imports() noexcept {
-    if (opened_.empty()) {
-      return;
-    }
+    if (opened_.empty()) { return; }
     device_scope const on{device_};
-    for (void* p : opened_) {
-      (void)cudaIpcCloseMemHandle(p);
-    }
+    for (void* p : opened_) { (void)cudaIpcCloseMemHandle(p); }
     opened_.clear();
   }
 
  private:
   void allocate(memory_state& s) {
-    auto& comm = *s.comm;
-    int const me = comm.rank();
+    auto& comm              = *s.comm;
+    int const me            = comm.rank();
     std::size_t const bytes = s.local_bytes();
     cudaIpcMemHandle_t handle{};
     collective_step(
         comm, "chunked device memory: cudaMalloc of " + std::to_string(bytes) + " bytes", [&] {
-          if (bytes == 0) {
-            return;
-          }
+          if (bytes == 0) { return; }
           WM_CUDA_TRY(cudaMalloc(&own_, bytes));
           WM_CUDA_TRY(cudaIpcGetMemHandle(&handle, own_));
         });
@@ -90,9 +84,7 @@ class ipc_resource {
   }
 
   void release_local() noexcept {
-    if (own_ == nullptr) {
-      return;
-    }
+    if (own_ == nullptr) { return; }
     device_scope const on{device_};
     (void)cudaFree(own_);
     own_ = nullptr;

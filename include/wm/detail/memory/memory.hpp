@@ -55,7 +55,7 @@ struct memory_impl {
       throw;
     }
   }
-  memory_impl(memory_impl const&) = delete;
+  memory_impl(memory_impl const&)            = delete;
   memory_impl& operator=(memory_impl const&) = delete;
 
   /**
@@ -68,7 +68,7 @@ struct memory_impl {
   void release() noexcept {
     bool const unwinding = std::uncaught_exceptions() > uncaught;
     auto const timeout = state.comm->valid() ? state.comm->timeout() : std::chrono::milliseconds{0};
-    auto const limit = unwinding ? std::min(timeout, unwinding_release_limit) : timeout;
+    auto const limit   = unwinding ? std::min(timeout, unwinding_release_limit) : timeout;
     if (!release_barrier(*state.comm, state.args, limit)) {
       resource.close_imports();
       return;
@@ -110,20 +110,18 @@ memory<Location, Layout>::memory(communicator& comm, std::size_t total_bytes,
                    "node; use wm::distributed across nodes");
   }
   std::uint64_t args = detail::mix64(total_bytes, granularity);
-  args = detail::fnv1a(Location::name, detail::fnv1a(Layout::name, args));
-  for (auto c : entries_per_rank) {
-    args = detail::mix64(args, c);
-  }
+  args               = detail::fnv1a(Location::name, detail::fnv1a(Layout::name, args));
+  for (auto c : entries_per_rank) { args = detail::mix64(args, c); }
   comm.expect_same("memory", args);
 
   detail::memory_state s;
-  s.comm = &comm;
+  s.comm  = &comm;
   s.total = total_bytes;
-  s.gran = granularity;
-  s.args = args;
-  s.part = entries_per_rank.empty()
-               ? block_partition{total_bytes / granularity, comm.size()}
-               : block_partition{total_bytes / granularity, comm.size(), entries_per_rank};
+  s.gran  = granularity;
+  s.args  = args;
+  s.part  = entries_per_rank.empty()
+                ? block_partition{total_bytes / granularity, comm.size()}
+                : block_partition{total_bytes / granularity, comm.size(), entries_per_rank};
   WM_CUDA_TRY(cudaGetDevice(&s.device));
   r_ = std::make_unique<detail::memory_impl<Location, Layout>>(std::move(s));
 }
@@ -147,9 +145,7 @@ memory<Location, Layout>::~memory() {
 
 template <location Location, layout Layout>
 void memory<Location, Layout>::release() noexcept {
-  if (!r_) {
-    return;
-  }
+  if (!r_) { return; }
   r_->release();
   r_.reset();
 }

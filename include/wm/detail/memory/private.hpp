@@ -29,7 +29,7 @@ class private_resource {
       throw;
     }
   }
-  private_resource(private_resource const&) = delete;
+  private_resource(private_resource const&)            = delete;
   private_resource& operator=(private_resource const&) = delete;
   ~private_resource() { release_local(); }
 
@@ -42,14 +42,12 @@ class private_resource {
                     std::string{"distributed "} + (Host ? "host" : "device") +
                         " memory: allocating " + std::to_string(bytes) + " bytes",
                     [&] {
-                      if (bytes == 0) {
-                        return;
-                      }
+                      if (bytes == 0) { return; }
                       if constexpr (Host) {
                         WM_CUDA_TRY(cudaMallocHost(&own_, bytes));
                         void* dev = nullptr;
                         WM_CUDA_TRY(cudaHostGetDevicePointer(&dev, own_, 0));
-                        s.local = static_cast<std::byte*>(dev);
+                        s.local      = static_cast<std::byte*>(dev);
                         s.local_host = static_cast<std::byte*>(own_);
                       } else {
                         WM_CUDA_TRY(cudaMalloc(&own_, bytes));
@@ -59,9 +57,7 @@ class private_resource {
   }
 
   void release_local() noexcept {
-    if (own_ == nullptr) {
-      return;
-    }
+    if (own_ == nullptr) { return; }
     device_scope const on{device_};
     if constexpr (Host) {
       (void)cudaFreeHost(own_);

@@ -32,7 +32,7 @@ class shared_host_resource {
       throw;
     }
   }
-  shared_host_resource(shared_host_resource const&) = delete;
+  shared_host_resource(shared_host_resource const&)            = delete;
   shared_host_resource& operator=(shared_host_resource const&) = delete;
   ~shared_host_resource() { release_local(); }
 
@@ -40,36 +40,28 @@ class shared_host_resource {
 
  private:
   void allocate(memory_state& s) {
-    auto& comm = *s.comm;
+    auto& comm      = *s.comm;
     long const page = ::sysconf(_SC_PAGESIZE);
-    bytes_ = round_up(s.total, static_cast<std::size_t>(page > 0 ? page : 4096));
+    bytes_          = round_up(s.total, static_cast<std::size_t>(page > 0 ? page : 4096));
     unique_fd created;
     collective_step(comm, "host memory: memfd_create", [&] {
-      if (comm.rank() != 0 || bytes_ == 0) {
-        return;
-      }
+      if (comm.rank() != 0 || bytes_ == 0) { return; }
       created.reset(::memfd_create("wm-memory", MFD_CLOEXEC));
-      if (!created.valid()) {
-        throw io_error{"memfd_create: " + errno_text()};
-      }
+      if (!created.valid()) { throw io_error{"memfd_create: " + errno_text()}; }
       if (::ftruncate(created.get(), static_cast<off_t>(bytes_)) != 0) {
         throw io_error{"ftruncate to " + std::to_string(bytes_) + " bytes: " + errno_text()};
       }
     });
-    auto fds = comm.channel().all_gather(created.get());
+    auto fds               = comm.channel().all_gather(created.get());
     std::byte* device_base = nullptr;
     collective_step(comm, "host memory: mapping and registering", [&] {
-      if (bytes_ == 0) {
-        return;
-      }
+      if (bytes_ == 0) { return; }
       void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0].get(), 0);
-      if (p == MAP_FAILED) {
-        throw io_error{"mmap of shared host memory: " + errno_text()};
-      }
+      if (p == MAP_FAILED) { throw io_error{"mmap of shared host memory: " + errno_text()}; }
       map_ = p;
       WM_CUDA_TRY(cudaHostRegister(p, bytes_, cudaHostRegisterMapped | cudaHostRegisterPortable));
       registered_ = true;
-      void* dev = nullptr;
+      void* dev   = nullptr;
       WM_CUDA_TRY(cudaHostGetDevicePointer(&dev, p, 0));
       device_base = static_cast<std::byte*>(dev);
     });
@@ -79,15 +71,11 @@ class shared_host_resource {
   }
 
   void release_local() noexcept {
-    if (map_ == nullptr) {
-      return;
-    }
+    if (map_ == nullptr) { return; }
     device_scope const on{device_};
-    if (registered_) {
-      (void)cudaHostUnregister(map_);
-    }
+    if (registered_) { (void)cudaHostUnregister(map_); }
     (void)::munmap(map_, bytes_);
-    map_ = nullptr;
+    map_        = nullptr;
     registered_ = false;
   }
 

@@ -39,9 +39,7 @@ struct memory_state {
     base = whole;
     chunks.assign(static_cast<std::size_t>(world()), nullptr);
     for (int p = 0; p < world(); ++p) {
-      if (whole != nullptr) {
-        chunks[static_cast<std::size_t>(p)] = whole + part.begin(p) * gran;
-      }
+      if (whole != nullptr) { chunks[static_cast<std::size_t>(p)] = whole + part.begin(p) * gran; }
     }
     local = chunks[static_cast<std::size_t>(rank())];
   }
@@ -54,12 +52,10 @@ class device_scope {
     restore_ = cudaGetDevice(&previous_) == cudaSuccess;
     (void)cudaSetDevice(device);
   }
-  device_scope(device_scope const&) = delete;
+  device_scope(device_scope const&)            = delete;
   device_scope& operator=(device_scope const&) = delete;
   ~device_scope() {
-    if (restore_) {
-      (void)cudaSetDevice(previous_);
-    }
+    if (restore_) { (void)cudaSetDevice(previous_); }
   }
 
  private:
@@ -85,9 +81,7 @@ class partition_table {
     WM_CUDA_TRY(cudaMalloc(&table_, meta.size() * sizeof(std::size_t)));
     cudaError_t const copied =
         cudaMemcpy(table_, meta.data(), meta.size() * sizeof(std::size_t), cudaMemcpyHostToDevice);
-    if (copied != cudaSuccess) {
-      reset();
-    }
+    if (copied != cudaSuccess) { reset(); }
     WM_CUDA_TRY(copied);
   }
   partition_table(partition_table&& o) noexcept
@@ -95,12 +89,12 @@ class partition_table {
   partition_table& operator=(partition_table&& o) noexcept {
     if (this != &o) {
       reset();
-      table_ = std::exchange(o.table_, nullptr);
+      table_  = std::exchange(o.table_, nullptr);
       device_ = o.device_;
     }
     return *this;
   }
-  partition_table(partition_table const&) = delete;
+  partition_table(partition_table const&)            = delete;
   partition_table& operator=(partition_table const&) = delete;
   ~partition_table() { reset(); }
 
@@ -111,9 +105,7 @@ class partition_table {
 
  private:
   void reset() noexcept {
-    if (table_ == nullptr) {
-      return;
-    }
+    if (table_ == nullptr) { return; }
     device_scope const on{device_};
     (void)cudaFree(table_);
     table_ = nullptr;

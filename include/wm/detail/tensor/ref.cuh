@@ -80,11 +80,9 @@ template <class U, class Location, class Layout, class Mapping>
                                                              mapping_ref<Mapping> map,
                                                              std::size_t cols,
                                                              std::size_t stride) noexcept {
-  auto const v = mem.local_view();
+  auto const v            = mem.local_view();
   std::byte* const* parts = nullptr;
-  if constexpr (mapped_layout<Layout>) {
-    parts = mem.chunked_view().chunks;
-  }
+  if constexpr (mapped_layout<Layout>) { parts = mem.chunked_view().chunks; }
   return {parts, reinterpret_cast<U*>(v.data), v.entries, map, cols, stride, mem.rank()};
 }
 }  // namespace detail
