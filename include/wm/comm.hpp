@@ -236,6 +236,15 @@ class communicator {
                     cuda::stream_ref stream) const;
 
   /**
+   * @brief Device all-to-all of @p count elements per peer (collective, `ncclAlltoAll` where
+   * NCCL has it, grouped `ncclSend`/`ncclRecv` otherwise): rank r sends `send[p * count ...)` to
+   * rank p and receives rank p's block into `recv[p * count ...)`. Enqueued on @p stream; returns
+   * without synchronizing. Every rank must pass the same @p count.
+   */
+  template <class T>
+  void all_to_all(T const* send, T* recv, std::size_t count, cuda::stream_ref stream) const;
+
+  /**
    * @brief Splits the group (collective): ranks with the same @p color form a new communicator,
    * ordered by @p key and then by rank. A rank with a negative color gets an empty communicator.
    */

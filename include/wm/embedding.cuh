@@ -67,7 +67,9 @@ struct embedding_init {
 
 namespace detail {
 struct embedding_scratch;
-}
+template <class CachePolicy>
+struct row_source;  // where gather reads and the update writes rows (detail/embedding/source.cuh)
+}  // namespace detail
 
 /**
  * @brief An embedding table of `rows` × `dim` values of T spread over the ranks.
@@ -120,7 +122,7 @@ class embedding {
   template <index_type Index>
   void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream)
   {
-    weights_.gather(indices, out, stream);
+    detail::row_source<CachePolicy>::gather(weights_, indices, out, stream);
   }
 
   /// Read-only rows for user kernels (see `wm::tensor_ref`): this rank's rows on every layout,

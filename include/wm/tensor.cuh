@@ -25,12 +25,18 @@
  * `check_errors(stream)` throws it. A gathered row for a bad index is zero; a bad index in a
  * scatter writes nothing.
  *
- * Calls that use the tensor's buffers (distributed gathers and scatters, mapped scatters, long
- * sorted gathers of host or chunked tables) run one after another, whatever their streams: each
- * waits on the device for the last one's end. The error state is shared too: `check_errors` on
- * any stream reports a bad index of any earlier call once that call has run. Not thread-safe:
+ * A tensor's calls run one after another, whatever their streams: each waits on the device for
+ * the last one's end (they share buffers and the error state). `store`, `load`, move-assignment
+ * and destruction wait for the last call's end on the host, at most the communicator's timeout
+ * (past it, or in a destructor run by stack unwinding with exchanges pending, the communicator is
+ * aborted so that no rank waits for peers that will not come). `check_errors` on any stream
+ * reports a bad index of any earlier call once that call has run. Not thread-safe:
  * call a tensor from one host thread at a time. A bad index makes only the rank that passed it
- * throw; on the distributed layout every rank still completes the exchange.
+ * throw; on the distributed layout every rank still completes the exchange. A distributed call
+ * that one rank cannot make (a null pointer with a nonzero count, a CUDA failure before the
+ * exchange) or that the ranks make differently (gather here, scatter there; other row sizes or
+ * index types) throws the same error on every rank right after the count exchange, which every
+ * rank still joins; nothing is moved and the communicator stays usable.
  *
  * Duplicate indices in `scatter`: the row receives the values of the last occurrence in the
  * caller's batch. Across ranks scattering to the same row at the same time: on mapped layouts
@@ -138,7 +144,7 @@ enum class row_path {
 };
 
 namespace detail {
-struct tensor_scratch;  // workspace and error state (detail/tensor/tensor.cuh)
+struct exchange_scratch;  // workspaces, error state and ordering event (detail/dispatch/scratch.cuh)
 }
 
 /**
@@ -273,7 +279,7 @@ class tensor {
   std::size_t cols_;
   std::size_t stride_;
   memory<Location, Layout> mem_;
-  std::unique_ptr<detail::tensor_scratch> scratch_;
+  std::unique_ptr<detail::exchange_scratch> scratch_;
 };
 
 }  // namespace wm

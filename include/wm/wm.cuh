@@ -12,3 +12,4 @@
 #include <wm/tensor.cuh>
 #include <wm/optimizer.hpp>
 #include <wm/embedding.cuh>
+#include <wm/swap.cuh>

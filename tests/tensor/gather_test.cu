@@ -4,6 +4,7 @@
 // reference; outputs are poisoned first; batches have duplicates, empty batches, bad indices.
 #include "catch.hpp"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 #include <wm/tensor.cuh>
 #include <wm/wm.cuh>
@@ -15,12 +16,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <chrono>
 #include <vector>
 
@@ -702,4 +705,358 @@ TEST_CASE("ranks: distributed gathers with rows put by kernels or through NCCL",
     RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
     bad_path_setting_throws_everywhere(comm, comm.size() - 1);
   });
+}
+
+// ---- failures every rank sees, lifetime and ordering (issue 16) ---------------------------------
+
+namespace {
+
+// Writes this rank's rows of @p table (rows of rb bytes, global order) into @p t's local rows.
+template <class M, class Tensor>
+void fill_local_rows(wm::communicator& comm, Tensor& t, std::vector<std::byte> const& table, std::size_t rb)
+{
+  auto const lv = t.local_view();
+  if (lv.rows > 0) {
+    auto const first            = global_row<M>(t.storage().partition(), comm.size(), comm.rank(), 0);
+    std::size_t const src_pitch = std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(comm.size()) * rb;
+    WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(*lv.data), table.data() + first * rb, src_pitch, rb, lv.rows,
+                             cudaMemcpyDefault));
+  }
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  comm.barrier();
+}
+
+// A gather of fresh random rows on every rank, checked against @p table.
+template <class Tensor>
+void gather_checks(Tensor& t, std::vector<std::byte> const& table, std::size_t rb, std::uint64_t seed, std::string const& what)
+{
+  std::mt19937_64 rng{seed};
+  std::vector<std::int64_t> batch(5000);
+  for (auto& k : batch) { k = static_cast<std::int64_t>(rng() % t.rows()); }
+  device_indices<std::int64_t> di{batch};
+  device_bytes out{batch.size() * rb};
+  t.gather(di.span(), reinterpret_cast<typename Tensor::value_type*>(out.ptr), cuda::stream_ref{cudaStream_t{}});
+  auto const got    = out.to_host();
+  std::size_t wrong = 0;
+  for (std::size_t j = 0; j < batch.size(); ++j) {
+    wrong += std::memcmp(got.data() + j * rb, table.data() + static_cast<std::size_t>(batch[j]) * rb, rb) != 0;
+  }
+  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << batch.size() << " rows differ");
+}
+
+using clock_type = std::chrono::steady_clock;
+
+// Runs @p call, which must throw E on this rank within 5 s; returns the message.
+template <class E, class F>
+std::string throws_soon(F&& call, std::string const& what)
+{
+  auto const start = clock_type::now();
+  std::string msg;
+  bool threw = false;
+  try {
+    call();
+  } catch (E const& e) {
+    threw = true;
+    msg   = e.what();
+  }
+  auto const took = std::chrono::duration<double>(clock_type::now() - start).count();
+  RANK_REQUIRE_MSG(threw, what << ": no error");
+  RANK_REQUIRE_MSG(took < 5.0, what << ": the error took " << took << " s");
+  return msg;
+}
+
+// Rank @p bad passes a null pointer with a nonzero count (indices, then rows) to a distributed
+// gather and scatter; every rank throws the same logic_error at once, and the next calls work.
+template <class M>
+void null_pointer_everywhere(wm::communicator& comm, int bad, std::uint64_t seed)
+{
+  std::size_t const rows = 10'007, cols = 16, rb = cols * sizeof(float);
+  std::mt19937_64 shared{seed};
+  auto const table = random_bytes(shared, rows * rb);
+  wm::tensor<float, wm::device, wm::distributed, M> t{comm, rows, cols};
+  fill_local_rows<M>(comm, t, table, rb);
+  std::vector<std::int64_t> batch(1000);
+  for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
+  device_indices<std::int64_t> di{batch};
+  device_bytes out{batch.size() * rb};
+  auto* const out_rows     = reinterpret_cast<float*>(out.ptr);
+  bool const me_bad        = comm.rank() == bad;
+  std::string const what   = std::string{"null pointer on rank "} + std::to_string(bad) + " (" + M::name + ")";
+  cuda::stream_ref const s = cudaStream_t{};
+  for (int round = 0; round < 3; ++round) {
+    std::string const step = what + (round == 0 ? ", indices in gather" : round == 1 ? ", output of gather" : ", scatter");
+    auto const msg         = throws_soon<wm::logic_error>(
+      [&] {
+        if (round == 0) {
+          t.gather(me_bad ? std::span<std::int64_t const>{static_cast<std::int64_t const*>(nullptr), batch.size()} : di.span(),
+                   out_rows, s);
+        } else if (round == 1) {
+          t.gather(di.span(), me_bad ? nullptr : out_rows, s);
+        } else {
+          // The scatter writes the rows the table already holds (those gathered just before).
+          t.scatter(di.span(), me_bad ? nullptr : out_rows, s);
+        }
+      },
+      step);
+    RANK_REQUIRE_MSG(msg.find("rank " + std::to_string(bad)) != std::string::npos && msg.find("null") != std::string::npos,
+                     step << ": " << msg);
+    gather_checks(t, table, rb, seed + 10 + static_cast<std::uint64_t>(round), step + ", the gather after it");
+  }
+  comm.barrier();
+}
+
+// Ranks that make different calls on one tensor (gather / scatter), or on tensors whose rows or
+// indices differ: every rank throws, and the communicator stays usable.
+void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed)
+{
+  std::size_t const rows = 4099, rb = 8 * sizeof(float);
+  std::mt19937_64 shared{seed};
+  auto const table = random_bytes(shared, rows * rb);
+  wm::tensor<float, wm::device, wm::distributed> t{comm, rows, 8};
+  wm::tensor<float, wm::device, wm::distributed> wide{comm, rows, 12};
+  fill_local_rows<wm::block>(comm, t, table, rb);
+  std::vector<std::int64_t> batch(700);
+  for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
+  std::vector<std::int32_t> const batch32(batch.begin(), batch.end());
+  device_indices<std::int64_t> di{batch};
+  device_indices<std::int32_t> di32{batch32};
+  device_bytes out{batch.size() * 12 * sizeof(float)};
+  auto* const rows_out     = reinterpret_cast<float*>(out.ptr);
+  cuda::stream_ref const s = cudaStream_t{};
+  bool const first         = comm.rank() == 0;
+  // Gather here, scatter there (the scatter writes back rows gathered from the table).
+  t.gather(di.span(), rows_out, s);
+  auto msg = throws_soon<wm::logic_error>(
+    [&] {
+      if (first) {
+        t.gather(di.span(), rows_out, s);
+      } else {
+        t.scatter(di.span(), rows_out, s);
+      }
+    },
+    "gather on rank 0, scatter on the others");
+  RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos && msg.find("scatter") != std::string::npos, msg);
+  gather_checks(t, table, rb, seed + 1, "gather after gather/scatter");
+  // Rows of 8 floats here, 12 there.
+  msg = throws_soon<wm::logic_error>([&] { (first ? t : wide).gather(di.span(), rows_out, s); }, "cols differ");
+  RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos, msg);
+  gather_checks(t, table, rb, seed + 2, "gather after cols differ");
+  // 64-bit indices here, 32-bit there.
+  msg = throws_soon<wm::logic_error>(
+    [&] {
+      if (first) {
+        t.gather(di.span(), rows_out, s);
+      } else {
+        t.gather(di32.span(), rows_out, s);
+      }
+    },
+    "index types differ");
+  RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos, msg);
+  gather_checks(t, table, rb, seed + 3, "gather after index types differ");
+  comm.barrier();
+}
+
+// 0-row tensors: gathers of 70,000 indices (all out of range: zero rows and an error) and
+// scatters (an error, nothing written), on every kind and both mappings.
+template <class L, class Y, class M>
+void zero_rows(wm::communicator& comm)
+{
+  std::string const what = std::string{"0 rows, "} + L::name + "." + Y::name + "." + M::name;
+  wm::tensor<float, L, Y, M> t{comm, 0, 4};
+  RANK_REQUIRE(t.rows() == 0 && t.local_rows() == 0);
+  std::vector<std::int64_t> batch(70'000);
+  for (std::size_t j = 0; j < batch.size(); ++j) { batch[j] = static_cast<std::int64_t>(j % 5); }
+  std::vector<std::int32_t> const batch32(batch.begin(), batch.end());
+  device_indices<std::int64_t> di{batch};
+  device_indices<std::int32_t> di32{batch32};
+  device_bytes out{batch.size() * 4 * sizeof(float)};  // poisoned
+  cuda::stream_ref const s = cudaStream_t{};
+  bool threw               = false;
+  try {
+    t.gather(di.span(), reinterpret_cast<float*>(out.ptr), s);
+  } catch (wm::logic_error const&) {
+    threw = true;
+  }
+  RANK_REQUIRE_MSG(threw, what << ": a gather of 70,000 indices into 0 rows did not throw");
+  auto const got = out.to_host();
+  RANK_REQUIRE_MSG(std::all_of(got.begin(), got.end(), [](std::byte b) { return b == std::byte{0}; }),
+                   what << ": rows gathered for bad indices are not zero");
+  threw = false;
+  try {
+    t.gather(di32.span(), reinterpret_cast<float*>(out.ptr), s);
+  } catch (wm::logic_error const&) {
+    threw = true;
+  }
+  RANK_REQUIRE_MSG(threw, what << ": a gather of 70,000 int32 indices into 0 rows did not throw");
+  threw = false;
+  try {
+    t.scatter(di.span(), reinterpret_cast<float const*>(out.ptr), s);
+  } catch (wm::logic_error const&) {
+    threw = true;
+  }
+  RANK_REQUIRE_MSG(threw, what << ": a scatter of 70,000 indices into 0 rows did not throw");
+  t.gather(std::span<std::int64_t const>{}, reinterpret_cast<float*>(out.ptr), s);  // empty: fine
+  comm.barrier();
+}
+
+template <class M>
+void zero_rows_all_kinds(wm::communicator& comm)
+{
+  for_every_kind([&]<class L, class Y>() { zero_rows<L, Y, M>(comm); });
+}
+
+// scatter_async on a stream of the caller's, then store() at once: the files hold the new rows.
+template <class L, class Y, class M>
+void scatter_then_store(wm::communicator& comm, std::uint64_t seed, std::filesystem::path const& dir)
+{
+  std::string const what = std::string{"scatter_async then store, "} + L::name + "." + Y::name + "." + M::name;
+  std::size_t const rows = 200'003, cols = 32, rb = cols * sizeof(float);
+  std::mt19937_64 shared{seed};
+  auto const old_rows = random_bytes(shared, rows * rb);
+  auto const new_rows = random_bytes(shared, rows * rb);
+  wm::tensor<float, L, Y, M> t{comm, rows, cols};
+  fill_local_rows<M>(comm, t, old_rows, rb);
+  // Every rank scatters the new rows of its block share (the distributed scatter is collective).
+  wm::block_partition const share{rows, comm.size()};
+  std::size_t const first = share.begin(comm.rank()), n = share.end(comm.rank()) - first;
+  std::vector<std::int64_t> idx(n);
+  std::iota(idx.begin(), idx.end(), static_cast<std::int64_t>(first));
+  std::shuffle(idx.begin(), idx.end(), shared);
+  std::vector<std::byte> values(n * rb);
+  for (std::size_t j = 0; j < n; ++j) {
+    std::memcpy(values.data() + j * rb, new_rows.data() + static_cast<std::size_t>(idx[j]) * rb, rb);
+  }
+  device_indices<std::int64_t> di{idx};
+  device_bytes dv{values.size()};
+  WM_CUDA_TRY(cudaMemcpy(dv.ptr, values.data(), values.size(), cudaMemcpyHostToDevice));
+  cudaStream_t stream{};
+  WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  t.scatter_async(di.span(), reinterpret_cast<float const*>(dv.ptr), cuda::stream_ref{stream});
+  auto const files = t.store(dir / (std::string{L::name} + Y::name + M::name));  // no sync in between
+  t.check_errors(cuda::stream_ref{stream});
+  WM_CUDA_TRY(cudaStreamDestroy(stream));
+  comm.barrier();
+  std::vector<std::byte> stored;
+  for (auto const& f : files) {
+    std::ifstream in{f, std::ios::binary};
+    std::vector<std::byte> part(std::filesystem::file_size(f));
+    in.read(reinterpret_cast<char*>(part.data()), static_cast<std::streamsize>(part.size()));
+    stored.insert(stored.end(), part.begin(), part.end());
+  }
+  RANK_REQUIRE_MSG(stored.size() == new_rows.size(), what << ": " << stored.size() << " bytes stored");
+  std::size_t wrong = 0;
+  for (std::size_t k = 0; k < rows; ++k) { wrong += std::memcmp(stored.data() + k * rb, new_rows.data() + k * rb, rb) != 0; }
+  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows << " stored rows are not the scattered ones");
+  comm.barrier();
+}
+
+// A tensor moved onto while its own gathers are still running (and onto one whose gathers run):
+// the old memory goes only after its work, and the moved-in tensor serves its rows.
+template <class L, class Y, class M>
+void move_during_async(wm::communicator& comm, std::uint64_t seed)
+{
+  std::string const what = std::string{"move-assignment during async work, "} + L::name + "." + Y::name + "." + M::name;
+  std::size_t const rows = 100'003, cols = 64, rb = cols * sizeof(float);
+  std::mt19937_64 shared{seed};
+  auto const table_a = random_bytes(shared, rows * rb);
+  auto const table_b = random_bytes(shared, rows * rb);
+  wm::tensor<float, L, Y, M> a{comm, rows, cols};
+  wm::tensor<float, L, Y, M> b{comm, rows, cols};
+  fill_local_rows<M>(comm, a, table_a, rb);
+  fill_local_rows<M>(comm, b, table_b, rb);
+  std::vector<std::int64_t> batch(400'000);
+  for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
+  device_indices<std::int64_t> di{batch};
+  device_bytes out_a{batch.size() * rb};
+  device_bytes out_b{batch.size() * rb};
+  cudaStream_t streams[2]{};
+  for (auto& st : streams) { WM_CUDA_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking)); }
+  a.gather_async(di.span(), reinterpret_cast<float*>(out_a.ptr), cuda::stream_ref{streams[0]});
+  b.gather_async(di.span(), reinterpret_cast<float*>(out_b.ptr), cuda::stream_ref{streams[1]});
+  a = std::move(b);  // a's gather may still run; b's goes on under a's name
+  for (auto st : streams) { WM_CUDA_TRY(cudaStreamSynchronize(st)); }
+  auto check = [&](device_bytes const& out, std::vector<std::byte> const& table, char const* which) {
+    auto const got    = out.to_host();
+    std::size_t wrong = 0;
+    for (std::size_t j = 0; j < batch.size(); ++j) {
+      wrong += std::memcmp(got.data() + j * rb, table.data() + static_cast<std::size_t>(batch[j]) * rb, rb) != 0;
+    }
+    RANK_REQUIRE_MSG(wrong == 0, what << ", " << which << ": " << wrong << " of " << batch.size() << " rows differ");
+  };
+  check(out_a, table_a, "the gather from the old tensor");
+  check(out_b, table_b, "the gather from the moved tensor");
+  a.check_errors(cuda::stream_ref{streams[1]});
+  gather_checks(a, table_b, rb, seed + 1, what + ", a gather after the move");
+  for (auto st : streams) { WM_CUDA_TRY(cudaStreamDestroy(st)); }
+  comm.barrier();
+}
+
+}  // namespace
+
+// ---- cases run inside every rank (--ranks; tests/support/ranks.hpp) ----------------------------
+
+namespace {
+
+// A seed drawn on rank 0, the same on every rank.
+std::uint64_t shared_seed(wm::communicator& comm)
+{
+  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
+}
+
+}  // namespace
+
+#define WM_EVERY_KIND                                                                                        \
+  (std::tuple<wm::device, wm::continuous, wm::block>), (std::tuple<wm::device, wm::chunked, wm::block>),     \
+    (std::tuple<wm::device, wm::distributed, wm::block>), (std::tuple<wm::host, wm::continuous, wm::block>), \
+    (std::tuple<wm::host, wm::chunked, wm::block>), (std::tuple<wm::host, wm::distributed, wm::block>),      \
+    (std::tuple<wm::device, wm::continuous, wm::cyclic>), (std::tuple<wm::device, wm::chunked, wm::cyclic>), \
+    (std::tuple<wm::device, wm::distributed, wm::cyclic>), (std::tuple<wm::host, wm::continuous, wm::cyclic>), \
+    (std::tuple<wm::host, wm::chunked, wm::cyclic>), (std::tuple<wm::host, wm::distributed, wm::cyclic>)
+
+TEST_CASE("ranked: a null pointer in a distributed call makes every rank throw within 5 s; the next call works",
+          "[ranked]")
+{
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
+  null_pointer_everywhere<wm::block>(comm, 0, seed);
+  null_pointer_everywhere<wm::cyclic>(comm, comm.size() - 1, seed + 100);
+}
+
+TEST_CASE("ranked: gather on one rank and scatter on another, or other rows or indices, throw on every rank",
+          "[ranked][multi]")
+{
+  auto& comm = wm_test::comm();
+  different_calls_everywhere(comm, shared_seed(comm));
+}
+
+TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters", "[ranked]", WM_EVERY_KIND)
+{
+  using L = std::tuple_element_t<0, TestType>;
+  using Y = std::tuple_element_t<1, TestType>;
+  using M = std::tuple_element_t<2, TestType>;
+  zero_rows<L, Y, M>(wm_test::comm());
+}
+
+TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, stores the new rows", "[ranked]",
+                   WM_EVERY_KIND)
+{
+  using L                  = std::tuple_element_t<0, TestType>;
+  using Y                  = std::tuple_element_t<1, TestType>;
+  using M                  = std::tuple_element_t<2, TestType>;
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
+  auto const dir = std::filesystem::temp_directory_path() / ("wm_scatter_store_" + std::to_string(seed));
+  std::filesystem::create_directories(dir);
+  scatter_then_store<L, Y, M>(comm, seed, dir);
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
+}
+
+TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_EVERY_KIND)
+{
+  using L    = std::tuple_element_t<0, TestType>;
+  using Y    = std::tuple_element_t<1, TestType>;
+  using M    = std::tuple_element_t<2, TestType>;
+  auto& comm = wm_test::comm();
+  move_during_async<L, Y, M>(comm, shared_seed(comm));
 }

@@ -444,6 +444,32 @@ void communicator::all_to_all_v(T const* send,
   send_recv(sends, recvs, stream);
 }
 
+template <class T>
+void communicator::all_to_all(T const* send, T* recv, std::size_t count, cuda::stream_ref stream) const
+{
+  check_usable();
+  if (count == 0) { return; }
+  WM_EXPECTS(send != nullptr && recv != nullptr, "all_to_all: null buffer");
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  ncclComm_t const via = s_->p2p != nullptr ? s_->p2p : s_->comm;
+  ncclResult_t const r = ncclAlltoAll(send, recv, count * sizeof(T), ncclUint8, via, stream.get());
+  if (via == s_->comm || r == ncclInProgress) {
+    if (r != ncclSuccess && r != ncclInProgress) { WM_NCCL_TRY(r); }
+    wait_nccl("all_to_all", via);
+    return;
+  }
+  if (r != ncclSuccess) {
+    // As in send_recv: the peers cannot know what this rank's call did; fail the communicator.
+    const_cast<communicator*>(this)->abort();
+    throw comm_error{"wm: NCCL failed during all_to_all on rank " + std::to_string(s_->rank) + ": " + ncclGetErrorString(r) +
+                     "; the communicator was aborted"};
+  }
+#else
+  std::vector<std::size_t> const counts(static_cast<std::size_t>(s_->size), count);
+  all_to_all_v(send, std::span<std::size_t const>{counts}, recv, std::span<std::size_t const>{counts}, stream);
+#endif
+}
+
 inline communicator communicator::split(int color, int key)
 {
   check_usable();

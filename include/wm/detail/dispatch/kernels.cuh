@@ -1,4 +1,5 @@
-// Row gather/scatter kernel of wm::tensor. It moves bytes: element types only set the row size.
+// Kernels of the exchange engine: the row gather/scatter kernel (it moves bytes: element types
+// only set the row size), the owner lookup and the grouping by owner of the dispatch plan.
 //
 // A group of G lanes (G = 1..32, a power of two) moves one row with vector accesses of
 // sizeof(Vec) bytes; each group keeps U rows in flight (U loads issued before the first store).
@@ -6,6 +7,8 @@
 // scatter_moves).
 #pragma once
 
+#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/dispatch/plan.hpp>
 #include <wm/error.hpp>
 #include <wm/partition.hpp>
 
@@ -14,6 +17,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace wm::detail {
 
@@ -138,10 +142,11 @@ struct scatter_moves {
  * each group keeps `unroll` rows in flight (all their loads issued before the first store).
  */
 template <class Vec, bool Fresh, bool Through, class Moves>
-__global__ void __launch_bounds__(256) move_rows_kernel(Moves moves, std::size_t n, std::size_t row_vecs, int group)
+__global__ void __launch_bounds__(256)
+    move_rows_kernel(Moves moves, std::size_t n, std::size_t row_vecs, int group)
 {
-  std::size_t const tid    = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
-  std::size_t const groups = gridDim.x * std::size_t{blockDim.x} / static_cast<std::size_t>(group);
+  std::size_t const tid    = grid_thread();
+  std::size_t const groups = grid_threads() / static_cast<std::size_t>(group);
   std::size_t const g      = tid / static_cast<std::size_t>(group);
   int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
   for (std::size_t i0 = g; i0 < n; i0 += groups * unroll) {
@@ -158,7 +163,8 @@ __global__ void __launch_bounds__(256) move_rows_kernel(Moves moves, std::size_t
         dst[u]       = reinterpret_cast<Vec*>(m.dst);
       }
     }
-    for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs; c += static_cast<std::size_t>(group)) {
+    for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs;
+         c += static_cast<std::size_t>(group)) {
       Vec v[unroll];
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
@@ -181,30 +187,9 @@ struct row_launch {
   int blocks;
 };
 
-/// Largest vector width in {16, 8, 4, 2, 1} dividing every size and address given.
-[[nodiscard]] inline int vector_width(std::initializer_list<std::uintptr_t> values)
-{
-  for (int v : {16, 8, 4, 2}) {
-    bool ok = true;
-    for (auto x : values) { ok = ok && x % static_cast<std::uintptr_t>(v) == 0; }
-    if (ok) { return v; }
-  }
-  return 1;
-}
-
-[[nodiscard]] inline int sm_count()
-{
-  int dev = 0;
-  int sms = 0;
-  WM_CUDA_TRY(cudaGetDevice(&dev));
-  WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 /// @p blocks_per_sm: most blocks of 256 per multiprocessor (8 fill one; fewer leave room for
 /// kernels on other streams, e.g. NCCL's).
-[[nodiscard]] inline row_launch plan_row_launch(std::size_t n,
-                                                std::size_t row_bytes,
+[[nodiscard]] inline row_launch plan_row_launch(std::size_t n, std::size_t row_bytes,
                                                 std::initializer_list<std::uintptr_t> alignment,
                                                 int blocks_per_sm = 8)
 {
@@ -213,32 +198,21 @@ struct row_launch {
   l.row_vecs  = row_bytes / static_cast<std::size_t>(l.vec_bytes);
   l.group     = 1;
   while (l.group < 32 && static_cast<std::size_t>(l.group) < l.row_vecs) { l.group *= 2; }
-  static int const sms = sm_count();
+  int const sms                    = sm_count();
   std::size_t const rows_per_block = 256 / static_cast<std::size_t>(l.group) * unroll;
-  std::size_t const wanted         = (n + rows_per_block - 1) / rows_per_block;
-  l.blocks = static_cast<int>(
-    std::max<std::size_t>(1, std::min<std::size_t>(wanted, static_cast<std::size_t>(sms) * static_cast<std::size_t>(blocks_per_sm))));
+  std::size_t const wanted         = cuda::ceil_div(n, rows_per_block);
+  l.blocks                         = static_cast<int>(std::max<std::size_t>(
+      1, std::min<std::size_t>(
+             wanted, static_cast<std::size_t>(sms) * static_cast<std::size_t>(blocks_per_sm))));
   return l;
-}
-
-/// Calls f.template operator()<Vec>() with the vector type for @p vec_bytes.
-template <class F>
-void with_vector(int vec_bytes, F&& f)
-{
-  switch (vec_bytes) {
-    case 16: f.template operator()<uint4>(); break;
-    case 8: f.template operator()<uint2>(); break;
-    case 4: f.template operator()<unsigned>(); break;
-    case 2: f.template operator()<unsigned short>(); break;
-    default: f.template operator()<unsigned char>(); break;
-  }
 }
 
 /// Launches a row kernel over @p n rows of @p row_bytes: @p launch is called as
 /// `launch.template operator()<Vec>(row_launch)` with the widest vector type that every size and
 /// address in @p alignment allows.
 template <class Launch>
-void launch_rows(std::size_t n, std::size_t row_bytes, std::initializer_list<std::uintptr_t> alignment, Launch&& launch,
+void launch_rows(std::size_t n, std::size_t row_bytes,
+                 std::initializer_list<std::uintptr_t> alignment, Launch&& launch,
                  int blocks_per_sm = 8)
 {
   if (n == 0) { return; }
@@ -250,45 +224,38 @@ void launch_rows(std::size_t n, std::size_t row_bytes, std::initializer_list<std
 /// Launches move_rows_kernel for a gather; @p fresh: the rows are host memory other GPUs may have
 /// written; @p blocks_per_sm: see plan_row_launch.
 template <class Rows, class Index>
-void launch_gather(Rows rows,
-                   Index const* idx,
-                   std::size_t const* order,
-                   std::size_t n,
-                   packed_rows out,
-                   std::size_t row_bytes,
-                   std::uintptr_t rows_alignment,
-                   unsigned* err,
-                   cudaStream_t stream,
-                   bool fresh        = false,
-                   int blocks_per_sm = 8)
+void launch_gather(Rows rows, Index const* idx, std::size_t const* order, std::size_t n,
+                   packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
+                   unsigned* err, cudaStream_t stream, bool fresh = false, int blocks_per_sm = 8)
 {
-  launch_rows(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
-              [&]<class Vec>(row_launch const& l) {
-                using M            = gather_moves<Rows, Index>;
-                auto* const kernel = fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
-                kernel<<<l.blocks, 256, 0, stream>>>(M{rows, idx, order, out, err}, n, l.row_vecs, l.group);
-              },
-              blocks_per_sm);
+  launch_rows(
+      n, row_bytes,
+      {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
+      [&]<class Vec>(row_launch const& l) {
+        using M = gather_moves<Rows, Index>;
+        auto* const kernel =
+            fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
+        kernel<<<l.blocks, 256, 0, stream>>>(M{rows, idx, order, out, err}, n, l.row_vecs, l.group);
+      },
+      blocks_per_sm);
 }
 
-/// Launches move_rows_kernel for a scatter; @p through: the rows are host memory other GPUs may read.
+/// Launches move_rows_kernel for a scatter; @p through: the rows are host memory other GPUs may
+/// read.
 template <class Rows, class Index>
-void launch_scatter(Rows rows,
-                    Index const* keys,
-                    std::size_t const* pos,
-                    std::size_t n,
-                    packed_rows values,
-                    std::size_t row_bytes,
-                    std::uintptr_t rows_alignment,
-                    unsigned* err,
-                    cudaStream_t stream,
-                    bool through = false)
+void launch_scatter(Rows rows, Index const* keys, std::size_t const* pos, std::size_t n,
+                    packed_rows values, std::size_t row_bytes, std::uintptr_t rows_alignment,
+                    unsigned* err, cudaStream_t stream, bool through = false)
 {
-  launch_rows(n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base), values.stride_bytes},
+  launch_rows(n, row_bytes,
+              {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base),
+               values.stride_bytes},
               [&]<class Vec>(row_launch const& l) {
                 using M            = scatter_moves<Rows, Index>;
-                auto* const kernel = through ? move_rows_kernel<Vec, false, true, M> : move_rows_kernel<Vec, false, false, M>;
-                kernel<<<l.blocks, 256, 0, stream>>>(M{rows, keys, pos, n, values, err}, n, l.row_vecs, l.group);
+                auto* const kernel = through ? move_rows_kernel<Vec, false, true, M>
+                                             : move_rows_kernel<Vec, false, false, M>;
+                kernel<<<l.blocks, 256, 0, stream>>>(M{rows, keys, pos, n, values, err}, n,
+                                                     l.row_vecs, l.group);
               });
 }
 
@@ -302,19 +269,21 @@ inline constexpr int locate_shared_ranks = 4096;
  * indices on a few addresses (~0.8 ms); lanes with the same owner add once per warp, into the
  * block's counters, which go to @p counts once per block.
  */
-template <class Mapping, class Index>
-__global__ void locate_kernel(mapping_ref<Mapping> map, Index const* idx, std::size_t n, int world,
-                              int* owner, Index* local, std::size_t* position, unsigned long long* counts,
+template <class Map, class Index>
+__global__ void locate_kernel(Map map, Index const* idx, std::size_t n, int world, int* owner,
+                              Index* local, std::size_t* position, unsigned long long* counts,
                               unsigned* err)
 {
   extern __shared__ unsigned long long block_counts[];  // world + 1 when they fit
   bool const in_shared = world < locate_shared_ranks;
   if (in_shared) {
-    for (int r = static_cast<int>(threadIdx.x); r <= world; r += static_cast<int>(blockDim.x)) { block_counts[r] = 0; }
+    for (int r = static_cast<int>(threadIdx.x); r <= world; r += static_cast<int>(blockDim.x)) {
+      block_counts[r] = 0;
+    }
     __syncthreads();
   }
   unsigned long long* const tally = in_shared ? block_counts : counts;
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += gridDim.x * std::size_t{blockDim.x}) {
+  for (std::size_t i = grid_thread(); i < n; i += grid_threads()) {
     Index const k = idx[i];
     int r         = world;
     Index l       = 0;
@@ -325,10 +294,10 @@ __global__ void locate_kernel(mapping_ref<Mapping> map, Index const* idx, std::s
     } else {
       atomicOr(err, 1u);
     }
-    owner[i]              = r;
-    local[i]              = l;
+    owner[i] = r;
+    local[i] = l;
     if (position != nullptr) { position[i] = i; }
-    unsigned const same   = __match_any_sync(__activemask(), r);
+    unsigned const same = __match_any_sync(__activemask(), r);
     if (static_cast<int>(threadIdx.x % 32) == __ffs(static_cast<int>(same)) - 1) {
       atomicAdd(tally + r, static_cast<unsigned long long>(__popc(same)));
     }
@@ -355,8 +324,9 @@ inline constexpr int place_items        = 8;  // indices per thread per tile
  * global atomic per owner, then places them, lanes with the same owner adding once per warp.
  */
 template <class Index>
-__global__ void place_by_owner_kernel(int const* owner, Index const* local, std::size_t n, int world,
-                                      unsigned long long* next, std::size_t* order, Index* keys)
+__global__ void place_by_owner_kernel(int const* owner, Index const* local, std::size_t n,
+                                      int world, unsigned long long* next, std::size_t* order,
+                                      Index* keys)
 {
   extern __shared__ unsigned long long tile_base[];  // world + 1, then world + 1 unsigned counts
   auto* const tile_count = reinterpret_cast<unsigned*>(tile_base + world + 1);
@@ -371,16 +341,22 @@ __global__ void place_by_owner_kernel(int const* owner, Index const* local, std:
     return in ? eq & m : 0u;
   };
   for (std::size_t first = blockIdx.x * tile; first < n; first += gridDim.x * tile) {
-    for (int r = static_cast<int>(threadIdx.x); r <= world; r += static_cast<int>(blockDim.x)) { tile_count[r] = 0; }
+    for (int r = static_cast<int>(threadIdx.x); r <= world; r += static_cast<int>(blockDim.x)) {
+      tile_count[r] = 0;
+    }
     __syncthreads();
     for (int j = 0; j < place_items; ++j) {
       int r               = 0;
       unsigned const same = same_owner(first + j * std::size_t{blockDim.x} + threadIdx.x, r);
-      if (same != 0 && lane == static_cast<unsigned>(__ffs(static_cast<int>(same)) - 1)) { atomicAdd(tile_count + r, __popc(same)); }
+      if (same != 0 && lane == static_cast<unsigned>(__ffs(static_cast<int>(same)) - 1)) {
+        atomicAdd(tile_count + r, __popc(same));
+      }
     }
     __syncthreads();
     for (int r = static_cast<int>(threadIdx.x); r <= world; r += static_cast<int>(blockDim.x)) {
-      if (tile_count[r] != 0) { tile_base[r] = atomicAdd(next + r, static_cast<unsigned long long>(tile_count[r])); }
+      if (tile_count[r] != 0) {
+        tile_base[r] = atomicAdd(next + r, static_cast<unsigned long long>(tile_count[r]));
+      }
       tile_count[r] = 0;
     }
     __syncthreads();
@@ -392,10 +368,10 @@ __global__ void place_by_owner_kernel(int const* owner, Index const* local, std:
       int const leader = __ffs(static_cast<int>(same)) - 1;
       unsigned at      = 0;
       if (lane == static_cast<unsigned>(leader)) { at = atomicAdd(tile_count + r, __popc(same)); }
-      at                        = __shfl_sync(same, at, leader);
-      std::size_t const slot    = tile_base[r] + at + __popc(same & ((1u << lane) - 1u));
-      order[slot]               = i;
-      keys[slot]                = local[i];
+      at                     = __shfl_sync(same, at, leader);
+      std::size_t const slot = tile_base[r] + at + __popc(same & ((1u << lane) - 1u));
+      order[slot]            = i;
+      keys[slot]             = local[i];
     }
     __syncthreads();  // the counters are reset for the next tile
   }
@@ -404,42 +380,51 @@ __global__ void place_by_owner_kernel(int const* owner, Index const* local, std:
 /// Launches place_by_owner_kernel (@p world below place_shared_ranks) on at most @p max_blocks
 /// blocks of 256 threads (fewer when the indices fill fewer tiles).
 template <class Index>
-void launch_place_by_owner(int const* owner, Index const* local, std::size_t n, int world, unsigned long long* next,
-                           std::size_t* order, Index* keys, cudaStream_t stream, int max_blocks)
+void launch_place_by_owner(int const* owner, Index const* local, std::size_t n, int world,
+                           unsigned long long* next, std::size_t* order, Index* keys,
+                           cudaStream_t stream, int max_blocks)
 {
-  WM_EXPECTS(world >= 1 && world < place_shared_ranks, "place_by_owner: world " + std::to_string(world) + " outside [1, " +
-                                                         std::to_string(place_shared_ranks) + ")");
+  WM_EXPECTS(world >= 1 && world < place_shared_ranks,
+             "place_by_owner: world " + std::to_string(world) + " outside [1, " +
+                 std::to_string(place_shared_ranks) + ")");
   if (n == 0) { return; }
-  std::size_t const tile   = std::size_t{place_items} * 256;
-  std::size_t const blocks = std::min((n + tile - 1) / tile, static_cast<std::size_t>(std::max(max_blocks, 1)));
-  std::size_t const shared = (static_cast<std::size_t>(world) + 1) * (sizeof(unsigned long long) + sizeof(unsigned));
-  place_by_owner_kernel<<<static_cast<int>(blocks), 256, shared, stream>>>(owner, local, n, world, next, order, keys);
+  std::size_t const tile = std::size_t{place_items} * 256;
+  std::size_t const blocks =
+      std::min((n + tile - 1) / tile, static_cast<std::size_t>(std::max(max_blocks, 1)));
+  std::size_t const shared =
+      (static_cast<std::size_t>(world) + 1) * (sizeof(unsigned long long) + sizeof(unsigned));
+  place_by_owner_kernel<<<static_cast<int>(blocks), 256, shared, stream>>>(owner, local, n, world,
+                                                                           next, order, keys);
   WM_CHECK_LAUNCH();
 }
 
-/// out[j] = in[order[j]] for j < n (keys in send order).
-template <class T>
-__global__ void permute_kernel(T const* in, std::size_t const* order, std::size_t n, T* out)
+/// Three count words per peer q for the count exchange (the rows asked of q, where q's answer
+/// starts among the rows this rank asks of other ranks, how many rows that is in all), then the
+/// header words (the tag, row bytes and batch from the host, the invalid count from @p counts).
+/// Also where each owner's group starts in the send order (world + 1 entries, invalid last).
+template <class Word>
+__global__ void dispatch_words_kernel(Word const* counts, int world, int me, Word tag,
+                                      Word row_bytes, Word batch, Word* words, Word* starts)
 {
-  for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
-    out[j] = in[order[j]];
+  if (blockIdx.x != 0 || threadIdx.x != 0) { return; }
+  Word at = 0, sent = 0;
+  for (int q = 0; q < world; ++q) {
+    Word* w   = words + words_per_peer * q;
+    w[0]      = counts[q];
+    w[1]      = at;
+    starts[q] = sent;
+    if (q != me) { at += counts[q]; }
+    sent += counts[q];
   }
-}
-
-/// Identity positions 0..n-1.
-/// (A template only so that every translation unit including this header may define it.)
-template <class Position>
-__global__ void iota_kernel(Position* out, std::size_t n)
-{
-  for (std::size_t j = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; j < n; j += gridDim.x * std::size_t{blockDim.x}) {
-    out[j] = j;
+  starts[world] = sent;
+  for (int q = 0; q < world; ++q) {
+    Word* w = words + words_per_peer * q;
+    w[2]    = at;
+    w[3]    = tag;
+    w[4]    = row_bytes;
+    w[5]    = batch;
+    w[6]    = counts[world];
   }
-}
-
-[[nodiscard]] inline int elementwise_blocks(std::size_t n)
-{
-  static int const sms = sm_count();
-  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>((n + 255) / 256, static_cast<std::size_t>(sms) * 8)));
 }
 
 }  // namespace wm::detail

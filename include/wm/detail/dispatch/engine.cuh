@@ -1,0 +1,285 @@
+// The exchange engine's transports: rows from their owners back to the asking rank (the
+// distributed gather: NCCL, copy-engine mailbox or put, pipelined in pieces), and keys with rows
+// (or gradients) from the asking rank to the owners (scatter, the embedding's backward).
+#pragma once
+
+#include <wm/comm.hpp>
+#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/dispatch/kernels.cuh>
+#include <wm/detail/dispatch/mailbox.cuh>
+#include <wm/detail/dispatch/plan.cuh>
+#include <wm/detail/dispatch/plan.hpp>
+#include <wm/detail/dispatch/scratch.cuh>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace wm::detail {
+
+/**
+ * The rows of a planned gather (@p p, planned without order: the gather's plan) from their owners
+ * into @p out (dense rows of @p rb bytes, the caller's order; zero rows for invalid indices).
+ * @p table: this rank's rows (the owner side's source of rows); @p stride_bytes: their stride.
+ * Collective, as the plan.
+ */
+template <class Rows, class Index>
+void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<Index> const& p,
+                 Rows const& table, std::size_t stride_bytes, std::size_t n, std::byte* out,
+                 std::size_t rb, cudaStream_t s)
+{
+  auto const world = static_cast<std::size_t>(comm.size());
+  auto const me    = static_cast<std::size_t>(comm.rank());
+  bool const put   = mailbox_ready(comm, sc, p.most_remote * rb);
+  bool const copy  = put && sc.mail.copy;  // gathered here, then copied into the mailboxes
+  // Rows this rank owns are served in place; only the other ranks' share crosses.
+  auto remote_send   = p.send_counts;  // keys out = rows back in
+  auto remote_recv   = p.recv_counts;  // keys in = rows out
+  remote_send[me]    = 0;
+  remote_recv[me]    = 0;
+  auto const key_at  = block_starts(p.send_counts);  // in p.send_keys and p.order
+  auto const back_at = block_starts(remote_send);    // in back (the mailbox when put)
+  auto const recv_at = block_starts(remote_recv);    // in recv_keys and rows_out
+  carver c;
+  auto const o_keys  = c.add<Index>(recv_at[world]);
+  auto const o_flags = c.add<unsigned>(2 * world);
+  auto const o_rows  = c.add<std::byte>(put && !copy ? 0 : recv_at[world] * rb);
+  auto const o_back  = c.add<std::byte>(put ? 0 : back_at[world] * rb);
+  std::byte* base    = sc.b.reserve(c.total(), s);
+  auto* recv_keys    = c.take<Index>(base, o_keys);
+  auto* flags        = c.take<unsigned>(base, o_flags);
+  auto* rows_out     = c.take<std::byte>(base, o_rows);
+  auto* back = !put || sc.mail.at.empty() ? c.take<std::byte>(base, o_back) : sc.mail.at[me];
+  packed_rows const dst{out, rb};
+
+  // 1. Keys to their owners (not to this rank).
+  {
+    std::vector<communicator::send_part> sends;
+    std::vector<communicator::recv_part> recvs;
+    for (std::size_t q = 0; q < world; ++q) {
+      sends.push_back(
+          {static_cast<int>(q), p.send_keys + key_at[q], remote_send[q] * sizeof(Index)});
+      recvs.push_back(
+          {static_cast<int>(q), recv_keys + recv_at[q], remote_recv[q] * sizeof(Index)});
+    }
+    comm.send_recv(sends, recvs, cuda::stream_ref{s});
+  }
+  // 2. Pipelined rows in pieces (both ends cut a peer's rows alike, see `pieces_of`). This stream
+  //    gathers piece k of every peer's request — into the peer's mailbox, or into a send buffer
+  //    that NCCL moves on the side stream — while the side stream puts piece k - 1 in the
+  //    caller's order. While pieces are in flight the kernels get grids of a few blocks per SM
+  //    at most (a smaller grid, not a per-SM limit): the gather kernel's blocks stay until its
+  //    rows are done, and the other streams' blocks (NCCL's among them) need room beside them.
+  int const room = 3;
+  // Put kernels wait on NVLink stores, not on memory: they take every slot (measured on 2 H200s,
+  // 1M keys: room 3 -> 8 took 1.27 -> 1.15 ms), and the own rows and the reordering, which
+  // hide behind them, take little (bench/NOTES.md).
+  int const put_room = 8, side_room = 4, own_room = 1;
+  int pieces = 0;
+  for (std::size_t q = 0; q < world; ++q) {
+    pieces = std::max({pieces, pieces_of(remote_send[q], rb), pieces_of(remote_recv[q], rb)});
+  }
+  cudaStream_t const side = pieces > 0 || put ? sc.side.get() : nullptr;
+  if (put && pieces > 0) {
+    WM_CUDA_TRY(cudaMemsetAsync(flags, 0, 2 * world * sizeof(unsigned), s));
+  }
+  // 3. This rank's own rows, straight from the table to their output rows: on the aux stream
+  //    beside the pieces when kernels put the rows (they wait on NVLink, not on memory); after
+  //    the pieces on this stream otherwise, while the last ones cross.
+  bool const own_beside  = put && !copy && pieces > 0;
+  cudaStream_t const own = own_beside ? sc.side.aux() : s;
+  if (own != s) {
+    WM_CUDA_TRY(cudaEventRecord(sc.side.forked(), s));
+    WM_CUDA_TRY(cudaStreamWaitEvent(own, sc.side.forked(), 0));
+  }
+  if (own_beside || pieces == 0) {
+    launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb,
+                  stride_bytes, sc.err.data(), own, false, pieces > 0 ? own_room : 8);
+  }
+  if (own != s) { WM_CUDA_TRY(cudaEventRecord(sc.side.joined(), own)); }
+  // Piece k of every peer's answer, arrived in `back`, to the caller's order: back row j of
+  // peer q's block is output row order[key_at[q] + j].
+  auto const reorder = [&](int k, cudaStream_t on, int blocks_per_sm) {
+    for (std::size_t q = 0; q < world; ++q) {
+      auto const in_piece    = piece_of(remote_send[q], rb, k);
+      std::size_t const n_in = in_piece.last - in_piece.first;
+      if (n_in == 0) { continue; }
+      launch_gather(local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
+                    static_cast<std::size_t const*>(nullptr), p.order + key_at[q] + in_piece.first,
+                    n_in, dst, rb, rb, sc.err.data(), on, false, blocks_per_sm);
+    }
+  };
+  struct copy_part {
+    std::byte* to;
+    std::byte const* from;
+    std::size_t bytes;
+  };
+  for (int k = 0; k < pieces; ++k) {
+    std::vector<communicator::send_part> sends;
+    std::vector<communicator::recv_part> recvs;
+    std::vector<copy_part> copies;
+    for (std::size_t i = 1; i <= world; ++i) {
+      std::size_t const q     = (me + i) % world;  // ranks start with different owners
+      auto const out_piece    = piece_of(remote_recv[q], rb, k);
+      auto const in_piece     = piece_of(remote_send[q], rb, k);
+      std::size_t const n_out = out_piece.last - out_piece.first;
+      std::size_t const n_in  = in_piece.last - in_piece.first;
+      std::byte* const mail =
+          put ? sc.mail.at[q] + (p.mail_offsets[q] + out_piece.first) * rb : nullptr;
+      std::byte* const rows = put && !copy ? mail : rows_out + (recv_at[q] + out_piece.first) * rb;
+      if (n_out > 0) {
+        launch_gather(table, recv_keys + recv_at[q] + out_piece.first,
+                      static_cast<std::size_t const*>(nullptr), n_out, packed_rows{rows, rb}, rb,
+                      stride_bytes, sc.err.data(), s, false, put ? put_room : room);
+        if (copy) { copies.push_back({mail, rows, n_out * rb}); }
+      }
+      if (put) {
+        // Only a flag crosses NCCL: the rows are in q's mailbox once this stream's kernel is done.
+        sends.push_back({static_cast<int>(q), flags + q, n_out > 0 ? sizeof(unsigned) : 0});
+        recvs.push_back({static_cast<int>(q), flags + world + q, n_in > 0 ? sizeof(unsigned) : 0});
+      } else {
+        sends.push_back({static_cast<int>(q), rows, n_out * rb});
+        recvs.push_back(
+            {static_cast<int>(q), back + (back_at[q] + in_piece.first) * rb, n_in * rb});
+      }
+    }
+    WM_CUDA_TRY(cudaEventRecord(sc.side.ready(k), s));
+    if (copy) {
+      // The copy engines move piece k over NVLink (aux stream) while this stream gathers the next.
+      cudaStream_t const ce = sc.side.aux();
+      WM_CUDA_TRY(cudaStreamWaitEvent(ce, sc.side.ready(k), 0));
+      for (auto const& part : copies) {
+        WM_CUDA_TRY(cudaMemcpyAsync(part.to, part.from, part.bytes, cudaMemcpyDeviceToDevice, ce));
+      }
+      WM_CUDA_TRY(cudaEventRecord(sc.side.copied(k), ce));
+      WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.copied(k), 0));
+    } else {
+      WM_CUDA_TRY(cudaStreamWaitEvent(side, sc.side.ready(k), 0));
+    }
+    comm.send_recv(sends, recvs, cuda::stream_ref{side});
+    if (put) { reorder(k, side, side_room); }  // 4 (put): on the side stream, beside the next piece
+    WM_CUDA_TRY(cudaEventRecord(sc.side.arrived(k), side));
+  }
+  // 3 (NCCL, copy). This rank's own rows while the last pieces cross.
+  if (pieces > 0 && !own_beside) {
+    launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb,
+                  stride_bytes, sc.err.data(), s, false, room);
+  }
+  if (put) {
+    if (pieces > 0) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(pieces - 1), 0)); }
+    if (own != s) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.joined(), 0)); }
+  } else {
+    // 4 (NCCL). Arrived pieces to the caller's order, on this stream.
+    for (int k = 0; k < pieces; ++k) {
+      WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(k), 0));
+      reorder(k, s, k + 1 < pieces ? room : 8);
+    }
+  }
+  // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
+  launch_gather(local_rows{back, 0, rb}, static_cast<std::size_t const*>(nullptr),
+                p.order + p.n_sent, n - p.n_sent, dst, rb, rb, sc.err.data(), s);
+}
+
+/// What reached an owner: @p n local rows (keys) and one row of values each, in the order of
+/// the ranks that sent them (this rank's own share at its place), each rank's in its order.
+template <class Index>
+struct owner_batch {
+  Index const* keys;
+  std::byte const* rows;
+  std::size_t n;
+};
+
+/**
+ * Keys and rows (values, gradients) of a planned exchange (@p p, planned in order) to their
+ * owners. This rank's own share goes straight into its batch; only the other ranks' shares
+ * cross, keys and rows in one NCCL group. @p rows: the caller's dense rows of @p rb bytes (need
+ * only be aligned for their element type); @p ws: where the batch is kept. Collective.
+ */
+template <class Index>
+owner_batch<Index> send_to_owners(communicator& comm, dispatch_plan_device<Index> const& p,
+                                  std::byte const* rows, std::size_t n, std::size_t rb,
+                                  workspace& ws, unsigned* err, cudaStream_t s)
+{
+  auto const me         = static_cast<std::size_t>(comm.rank());
+  auto const key_at     = block_starts(p.send_counts);  // in p.order and p.send_keys
+  auto const recv_at    = block_starts(p.recv_counts);  // in the owner's batch
+  std::size_t const own = p.send_counts[me];
+  carver c;
+  auto const o_send = c.add<std::byte>((p.n_sent - own) * rb);
+  auto const o_keys = c.add<Index>(p.n_recv);
+  auto const o_rows = c.add<std::byte>(p.n_recv * rb);
+  std::byte* base   = ws.reserve(c.total(), s);
+  auto* send_rows   = c.take<std::byte>(base, o_send);
+  auto* recv_keys   = c.take<Index>(base, o_keys);
+  auto* recv_rows   = c.take<std::byte>(base, o_rows);
+  local_rows const caller{const_cast<std::byte*>(rows), n, rb};
+  // The caller's rows need only be aligned for their type (e.g. an odd-element slice of half
+  // values): vectors no wider than both the row size and that address allow.
+  std::uintptr_t const alignment =
+      std::gcd(static_cast<std::uintptr_t>(rb), reinterpret_cast<std::uintptr_t>(rows));
+  auto pack = [&](std::size_t first, std::size_t count, std::byte* to) {
+    launch_gather(caller, p.order + first, static_cast<std::size_t const*>(nullptr), count,
+                  packed_rows{to, rb}, rb, alignment, err, s);
+  };
+  pack(0, key_at[me], send_rows);  // peers before this rank, then those after it
+  pack(key_at[me + 1], p.n_sent - key_at[me + 1], send_rows + key_at[me] * rb);
+  pack(key_at[me], own, recv_rows + recv_at[me] * rb);
+  if (own > 0) {
+    WM_CUDA_TRY(cudaMemcpyAsync(recv_keys + recv_at[me], p.send_keys + key_at[me],
+                                own * sizeof(Index), cudaMemcpyDeviceToDevice, s));
+  }
+  std::vector<communicator::send_part> sends;
+  std::vector<communicator::recv_part> recvs;
+  for (std::size_t q = 0; q < p.send_counts.size(); ++q) {
+    if (q == me) { continue; }
+    std::size_t const sent_before = key_at[q] - (q > me ? own : 0);  // rows of send_rows before q's
+    sends.push_back(
+        {static_cast<int>(q), p.send_keys + key_at[q], p.send_counts[q] * sizeof(Index)});
+    sends.push_back({static_cast<int>(q), send_rows + sent_before * rb, p.send_counts[q] * rb});
+    recvs.push_back(
+        {static_cast<int>(q), recv_keys + recv_at[q], p.recv_counts[q] * sizeof(Index)});
+    recvs.push_back({static_cast<int>(q), recv_rows + recv_at[q] * rb, p.recv_counts[q] * rb});
+  }
+  comm.send_recv(sends, recvs, cuda::stream_ref{s});
+  return {recv_keys, recv_rows, p.n_recv};
+}
+
+/**
+ * Owner side of a scatter: writes the batch's rows into @p table (last of each run of equal keys
+ * wins: keys are sorted stably, so the highest sending rank, then its last position). @p ws:
+ * the sort's room.
+ */
+template <class Rows, class Index>
+void scatter_owner_rows(owner_batch<Index> const& batch, Rows const& table, std::size_t rb,
+                        std::size_t stride_bytes, workspace& ws, unsigned* err, cudaStream_t s)
+{
+  std::size_t const m = batch.n;
+  if (m == 0) { return; }
+  std::size_t cub_bytes = 0;
+  int const bits        = int{sizeof(Index) * 8};
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+      nullptr, cub_bytes, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+      static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr), m, 0, bits, s));
+  carver c;
+  auto const o_pos  = c.add<std::size_t>(m);
+  auto const o_sk   = c.add<Index>(m);
+  auto const o_sp   = c.add<std::size_t>(m);
+  auto const o_cub  = c.add<std::byte>(cub_bytes);
+  std::byte* base   = ws.reserve(c.total(), s);
+  auto* pos         = c.take<std::size_t>(base, o_pos);
+  auto* sorted_keys = c.take<Index>(base, o_sk);
+  auto* sorted_pos  = c.take<std::size_t>(base, o_sp);
+  iota_async(pos, m, 0, s);
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, batch.keys,
+                                              sorted_keys, pos, sorted_pos, m, 0, bits, s));
+  launch_scatter(table, sorted_keys, sorted_pos, m,
+                 packed_rows{const_cast<std::byte*>(batch.rows), rb}, rb, stride_bytes, err, s);
+}
+
+}  // namespace wm::detail

@@ -1,0 +1,209 @@
+// Host form of the model-parallel dispatch plan (sok-dispatch input dispatcher): which rank owns
+// each index, the caller's positions grouped by owner (stable), the per-peer counts and the local
+// rows each peer is asked for. The device path (plan_dispatch_device) computes the same arrays;
+// the GPU tests compare the two, and the host tests check this one against a reference.
+#pragma once
+
+#include <wm/partition.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace wm::detail {
+
+template <class Index>
+struct dispatch_plan {
+  std::vector<std::size_t> send_counts;  ///< per owner rank
+  std::vector<std::size_t> order;        ///< positions grouped by owner; invalid indices last
+  std::vector<Index> send_keys;  ///< local row asked of the owner, for the sent prefix of order
+  std::size_t invalid{};         ///< number of indices outside [0, rows)
+};
+
+template <class Mapping, class Index>
+[[nodiscard]] dispatch_plan<Index> plan_dispatch(std::span<Index const> idx,
+                                                 mapping_ref<Mapping> map, int world)
+{
+  auto const w = static_cast<std::size_t>(world);
+  std::vector<std::vector<std::size_t>> buckets(w + 1);
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    Index const k = idx[i];
+    bool const ok =
+        (!std::is_signed_v<Index> || k >= 0) && static_cast<std::size_t>(k) < map.rows();
+    buckets[ok ? static_cast<std::size_t>(map.locate(static_cast<std::size_t>(k)).rank) : w]
+        .push_back(i);
+  }
+  dispatch_plan<Index> p;
+  for (std::size_t r = 0; r <= w; ++r) {
+    if (r < w) { p.send_counts.push_back(buckets[r].size()); }
+    for (std::size_t i : buckets[r]) {
+      p.order.push_back(i);
+      if (r < w) {
+        p.send_keys.push_back(
+            static_cast<Index>(map.locate(static_cast<std::size_t>(idx[i])).local));
+      }
+    }
+  }
+  p.invalid = buckets[w].size();
+  return p;
+}
+
+/// Most pieces the distributed gather cuts one peer's rows into (see `pieces_of`).
+inline constexpr int max_pieces = 6;
+
+/// Pieces that @p count rows of @p row_bytes to or from one peer are cut into: one per started
+/// 32 MiB, at most `max_pieces` and at most one per row. Both ends compute it from the same
+/// count, so their pieces match.
+[[nodiscard]] inline int pieces_of(std::size_t count, std::size_t row_bytes)
+{
+  if (count == 0) { return 0; }
+  std::size_t const per = std::size_t{32} << 20;
+  std::size_t const cap = std::min<std::size_t>(max_pieces, count);
+  return static_cast<int>(std::clamp<std::size_t>((count * row_bytes + per - 1) / per, 1, cap));
+}
+
+/// Rows [first, last) of piece k of @p count rows cut into pieces_of(count, row_bytes) pieces
+/// (empty for k past the last piece). From three pieces on, the first and the last are a
+/// quarter of the others (when that leaves them two rows or more): nothing crosses until the
+/// first piece is gathered, and the last one is put in the caller's order after everything has
+/// crossed, so both are pure latency.
+struct piece {
+  std::size_t first;
+  std::size_t last;
+};
+[[nodiscard]] inline piece piece_of(std::size_t count, std::size_t row_bytes, int k)
+{
+  auto const n = static_cast<std::size_t>(pieces_of(count, row_bytes));
+  auto const q = static_cast<std::size_t>(k);
+  if (q >= n) { return {count, count}; }
+  // Weights 1, 4, ..., 4, 1 from three pieces on, equal pieces below (and where the small ones
+  // would hold less than two rows); where each piece starts.
+  std::size_t const total = n < 3 ? n : 4 * (n - 2) + 2;
+  bool const taper        = n >= 3 && count >= 2 * total;
+  auto const start        = [&](std::size_t j) -> std::size_t {
+    if (!taper) { return count * j / n; }
+    std::size_t const w = j == 0 ? 0 : j >= n ? total : 1 + 4 * (j - 1);
+    return count * w / total;
+  };
+  return {start(q), start(q + 1)};
+}
+
+// ---- what every rank says about its call, in the count exchange --------------------------------
+
+/// The operation a rank runs the exchange for.
+enum class exchange_op : std::uint8_t { gather = 1, scatter = 2, apply = 3, user = 4 };
+
+/// Why a rank could not take part (it still sends its words, so that its peers throw at once).
+enum class exchange_fault : std::uint8_t {
+  none         = 0,
+  null_pointer = 1,  // null indices or rows with a nonzero count
+  cuda         = 2,  // a CUDA call failed before the exchange (e.g. out of memory in a workspace)
+  other        = 3,  // any other exception before the exchange
+  bad_argument = 4,  // an argument check failed before the exchange
+};
+
+/**
+ * A rank's call as its peers see it: sent to every peer beside the counts (no extra round trip).
+ * Four words: a tag with the operation, the fault and the index width; the row bytes; the batch
+ * size; the indices outside the table (filled in on the device).
+ */
+struct exchange_header {
+  exchange_op op{exchange_op::user};
+  exchange_fault fault{exchange_fault::none};
+  std::uint8_t index_bytes{};
+  std::uint64_t row_bytes{};
+  std::uint64_t batch{};
+  std::uint64_t invalid{};
+};
+
+inline constexpr int header_words   = 4;
+inline constexpr int count_words    = 3;  // rows asked, where the answer starts, rows from others
+inline constexpr int words_per_peer = count_words + header_words;
+inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's high bytes
+
+/// The first header word (the tag); the others are row_bytes, batch and invalid as they are.
+[[nodiscard]] constexpr std::uint64_t header_tag(exchange_header const& h) noexcept
+{
+  return header_magic << 32 | std::uint64_t{static_cast<std::uint8_t>(h.op)} << 16 |
+         std::uint64_t{static_cast<std::uint8_t>(h.fault)} << 8 | std::uint64_t{h.index_bytes};
+}
+
+/// Reads a header from its four words; a tag without the magic reads as a fault (`other`).
+[[nodiscard]] constexpr exchange_header read_header(std::uint64_t const* w) noexcept
+{
+  exchange_header h;
+  if (w[0] >> 32 != header_magic) {
+    h.fault = exchange_fault::other;
+    return h;
+  }
+  h.op          = static_cast<exchange_op>(w[0] >> 16 & 0xff);
+  h.fault       = static_cast<exchange_fault>(w[0] >> 8 & 0xff);
+  h.index_bytes = static_cast<std::uint8_t>(w[0] & 0xff);
+  h.row_bytes   = w[1];
+  h.batch       = w[2];
+  h.invalid     = w[3];
+  return h;
+}
+
+[[nodiscard]] inline char const* op_name(exchange_op op)
+{
+  switch (op) {
+    case exchange_op::gather: return "gather";
+    case exchange_op::scatter: return "scatter";
+    case exchange_op::apply: return "apply_gradients";
+    case exchange_op::user: return "a user exchange";
+  }
+  return "an unknown operation";
+}
+
+[[nodiscard]] inline char const* fault_text(exchange_fault f)
+{
+  switch (f) {
+    case exchange_fault::none: return "no fault";
+    case exchange_fault::null_pointer: return "a null indices or rows pointer with a nonzero count";
+    case exchange_fault::cuda:
+      return "a CUDA error before the exchange (e.g. out of memory in a workspace)";
+    case exchange_fault::bad_argument: return "an invalid argument";
+    case exchange_fault::other: return "an error before the exchange";
+  }
+  return "an unknown fault";
+}
+
+/**
+ * What every rank's header says together: an empty string when every rank is fine and all made
+ * the same call (operation, row bytes, index width); otherwise the error every rank throws
+ * (built only from the headers, so it is the same text on every rank).
+ */
+[[nodiscard]] inline std::string check_headers(std::span<exchange_header const> all)
+{
+  std::string failed;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    if (all[r].fault != exchange_fault::none) {
+      failed += (failed.empty() ? "" : "; ") + std::string{"rank "} + std::to_string(r) + " (" +
+                op_name(all[r].op) + "): " + fault_text(all[r].fault);
+    }
+  }
+  if (!failed.empty()) {
+    return "wm: distributed exchange failed on every rank because " + failed +
+           "; nothing was moved";
+  }
+  bool same = true;
+  for (auto const& h : all) {
+    same = same && h.op == all[0].op && h.row_bytes == all[0].row_bytes &&
+           h.index_bytes == all[0].index_bytes;
+  }
+  if (same) { return {}; }
+  std::string msg = "wm: distributed exchange: the ranks made different calls:";
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    msg += " rank " + std::to_string(r) + " " + op_name(all[r].op) + " (" +
+           std::to_string(all[r].row_bytes) + "-byte rows, " + std::to_string(all[r].index_bytes) +
+           "-byte indices);";
+  }
+  return msg + " every rank must make the same call on the same tensor; nothing was moved";
+}
+
+}  // namespace wm::detail

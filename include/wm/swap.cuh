@@ -1,0 +1,206 @@
+/**
+ * @file swap.cuh
+ * @brief Swap scopes (tensor-swap-design): buffers paged out to pinned host memory and back,
+ * asynchronously, with the scope as an RAII context.
+ *
+ * - `wm::swap_scope` (construction = create_swap_env, destruction = wait and close) owns a device
+ *   pool (the residency budget: one `cudaMalloc`), a pinned host slab (one `cudaHostAlloc`), both
+ *   sub-allocated, one copy stream and one `wm::transfer_queue` (with its worker thread) per
+ *   direction. Nothing is allocated on the hot path.
+ * - `wm::swappable<T>` buffers come from `scope.allocate<T>(count, stream)`:
+ *   - `pageout(stream)`: queued at the back of the page-out queue; the copy waits on an event
+ *     recorded on @p stream at the call (after the kernels that produced the data); the device
+ *     memory goes back to the pool once the copy's event has completed.
+ *   - `need_prefetch()`: queued at the back of the page-in queue, which runs from
+ *     `scope.prefetch_all()` on, within the budget and the prefetch lookahead.
+ *   - `data(stream)`: the device pointer. Not resident: a passive page-in at the FRONT of the
+ *     queue, and @p stream waits on its copy's event (no host block, unless the pool is full and
+ *     page-outs must finish first). A page-out still in flight is waited for by @p stream; one
+ *     still queued is cancelled.
+ *   - `pin(stream)` / `unpin()`: an in-use count; a pinned buffer is never paged out.
+ * - Page-outs, prefetches and passive page-ins of buffers smaller than 4 MiB travel in batches;
+ *   the copies of neighbours in both memories are merged. Several batches are in flight per
+ *   direction. The scope counts what it did (`statistics()`): bytes and GB/s per direction,
+ *   how long consumer streams waited, peak resident bytes, allocations and host-blocking syncs.
+ *
+ * Threads: one user thread at a time per buffer; the scope itself is thread-safe. Buffers must be
+ * destroyed before their scope. Every host wait has the scope's deadline (`swap_options::timeout`).
+ */
+#pragma once
+
+#include <wm/error.hpp>
+#include <wm/transfer_queue.hpp>
+
+#include <cuda/stream_ref>
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+namespace wm {
+
+/** @brief Sizes and limits of a `swap_scope`. */
+struct swap_options {
+  std::size_t device_budget{std::size_t{1} << 30};  ///< bytes of the device pool (residency budget)
+  std::size_t host_bytes{std::size_t{4} << 30};     ///< bytes of the pinned host slab
+  int max_in_flight{4};                             ///< batches in flight per direction
+  std::size_t coalesce_below{std::size_t{4} << 20};   ///< buffers smaller than this are batched
+  std::size_t coalesce_limit{std::size_t{32} << 20};  ///< bytes of one batch of small buffers
+  /// Bytes prefetched and not yet used that the page-in queue may hold (0: the budget only).
+  std::size_t prefetch_lookahead{0};
+  std::chrono::milliseconds timeout{60'000};  ///< deadline of every host wait
+  int device{-1};                             ///< the GPU (-1: the current device)
+};
+
+/** @brief What a scope did since it was made or since `reset_statistics()`. */
+struct swap_statistics {
+  std::uint64_t bytes_out{0};            ///< bytes copied device → host
+  std::uint64_t bytes_in{0};             ///< bytes copied host → device
+  double seconds_out{0};                 ///< copy-stream time of those copies (CUDA events)
+  double seconds_in{0};                  ///< copy-stream time of the page-ins
+  std::uint64_t copies_out{0};           ///< cudaMemcpyAsync calls device → host
+  std::uint64_t copies_in{0};            ///< cudaMemcpyAsync calls host → device
+  std::uint64_t pageouts{0};             ///< buffers paged out (copies completed)
+  std::uint64_t pageouts_cancelled{0};   ///< page-outs made unnecessary by an access or prefetch
+  std::uint64_t passive_pageins{0};      ///< page-ins started by `data()` / `pin()`
+  std::uint64_t prefetches{0};           ///< page-ins started by `need_prefetch()`
+  std::uint64_t consumer_waits{0};       ///< times a consumer stream waited on a transfer
+  double consumer_wait_seconds{0};       ///< how long those streams waited (CUDA events)
+  std::uint64_t blocks_reused{0};        ///< allocations served stream-ordered (no host wait)
+  std::uint64_t host_blocking_syncs{0};  ///< waits of a user thread on the GPU
+  double host_wait_seconds{0};           ///< how long they took
+  std::size_t resident_bytes{0};         ///< device pool bytes in use now
+  std::size_t peak_resident_bytes{0};    ///< most device pool bytes in use at once
+  std::size_t host_bytes_in_use{0};      ///< host slab bytes in use now
+  std::uint64_t device_allocations{0};   ///< cudaMalloc calls (the pool)
+  std::uint64_t pinned_allocations{0};   ///< cudaHostAlloc calls (the slab)
+  std::uint64_t events_created{0};       ///< cudaEventCreate calls (a pool that grows on demand)
+
+  /** @brief Achieved device → host GB/s while copying (0 if nothing moved). */
+  [[nodiscard]] double out_gbps() const noexcept {
+    return seconds_out > 0 ? static_cast<double>(bytes_out) / seconds_out / 1e9 : 0.0;
+  }
+  /** @brief Achieved host → device GB/s while copying (0 if nothing moved). */
+  [[nodiscard]] double in_gbps() const noexcept {
+    return seconds_in > 0 ? static_cast<double>(bytes_in) / seconds_in / 1e9 : 0.0;
+  }
+};
+
+namespace detail {
+class swap_core;
+}
+
+template <class T>
+class swappable;
+
+/**
+ * @brief A swap context: device pool, host slab, copy streams, transfer queues and workers.
+ *
+ * Move-only in effect (neither copyable nor movable: buffers point at it). The destructor drops
+ * queued transfers, waits for the copies in flight and frees everything; it never throws.
+ */
+class swap_scope {
+ public:
+  /**
+   * @brief create_swap_env: allocates the pool and the slab, creates streams and events, starts
+   * the workers. @throw wm::logic_error on a zero budget or slab, wm::cuda_error on CUDA errors.
+   */
+  explicit swap_scope(swap_options const& options);
+  swap_scope(swap_scope const&) = delete;
+  swap_scope& operator=(swap_scope const&) = delete;
+  ~swap_scope();
+
+  /**
+   * @brief A resident buffer of @p count elements from the pool, usable on @p stream.
+   * Waits (host, counted) for page-outs in flight when the pool is full.
+   * @throw wm::logic_error if the pool cannot hold it even after every page-out has finished.
+   */
+  template <class T = std::byte>
+  [[nodiscard]] swappable<T> allocate(std::size_t count, cuda::stream_ref stream);
+
+  /** @brief prefetch_init: holds the page-in queue's prefetches until `prefetch_all()`. */
+  void prefetch_init();
+  /** @brief before_prefetch_wait_all: blocks until every queued page-out has completed (a
+   * host-blocking sync; not needed for correctness). @throw wm::cuda_error on timeout. */
+  void wait_pageouts();
+  /** @brief prefetch_all: starts the prefetches queued by `need_prefetch()`, in that order. */
+  void prefetch_all();
+  /** @brief Blocks until every queued page-in has been copied. @throw wm::cuda_error on timeout. */
+  void wait_prefetches();
+
+  /** @brief What the scope did; collects the timings of finished consumer waits. */
+  [[nodiscard]] swap_statistics statistics() const;
+  /** @brief Zeroes the counters; the peak restarts from what is resident now. */
+  void reset_statistics();
+  /** @brief The options it was made with (device resolved). */
+  [[nodiscard]] swap_options const& options() const noexcept;
+
+ private:
+  template <class T>
+  friend class swappable;
+  std::unique_ptr<detail::swap_core> core_;
+};
+
+/**
+ * @brief A buffer of @p T that a `swap_scope` can page out to host memory and back.
+ *
+ * Move-only owner. Destroying it (or `reset()`) returns its memory after the work queued so far
+ * on the last stream it was used on (`allocate`, `data`, `pin`, `pageout`).
+ */
+template <class T>
+class swappable {
+ public:
+  using value_type = T;
+
+  swappable() = default;
+  swappable(swappable&& other) noexcept;
+  swappable& operator=(swappable&& other) noexcept;
+  swappable(swappable const&) = delete;
+  swappable& operator=(swappable const&) = delete;
+  ~swappable();
+
+  /**
+   * @brief The device pointer, valid on @p stream. Not resident: a passive page-in at the front
+   * of the queue, and @p stream waits on its copy (the host waits only for the worker to issue
+   * it, and for room in the pool if it is full).
+   */
+  [[nodiscard]] T* data(cuda::stream_ref stream);
+  /**
+   * @brief Queues a page-out after the work queued so far on @p stream.
+   * @return false (nothing queued) if the buffer is pinned, or already paged out or on its way.
+   */
+  bool pageout(cuda::stream_ref stream);
+  /** @brief Queues a prefetch at the back of the page-in queue (if the buffer is not resident
+   * and not on its way; a queued page-out is cancelled instead). */
+  void need_prefetch();
+  /** @brief `data(stream)` and one more in-use count: never paged out until as many `unpin()`. */
+  T* pin(cuda::stream_ref stream);
+  /** @brief One less in-use count. @throw wm::logic_error if not pinned. */
+  void unpin();
+  /** @brief The device memory holds the data (or will, once a stream waits on its page-in). */
+  [[nodiscard]] bool resident() const;
+  /** @brief Number of pin() calls not yet undone. */
+  [[nodiscard]] int pins() const;
+  /** @brief Returns the memory now (as the destructor does). */
+  void reset() noexcept;
+
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }  ///< elements
+  [[nodiscard]] std::size_t bytes() const noexcept { return count_ * sizeof(T); }
+  [[nodiscard]] explicit operator bool() const noexcept { return core_ != nullptr; }
+
+ private:
+  friend class swap_scope;
+  swappable(detail::swap_core* core, std::uint64_t id, std::size_t count) noexcept
+      : core_{core}, id_{id}, count_{count} {}
+  detail::swap_core* core_{nullptr};
+  std::uint64_t id_{0};
+  std::size_t count_{0};
+};
+
+}  // namespace wm
+
+#include <wm/detail/swap/swap.cuh>

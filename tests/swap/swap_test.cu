@@ -1,0 +1,447 @@
+// GPU tests of wm::swap_scope and wm::swappable on one GPU: random sequences of writes, page-outs,
+// prefetches and reads from several streams over buffers whose total exceeds the device budget
+// (every read sees the last write: a check kernel and a copy back to the host, fresh random data
+// each write); a passive access while a page-out is in flight; pinned buffers stay resident;
+// small buffers travel together; the scope is destroyed with transfers in flight; statistics.
+#include <wm/swap.cuh>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "catch.hpp"
+
+namespace {
+
+constexpr std::size_t kib = std::size_t{1} << 10;
+constexpr std::size_t mib = std::size_t{1} << 20;
+
+__host__ __device__ inline std::uint32_t pattern(std::size_t i, std::uint64_t seed) {
+  std::uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ (seed * 0xbf58476d1ce4e5b9ull);
+  z ^= z >> 31;
+  z *= 0x94d049bb133111ebull;
+  z ^= z >> 29;
+  return static_cast<std::uint32_t>(z);
+}
+
+__global__ void fill_kernel(std::uint32_t* p, std::size_t n, std::uint64_t seed) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    p[i] = pattern(i, seed);
+  }
+}
+
+__global__ void check_kernel(std::uint32_t const* p, std::size_t n, std::uint64_t seed,
+                             unsigned long long* bad) {
+  unsigned long long wrong = 0;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    wrong += p[i] != pattern(i, seed) ? 1 : 0;
+  }
+  if (wrong != 0) {
+    atomicAdd(bad, wrong);
+  }
+}
+
+// Keeps @p stream busy for about @p ns nanoseconds (so that a page-out waits on it).
+__global__ void spin_kernel(std::uint64_t ns) {
+  std::uint64_t start = 0;
+  std::uint64_t now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+void fill(std::uint32_t* p, std::size_t n, std::uint64_t seed, cudaStream_t s) {
+  fill_kernel<<<256, 256, 0, s>>>(p, n, seed);
+  WM_CHECK_LAUNCH();
+}
+
+void spin(std::uint64_t ms, cudaStream_t s) {
+  spin_kernel<<<1, 1, 0, s>>>(ms * 1'000'000);
+  WM_CHECK_LAUNCH();
+}
+
+// Device counters of wrong words, one per check.
+struct checker {
+  unsigned long long* bad{nullptr};
+  std::size_t used{0};
+  std::size_t capacity;
+  explicit checker(std::size_t n) : capacity{n} {
+    WM_CUDA_TRY(cudaMalloc(&bad, n * sizeof(unsigned long long)));
+    WM_CUDA_TRY(cudaMemset(bad, 0, n * sizeof(unsigned long long)));
+  }
+  ~checker() { (void)cudaFree(bad); }
+  void check(std::uint32_t const* p, std::size_t n, std::uint64_t seed, cudaStream_t s) {
+    REQUIRE(used < capacity);
+    check_kernel<<<256, 256, 0, s>>>(p, n, seed, bad + used++);
+    WM_CHECK_LAUNCH();
+  }
+  // Every check so far found nothing wrong (synchronizes the device).
+  [[nodiscard]] std::size_t wrong_checks() const {
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    std::vector<unsigned long long> h(used);
+    WM_CUDA_TRY(
+        cudaMemcpy(h.data(), bad, used * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    return static_cast<std::size_t>(
+        std::count_if(h.begin(), h.end(), [](auto v) { return v != 0; }));
+  }
+};
+
+struct streams {
+  std::vector<cudaStream_t> s;
+  explicit streams(int n) : s(n) {
+    for (auto& x : s) {
+      WM_CUDA_TRY(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+    }
+  }
+  ~streams() {
+    for (auto x : s) {
+      (void)cudaStreamSynchronize(x);
+      (void)cudaStreamDestroy(x);
+    }
+  }
+};
+
+// Orders @p to after the work queued so far on @p from (what a user does between streams).
+void order(cudaStream_t from, cudaStream_t to) {
+  if (from == to) {
+    return;
+  }
+  cudaEvent_t ev{};
+  WM_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  WM_CUDA_TRY(cudaEventRecord(ev, from));
+  WM_CUDA_TRY(cudaStreamWaitEvent(to, ev, 0));
+  WM_CUDA_TRY(cudaEventDestroy(ev));
+}
+
+// The whole buffer, copied back on @p s, compared on the host with the pattern of @p seed.
+std::size_t wrong_on_host(std::uint32_t const* d, std::size_t n, std::uint64_t seed,
+                          cudaStream_t s) {
+  std::vector<std::uint32_t> h(n, 0);
+  WM_CUDA_TRY(cudaMemcpyAsync(h.data(), d, n * 4, cudaMemcpyDeviceToHost, s));
+  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    wrong += h[i] != pattern(i, seed) ? 1 : 0;
+  }
+  return wrong;
+}
+
+wm::swap_options small_scope(std::size_t budget) {
+  wm::swap_options o;
+  o.device_budget = budget;
+  o.host_bytes = std::size_t{1} << 30;
+  o.timeout = std::chrono::milliseconds{30'000};
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("swap: random writes, page-outs, prefetches and reads from several streams",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  std::size_t const budget = 96 * mib;
+  streams st{3};
+  checker chk{8192};
+  struct buffer {
+    wm::swappable<std::uint32_t> b;
+    std::uint64_t seed;
+    cudaStream_t last;
+    bool held;  // counted by the test as taking pool memory (used, or prefetch asked for)
+  };
+  std::size_t total = 0;
+  {
+    wm::swap_scope scope{small_scope(budget)};
+    std::vector<buffer> bufs;
+    std::size_t held_bytes = 0;
+    std::deque<std::size_t> held;  // oldest first
+    // Before taking @p extra more bytes of the pool, page out the oldest held, unpinned buffers.
+    auto make_room = [&](std::size_t extra) {
+      while (held_bytes + extra > budget * 2 / 5 && !held.empty()) {
+        std::size_t const k = held.front();
+        held.pop_front();
+        auto& x = bufs[k];
+        if (!x.held) {
+          continue;
+        }
+        x.held = false;
+        held_bytes -= x.b.bytes();
+        x.b.pageout(x.last);
+      }
+    };
+    auto hold = [&](std::size_t k) {
+      if (!bufs[k].held) {
+        bufs[k].held = true;
+        held_bytes += bufs[k].b.bytes();
+        held.push_back(k);
+      }
+    };
+    // Sizes: half small (coalesced), half 4-8 MiB; words of 4 bytes; 2x the budget in all.
+    while (total < 2 * budget) {
+      std::size_t const words =
+          rng() % 2 == 0 ? rng() % (3 * mib / 4) + 1 : (rng() % (4 * mib) + 4 * mib) / 4;
+      make_room(words * 4);
+      cudaStream_t const s = st.s[rng() % 3];
+      buffer x{scope.allocate<std::uint32_t>(words, cuda::stream_ref{s}), rng(), s, false};
+      fill(x.b.data(cuda::stream_ref{s}), words, x.seed, s);
+      bufs.push_back(std::move(x));
+      hold(bufs.size() - 1);
+      total += words * 4;
+    }
+    REQUIRE(total > budget);
+    int writes = 0, reads = 0, pageouts = 0, prefetches = 0;
+    for (int op = 0; op < 3000; ++op) {
+      std::size_t const k = rng() % bufs.size();
+      auto& x = bufs[k];
+      cudaStream_t const s = st.s[rng() % 3];
+      switch (rng() % 8) {
+        case 0:
+        case 1: {  // write fresh data
+          make_room(x.b.bytes());
+          order(x.last, s);
+          std::uint32_t* p = x.b.data(cuda::stream_ref{s});
+          x.seed = rng();
+          fill(p, x.b.size(), x.seed, s);
+          x.last = s;
+          hold(k);
+          ++writes;
+          break;
+        }
+        case 2:
+        case 3: {  // read
+          make_room(x.b.bytes());
+          order(x.last, s);
+          chk.check(x.b.data(cuda::stream_ref{s}), x.b.size(), x.seed, s);
+          x.last = s;
+          hold(k);
+          ++reads;
+          break;
+        }
+        case 4:
+        case 5:  // page out
+          order(x.last, s);
+          x.b.pageout(cuda::stream_ref{s});
+          x.last = s;
+          if (x.held) {
+            x.held = false;
+            held_bytes -= x.b.bytes();
+          }
+          ++pageouts;
+          break;
+        case 6:  // prefetch
+          make_room(x.b.bytes());
+          x.b.need_prefetch();
+          hold(k);
+          ++prefetches;
+          break;
+        case 7:  // start or hold the prefetches
+          if (rng() % 2 == 0) {
+            scope.prefetch_all();
+          } else {
+            scope.prefetch_init();
+          }
+          break;
+      }
+    }
+    scope.prefetch_all();
+    INFO("writes " << writes << " reads " << reads << " pageouts " << pageouts << " prefetches "
+                   << prefetches);
+    CHECK(chk.wrong_checks() == 0);
+    // Every buffer, once more, copied back to the host (paged in where it is not resident).
+    std::size_t wrong = 0;
+    for (auto& x : bufs) {
+      make_room(x.b.bytes());
+      cudaStream_t const s = x.last;
+      wrong += wrong_on_host(x.b.data(cuda::stream_ref{s}), x.b.size(), x.seed, s);
+      x.b.pageout(cuda::stream_ref{s});
+      x.held = false;
+      held_bytes -= std::min(held_bytes, x.b.bytes());
+    }
+    CHECK(wrong == 0);
+    auto const stats = scope.statistics();
+    CHECK(stats.pageouts > 0);
+    CHECK(stats.passive_pageins > 0);
+    CHECK(stats.bytes_out >= stats.bytes_in);
+    CHECK(stats.peak_resident_bytes <= budget);
+    CHECK(stats.device_allocations == 1);
+    CHECK(stats.pinned_allocations == 1);
+    CHECK(stats.out_gbps() > 0);
+    CHECK(stats.in_gbps() > 0);
+  }
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST_CASE("swap: an access while the page-out is in flight waits for it and keeps the data",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{16};
+  wm::swap_scope scope{small_scope(512 * mib)};
+  std::size_t const words = 64 * mib;  // 256 MiB: ~5 ms each way
+  auto b = scope.allocate<std::uint32_t>(words, cuda::stream_ref{st.s[0]});
+  std::uint64_t const s1 = rng();
+  fill(b.data(cuda::stream_ref{st.s[0]}), words, s1, st.s[0]);
+  spin(100, st.s[0]);  // the page-out is issued at once but waits for this
+  REQUIRE(b.pageout(cuda::stream_ref{st.s[0]}));
+  std::this_thread::sleep_for(std::chrono::milliseconds{10});  // the worker has issued it
+  std::uint32_t* p = b.data(cuda::stream_ref{st.s[1]});        // passive access during the page-out
+  CHECK(b.resident());
+  chk.check(p, words, s1, st.s[1]);  // after the copy, still the first data
+  std::uint64_t const s2 = rng();
+  fill(p, words, s2, st.s[1]);
+  REQUIRE(b.pageout(cuda::stream_ref{st.s[1]}));  // written again: copied again after the first
+  scope.wait_pageouts();
+  CHECK_FALSE(b.resident());
+  p = b.data(cuda::stream_ref{st.s[0]});  // a passive page-in
+  chk.check(p, words, s2, st.s[0]);
+  CHECK(wrong_on_host(p, words, s2, st.s[0]) == 0);
+  CHECK(chk.wrong_checks() == 0);
+  auto const stats = scope.statistics();
+  CHECK(stats.pageouts_cancelled >= 1);
+  CHECK(stats.consumer_waits >= 1);
+  CHECK(stats.consumer_wait_seconds > 0.05);  // stream 1 waited for the spin and the copy
+  CHECK(stats.passive_pageins == 1);
+}
+
+TEST_CASE("swap: pinned buffers stay resident under pressure", "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{1};
+  cudaStream_t const s = st.s[0];
+  cuda::stream_ref const sr{s};
+  checker chk{64};
+  std::size_t const budget = 64 * mib;
+  wm::swap_scope scope{small_scope(budget)};
+  auto a = scope.allocate<std::uint32_t>(4 * mib, sr);  // 16 MiB
+  std::uint64_t const sa = rng();
+  std::uint32_t* pa = a.pin(sr);
+  fill(pa, a.size(), sa, s);
+  CHECK(a.pins() == 1);
+  CHECK_FALSE(a.pageout(sr));
+  CHECK(a.resident());
+  // 8 x 16 MiB more through the other 48 MiB of the pool: each is paged out to make room.
+  std::vector<wm::swappable<std::uint32_t>> others;
+  std::vector<std::uint64_t> seeds;
+  for (int i = 0; i < 8; ++i) {
+    others.push_back(scope.allocate<std::uint32_t>(4 * mib, sr));
+    seeds.push_back(rng());
+    fill(others.back().data(sr), others.back().size(), seeds.back(), s);
+    REQUIRE(others.back().pageout(sr));
+    CHECK(a.resident());
+  }
+  CHECK(a.data(sr) == pa);  // never moved
+  chk.check(pa, a.size(), sa, s);
+  for (std::size_t i = 0; i < others.size(); ++i) {
+    chk.check(others[i].data(sr), others[i].size(), seeds[i], s);
+    others[i].pageout(sr);
+  }
+  CHECK(chk.wrong_checks() == 0);
+  a.unpin();
+  CHECK(a.pins() == 0);
+  CHECK_THROWS_AS(a.unpin(), wm::logic_error);
+  REQUIRE(a.pageout(sr));
+  scope.wait_pageouts();
+  CHECK_FALSE(a.resident());
+  CHECK(wrong_on_host(a.data(sr), a.size(), sa, s) == 0);
+  CHECK(scope.statistics().peak_resident_bytes <= budget);
+}
+
+TEST_CASE("swap: small buffers are prefetched together, in order, within the lookahead",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{1};
+  cudaStream_t const s = st.s[0];
+  cuda::stream_ref const sr{s};
+  checker chk{128};
+  wm::swap_scope scope{small_scope(256 * mib)};
+  std::vector<wm::swappable<std::uint32_t>> bufs;
+  std::vector<std::uint64_t> seeds;
+  for (int i = 0; i < 64; ++i) {  // 64 x 64 KiB side by side in the pool
+    bufs.push_back(scope.allocate<std::uint32_t>(16 * kib, sr));
+    seeds.push_back(rng());
+    fill(bufs.back().data(sr), bufs.back().size(), seeds.back(), s);
+  }
+  for (auto& b : bufs) {
+    REQUIRE(b.pageout(sr));
+  }
+  scope.wait_pageouts();
+  scope.prefetch_init();
+  for (auto& b : bufs) {
+    CHECK_FALSE(b.resident());
+    b.need_prefetch();
+  }
+  scope.reset_statistics();
+  scope.prefetch_all();
+  scope.wait_prefetches();
+  auto const stats = scope.statistics();
+  CHECK(stats.prefetches == 64);
+  CHECK(stats.copies_in <= 2);  // one batch of 4 MiB, neighbours on both sides: one copy
+  CHECK(stats.bytes_in == 64 * 64 * kib);
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    CHECK(bufs[i].resident());
+    chk.check(bufs[i].data(sr), bufs[i].size(), seeds[i], s);
+  }
+  CHECK(chk.wrong_checks() == 0);
+  CHECK(scope.statistics().device_allocations == 0);  // since the reset
+  CHECK(scope.statistics().pinned_allocations == 0);
+}
+
+TEST_CASE("swap: destroying the scope with transfers in flight", "[gpu][swap]") {
+  std::size_t free_before = 0, total = 0;
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  WM_CUDA_TRY(cudaMemGetInfo(&free_before, &total));
+  streams st{2};
+  auto const kind = GENERATE(0, 1, 2);
+  {
+    wm::swap_scope scope{small_scope(512 * mib)};
+    std::vector<wm::swappable<std::uint32_t>> bufs;
+    for (int i = 0; i < 24; ++i) {
+      bufs.push_back(scope.allocate<std::uint32_t>(4 * mib, cuda::stream_ref{st.s[i % 2]}));
+      fill(bufs.back().data(cuda::stream_ref{st.s[i % 2]}), bufs.back().size(), i, st.s[i % 2]);
+    }
+    if (kind == 0) {  // page-outs waiting for a busy producer
+      spin(50, st.s[0]);
+      for (auto& b : bufs) {
+        b.pageout(cuda::stream_ref{st.s[0]});
+      }
+    } else if (kind == 1) {  // prefetches in flight
+      for (auto& b : bufs) {
+        b.pageout(cuda::stream_ref{st.s[0]});
+      }
+      scope.wait_pageouts();
+      for (auto& b : bufs) {
+        b.need_prefetch();
+      }
+      scope.prefetch_all();
+    } else {  // both directions, and a passive page-in, while the producer is busy
+      for (std::size_t i = 0; i < bufs.size() / 2; ++i) {
+        bufs[i].pageout(cuda::stream_ref{st.s[0]});
+      }
+      scope.wait_pageouts();
+      spin(30, st.s[1]);
+      for (std::size_t i = bufs.size() / 2; i < bufs.size(); ++i) {
+        bufs[i].pageout(cuda::stream_ref{st.s[1]});
+      }
+      for (std::size_t i = 0; i < 4; ++i) {
+        bufs[i].need_prefetch();
+      }
+      scope.prefetch_all();
+      (void)bufs[5].data(cuda::stream_ref{st.s[0]});
+    }
+    bufs.clear();  // buffers first (they must not outlive the scope), transfers still running
+  }
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  CHECK(cudaGetLastError() == cudaSuccess);
+  std::size_t free_after = 0;
+  WM_CUDA_TRY(cudaMemGetInfo(&free_after, &total));
+  CHECK(free_after + 64 * mib >= free_before);  // the pool went back
+}
