@@ -33,9 +33,7 @@
  */
 #pragma once
 
-#include <wm/detail/comm/node_channel.hpp>
 #include <wm/detail/comm/posix.hpp>
-#include <wm/detail/comm/unique_id.hpp>
 #include <wm/error.hpp>
 
 #include <cuda/stream_ref>
@@ -43,22 +41,187 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace wm {
 
+/**
+ * @brief Identity of a communicator before it exists: an NCCL unique id plus a random token
+ * that names the group's node-local sockets.
+ *
+ * One rank calls `unique_id::create()`; the launcher carries `bytes()` or `to_string()` to every
+ * rank (MPI broadcast, a file, a pipe, an environment variable), which rebuilds it with
+ * `from_bytes` / `from_string`. Treat it as a secret of the job: whoever holds it can join the
+ * group.
+ */
+class unique_id {
+ public:
+  static constexpr std::size_t size_bytes = 16 + sizeof(ncclUniqueId);  ///< serialized size
+
+  unique_id() = default;  ///< an invalid id (all zero)
+
+  /**
+   * @brief Creates a fresh id (calls `ncclGetUniqueId`; touches no GPU).
+   * @throw wm::comm_error if NCCL cannot create an id
+   */
+  [[nodiscard]] static unique_id create();
+
+  /// Builds an id from @p token and raw NCCL id bytes (tests, custom bootstraps).
+  [[nodiscard]] static unique_id from_parts(std::uint64_t token, ncclUniqueId const& nccl) noexcept;
+
+  /// The serialized form: exactly `size_bytes` bytes.
+  [[nodiscard]] std::array<std::byte, size_bytes> bytes() const noexcept;
+
+  /**
+   * @brief Rebuilds an id from `bytes()`.
+   * @throw wm::logic_error if the size or the format marker is wrong
+   */
+  [[nodiscard]] static unique_id from_bytes(std::span<std::byte const> b);
+
+  /// Lower-case hexadecimal of `bytes()` (2 * size_bytes characters), e.g. for an env variable.
+  [[nodiscard]] std::string to_string() const;
+
+  /// Parses `to_string()` (either case). @throw wm::logic_error on a wrong length or a non-hex
+  /// character
+  [[nodiscard]] static unique_id from_string(std::string_view s);
+
+  [[nodiscard]] bool valid() const noexcept { return magic_ == magic; }  ///< made by create()
+  [[nodiscard]] std::uint64_t token() const noexcept { return token_; }  ///< the group token
+  [[nodiscard]] ncclUniqueId const& nccl_id() const noexcept { return nccl_; }  ///< NCCL's id
+
+  friend bool operator==(unique_id const& a, unique_id const& b) noexcept {
+    return a.bytes() == b.bytes();
+  }
+
+ private:
+  static constexpr std::uint64_t magic = 0x31302d64692d6d77ull;  // "wm-id-01"
+  static std::uint64_t random_token();
+
+  std::uint64_t magic_{};
+  std::uint64_t token_{};
+  ncclUniqueId nccl_{};
+};
+
+/**
+ * @brief Node-local channel that passes POSIX file descriptors between the ranks of one host,
+ * over AF_UNIX `SOCK_SEQPACKET` sockets with `SCM_RIGHTS`.
+ *
+ * Used by `wm::memory` to share VMM allocations (`cuMemExportToShareableHandle` fds) and shared
+ * host memory (`memfd_create` fds). Ranks are addressed by their rank in the owning
+ * communicator; only ranks listed in `node_ranks` can be reached.
+ *
+ * Each rank listens on an abstract-namespace socket (no file system entry: nothing is left
+ * behind after a crash) whose name is a keyed hash (SipHash-2-4) of the group token and the
+ * rank: `/proc/net/unix` shows the name, never the token. A message is one datagram on a fresh
+ * connection: a header (format marker, token, source rank, tag, payload, whether a descriptor
+ * follows) plus at most one descriptor. The receiver takes a message only from a process of its
+ * own user (`SO_PEERCRED`), with the group's token, a source rank of this node, and exactly the
+ * descriptors the header announces; anything else is dropped and every descriptor that came with it
+ * closed. Connections are accepted and read without blocking, all at once: a process that connects
+ * and sends nothing delays no message and no deadline. Messages that arrive early (a later tag,
+ * another source) are kept until they are asked for.
+ */
+class node_channel {
+ public:
+  node_channel() = default;  ///< a closed channel (`valid() == false`)
+
+  /**
+   * @brief Opens the channel of @p rank for the group identified by @p token.
+   * @param token group identity shared by all ranks (from the unique id)
+   * @param rank this process's rank in the group
+   * @param node_ranks the ranks on this node, ascending, including @p rank
+   * @param timeout how long a receive or a connection waits for a peer
+   * (`milliseconds::max()`: no limit)
+   * @throw wm::logic_error if @p node_ranks is not ascending or lacks @p rank
+   * @throw wm::comm_error if the socket cannot be bound (e.g. the name is taken)
+   */
+  node_channel(std::uint64_t token, int rank, std::vector<int> node_ranks,
+               std::chrono::milliseconds timeout);
+
+  node_channel(node_channel&&) noexcept            = default;
+  node_channel& operator=(node_channel&&) noexcept = default;
+  node_channel(node_channel const&)                = delete;
+  node_channel& operator=(node_channel const&)     = delete;
+  ~node_channel() = default;  ///< closes the socket, open connections and undelivered descriptors
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }  ///< this rank
+  /// The ranks on this node, ascending.
+  [[nodiscard]] std::vector<int> const& node_ranks() const noexcept { return node_ranks_; }
+  [[nodiscard]] bool valid() const noexcept { return listen_.valid(); }  ///< open
+
+  /**
+   * @brief Sends a duplicate of @p fd (or no descriptor if @p fd < 0) with @p payload to @p dst.
+   * The caller keeps ownership of @p fd. Waits up to the timeout for @p dst to listen.
+   * @throw wm::logic_error if @p dst is not a rank of this node
+   * @throw wm::comm_error if @p dst cannot be reached within the timeout, or the socket that
+   * answers belongs to another user
+   */
+  void send(int dst, std::uint64_t tag, int fd, std::uint64_t payload = 0) const;
+
+  /// One received message: the descriptor (may be invalid) and the payload word.
+  struct message {
+    detail::unique_fd fd;     ///< the descriptor sent, or invalid if none was
+    std::uint64_t payload{};  ///< the sender's payload word
+  };
+
+  /**
+   * @brief Receives the message that @p src sent with @p tag; waits up to the timeout.
+   * @throw wm::logic_error if @p src is not a rank of this node
+   * @throw wm::comm_error on timeout (the peer died or never sent)
+   */
+  [[nodiscard]] message receive(int src, std::uint64_t tag);
+
+  /**
+   * @brief Collective over the node's ranks: every rank contributes @p fd and receives one
+   * descriptor per node rank (its own as a duplicate), in the order of `node_ranks()`.
+   */
+  [[nodiscard]] std::vector<detail::unique_fd> all_gather(int fd);
+
+  /// The abstract socket name of @p rank in this group (for diagnostics).
+  [[nodiscard]] std::string name(int rank) const { return socket_name(token_, rank); }
+
+  /// The abstract socket name of @p rank in the group of @p token: "wm-" and 16 hex digits of
+  /// SipHash-2-4 keyed by the token (the token cannot be read back from it).
+  [[nodiscard]] static std::string socket_name(std::uint64_t token, int rank);
+
+ private:
+  struct connection {  // accepted, its message not read yet
+    detail::unique_fd fd;
+    detail::clock_type::time_point expires;
+  };
+
+  void check_peer(int r) const;
+  void accept_ready();
+  void read_message(int conn);
+  void drop_expired(detail::clock_type::time_point now);
+
+  detail::unique_fd listen_;
+  std::uint64_t token_{};
+  int rank_{-1};
+  std::vector<int> node_ranks_;
+  std::chrono::milliseconds timeout_{};
+  std::uint64_t collective_seq_{};
+  std::multimap<std::pair<int, std::uint64_t>, message> pending_;  // in arrival order
+  std::vector<connection> open_;
+};
+
 /** @brief Settings of a communicator. */
 struct communicator_options {
-  /// How long any wait for peers may take before it fails with `wm::comm_error`.
-  /// The environment variable `WM_TIMEOUT_S` overrides the default of 300 s.
+  /// How long any wait for peers may take before it fails with `wm::comm_error`;
+  /// `std::chrono::milliseconds::max()` (or any value too large for the clock) means no limit.
+  /// The environment variable `WM_TIMEOUT_S` (seconds; `inf` for no limit) overrides the default
+  /// of 300 s.
   std::chrono::milliseconds timeout{default_timeout()};
   /// Device exchanges (`send_recv`, `all_to_all_v`, and the distributed gather and scatter
   /// built on them) through a blocking twin of the NCCL communicator: ~10 us of host time per
@@ -67,10 +230,11 @@ struct communicator_options {
   /// `WM_EXCHANGE_TWIN=0` turns the default off; if any rank turns it off, no rank uses it.
   bool exchange_twin{default_exchange_twin()};
 
+  /// `WM_TIMEOUT_S` if set, else 300 s. @throw wm::logic_error if `WM_TIMEOUT_S` is malformed
   [[nodiscard]] static std::chrono::milliseconds default_timeout()
   {
     if (char const* s = std::getenv("WM_TIMEOUT_S"); s != nullptr && *s != '\0') {
-      return std::chrono::milliseconds{static_cast<long long>(std::atof(s) * 1000.0)};
+      return detail::parse_timeout_seconds(s, "WM_TIMEOUT_S");
     }
     return std::chrono::seconds{300};
   }
@@ -312,4 +476,6 @@ class communicator {
 
 }  // namespace wm
 
+#include <wm/detail/comm/unique_id.hpp>
+#include <wm/detail/comm/node_channel.hpp>
 #include <wm/detail/comm/communicator.hpp>

@@ -10,6 +10,7 @@
  */
 #pragma once
 
+#include <wm/config.hpp>  // WM_HOST_DEVICE
 #include <wm/error.hpp>
 
 #include <algorithm>
@@ -20,12 +21,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#if defined(__CUDACC__)
-#define WM_HOST_DEVICE __host__ __device__
-#else
-#define WM_HOST_DEVICE
-#endif
 
 namespace wm {
 

@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <string>
@@ -557,13 +558,26 @@ TEST_CASE("ranks: the environment entry point joins a group through an id file",
   std::mt19937_64 rng{std::random_device{}()};
   auto const path = std::filesystem::temp_directory_path() /
                     ("wm-env-test-" + std::to_string(rng()) + ".id");
+  // A file left by an earlier run that died during bootstrap: well-formed, another job, an id
+  // whose NCCL root no longer exists. Taking it would hang the ranks until their timeout.
+  ncclUniqueId dead{};
+  for (auto& c : dead.internal) { c = static_cast<char>(rng()); }
+  {
+    std::ofstream stale{path};
+    stale << wm::detail::format_id_file(
+      {"earlier-run", wm::detail::unix_ms_now(), wm::unique_id::from_parts(rng(), dead).to_string()});
+  }
+  std::string const job = "this-run-" + std::to_string(rng());
   wm::detail::fork_ranks(
     n,
     [&](wm::detail::rank_context& ctx) {
+      ::setenv("WM_JOB_ID", job.c_str(), 1);
+      ::setenv("WM_TIMEOUT_S", "60", 1);
       ::setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
       ::setenv("WM_ID_FILE", path.c_str(), 1);
+      if (ctx.rank() == 0) { std::this_thread::sleep_for(std::chrono::milliseconds{500}); }  // others see the stale file
       auto comm = wm::communicator_from_env();
       RANK_REQUIRE(comm.rank() == ctx.rank() && comm.size() == n);
       RANK_REQUIRE(comm.device() == ctx.rank() % n);

@@ -78,7 +78,12 @@ inline communicator::state::~state()
         started = true;
       } catch (...) {  // no thread: abort, as after an error
       }
-      if (started && finalized.wait_for(timeout) != std::future_status::ready) {
+      // No limit: wait for the finalize (wait_for would overflow the clock's arithmetic).
+      bool const finished = started && (detail::unlimited(timeout)
+                                          ? (finalized.wait(), true)
+                                          : finalized.wait_until(detail::deadline_after(timeout)) ==
+                                              std::future_status::ready);
+      if (started && !finished) {
         hung  = true;
         clean = false;
       } else {
@@ -104,7 +109,7 @@ inline communicator::state::~state()
       ok                   = f == ncclSuccess || f == ncclInProgress;
     }
     if (ok) {
-      auto const deadline = detail::clock_type::now() + timeout;
+      auto const deadline = detail::deadline_after(timeout);
       ncclResult_t r      = ncclInProgress;
       while (ok) {
         if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) { r = ncclSystemError; }
@@ -231,7 +236,7 @@ inline void communicator::abort() noexcept
 
 inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) const
 {
-  auto const deadline = detail::clock_type::now() + s_->timeout;
+  auto const deadline = detail::deadline_after(s_->timeout);
   detail::backoff wait{std::chrono::microseconds{50}};
   while (true) {
     ncclResult_t r{};
@@ -256,7 +261,7 @@ inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) con
 
 inline void communicator::wait_stream(std::string_view what, cudaStream_t stream) const
 {
-  auto const deadline = detail::clock_type::now() + s_->timeout;
+  auto const deadline = detail::deadline_after(s_->timeout);
   detail::backoff wait{std::chrono::microseconds{20}};
   while (true) {
     cudaError_t const q = cudaStreamQuery(stream);

@@ -1,0 +1,323 @@
+// The CPU Adam of wm::zero_optimizer's host offload (issue 20, DESIGN.md §8): fp32 master
+// weights, m and v in host memory, fp32 or bf16 gradients in, fp32 master and (optionally) a bf16
+// copy out. Multi-threaded over a wm::detail::zero::thread_pool, vectorized with AVX-512 or
+// AVX2 + FMA chosen at run time (__builtin_cpu_supports), with a scalar fallback; each ISA can be
+// forced (the tests run every one the CPU has).
+//
+// The update is torch.optim.AdamW's documented algorithm (decoupled weight decay), or
+// torch.optim.Adam's (weight decay added to the gradient) with `decoupled = false`:
+//   g = grad · grad_scale                     (loss unscaling and clipping, folded by the caller)
+//   AdamW: w = w · (1 − lr·wd)    Adam: g = g + wd·w
+//   m = β1·m + (1 − β1)·g ;  v = β2·v + (1 − β2)·g²
+//   w = w − lr/(1 − β1^t) · m / (sqrt(v)/sqrt(1 − β2^t) + eps)     (eps added to sqrt(v̂))
+// No amsgrad, no maximize. bf16 rounding is to nearest even; NaN becomes 0x7fc0.
+//
+// Host-only; compiles with g++ and nvcc (the vector bodies carry target attributes, so the
+// translation unit needs no -mavx flags).
+#pragma once
+
+#include <wm/detail/zero/thread_pool.hpp>
+#include <wm/error.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define WM_ZERO_X86 1
+#else
+#define WM_ZERO_X86 0
+#endif
+
+namespace wm::detail::zero {
+
+/// Raw bits of a bfloat16 value.
+using bf16_bits = std::uint16_t;
+
+/// Instruction sets the CPU Adam has a body for.
+enum class cpu_isa : std::uint8_t { scalar, avx2, avx512 };
+
+[[nodiscard]] constexpr char const* name_of(cpu_isa isa) noexcept {
+  return isa == cpu_isa::avx512 ? "avx512" : isa == cpu_isa::avx2 ? "avx2" : "scalar";
+}
+
+/// Whether this CPU (and OS) runs @p isa's body.
+[[nodiscard]] inline bool cpu_supports(cpu_isa isa) noexcept {
+#if WM_ZERO_X86 && defined(__GNUC__)
+  switch (isa) {
+    case cpu_isa::avx512:
+      return __builtin_cpu_supports("avx512f");
+    case cpu_isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default:
+      return true;
+  }
+#else
+  return isa == cpu_isa::scalar;
+#endif
+}
+
+/// The widest ISA this CPU supports.
+[[nodiscard]] inline cpu_isa best_cpu_isa() noexcept {
+  if (cpu_supports(cpu_isa::avx512)) {
+    return cpu_isa::avx512;
+  }
+  if (cpu_supports(cpu_isa::avx2)) {
+    return cpu_isa::avx2;
+  }
+  return cpu_isa::scalar;
+}
+
+/// Hyper-parameters (torch.optim.AdamW's defaults).
+struct cpu_adam_options {
+  float beta1{0.9f};
+  float beta2{0.999f};
+  float eps{1e-8f};
+  float weight_decay{1e-2f};
+  bool decoupled{true};  ///< AdamW; false: torch.optim.Adam's L2 term added to the gradient
+};
+
+/// What changes from call to call.
+struct cpu_adam_step {
+  float lr{1e-3f};
+  std::int64_t step{1};    ///< 1-based step count of this update (bias correction)
+  float grad_scale{1.0f};  ///< gradients are multiplied by it first
+};
+
+/// One update's arrays, `n` elements each; `bf16_out` may be null. Grad is float or bf16_bits.
+template <class Grad>
+struct cpu_adam_arrays {
+  float* master{};
+  float* m{};
+  float* v{};
+  Grad const* grad{};
+  bf16_bits* bf16_out{};
+  std::size_t n{};
+};
+
+namespace cpu_adam_detail {
+
+/// Per-call constants, computed once in double.
+struct constants {
+  float b1, omb1, b2, omb2, eps, scale, step_size, inv_bc2_sqrt, decay, l2;
+};
+
+[[nodiscard]] inline constants make_constants(cpu_adam_options const& o, cpu_adam_step s) noexcept {
+  double const t = static_cast<double>(s.step);
+  double const bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), t);
+  double const bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), t);
+  double const lr = s.lr;
+  return {o.beta1,
+          static_cast<float>(1.0 - static_cast<double>(o.beta1)),
+          o.beta2,
+          static_cast<float>(1.0 - static_cast<double>(o.beta2)),
+          o.eps,
+          s.grad_scale,
+          static_cast<float>(lr / bc1),
+          static_cast<float>(1.0 / std::sqrt(bc2)),
+          static_cast<float>(1.0 - lr * static_cast<double>(o.weight_decay)),
+          o.weight_decay};
+}
+
+[[nodiscard]] inline float to_float(float g) noexcept {
+  return g;
+}
+[[nodiscard]] inline float to_float(bf16_bits g) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(g) << 16);
+}
+
+/// fp32 → bf16, round to nearest even; NaN → 0x7fc0.
+[[nodiscard]] inline bf16_bits to_bf16(float x) noexcept {
+  if (std::isnan(x)) {
+    return 0x7fc0;
+  }
+  std::uint32_t const b = std::bit_cast<std::uint32_t>(x);
+  return static_cast<bf16_bits>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+template <bool Decoupled, class Grad>
+void scalar_range(constants const& c, cpu_adam_arrays<Grad> const& a, std::size_t first,
+                  std::size_t last) noexcept {
+  for (std::size_t i = first; i < last; ++i) {
+    float g = to_float(a.grad[i]) * c.scale;
+    float w = a.master[i];
+    if constexpr (Decoupled) {
+      w *= c.decay;
+    } else {
+      g += c.l2 * w;
+    }
+    float const m = c.b1 * a.m[i] + c.omb1 * g;
+    float const v = c.b2 * a.v[i] + c.omb2 * (g * g);
+    float const denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
+    w -= c.step_size * (m / denom);
+    a.m[i] = m;
+    a.v[i] = v;
+    a.master[i] = w;
+    if (a.bf16_out != nullptr) {
+      a.bf16_out[i] = to_bf16(w);
+    }
+  }
+}
+
+#if WM_ZERO_X86
+
+// ---- AVX2 + FMA: 8 lanes ----
+__attribute__((target("avx2,fma"))) inline __m256 load8(float const* p) noexcept {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8(bf16_bits const* p) noexcept {
+  __m128i const h = _mm_loadu_si128(reinterpret_cast<__m128i const*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2,fma"))) inline void store8_bf16(bf16_bits* p, __m256 w) noexcept {
+  __m256i const b = _mm256_castps_si256(w);
+  __m256i const lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i const nan = _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  // 32 → 16 bits: pack within 128-bit lanes, then take quadwords 0 and 2.
+  __m256i const packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <bool Decoupled, class Grad>
+__attribute__((target("avx2,fma"))) void avx2_range(constants const& c,
+                                                    cpu_adam_arrays<Grad> const& a,
+                                                    std::size_t first, std::size_t last) noexcept {
+  __m256 const b1 = _mm256_set1_ps(c.b1), omb1 = _mm256_set1_ps(c.omb1);
+  __m256 const b2 = _mm256_set1_ps(c.b2), omb2 = _mm256_set1_ps(c.omb2);
+  __m256 const eps = _mm256_set1_ps(c.eps), scale = _mm256_set1_ps(c.scale);
+  __m256 const step = _mm256_set1_ps(c.step_size), ibc2 = _mm256_set1_ps(c.inv_bc2_sqrt);
+  __m256 const decay = _mm256_set1_ps(c.decay), l2 = _mm256_set1_ps(c.l2);
+  std::size_t i = first;
+  for (; i + 8 <= last; i += 8) {
+    __m256 g = _mm256_mul_ps(load8(a.grad + i), scale);
+    __m256 w = _mm256_loadu_ps(a.master + i);
+    if constexpr (Decoupled) {
+      w = _mm256_mul_ps(w, decay);
+    } else {
+      g = _mm256_fmadd_ps(l2, w, g);
+    }
+    __m256 const m = _mm256_fmadd_ps(b1, _mm256_loadu_ps(a.m + i), _mm256_mul_ps(omb1, g));
+    __m256 const v =
+        _mm256_fmadd_ps(b2, _mm256_loadu_ps(a.v + i), _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
+    __m256 const denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), ibc2, eps);
+    w = _mm256_fnmadd_ps(step, _mm256_div_ps(m, denom), w);
+    _mm256_storeu_ps(a.m + i, m);
+    _mm256_storeu_ps(a.v + i, v);
+    _mm256_storeu_ps(a.master + i, w);
+    if (a.bf16_out != nullptr) {
+      store8_bf16(a.bf16_out + i, w);
+    }
+  }
+  scalar_range<Decoupled>(c, a, i, last);
+}
+
+// ---- AVX-512F: 16 lanes ----
+__attribute__((target("avx512f"))) inline __m512 load16(float const* p) noexcept {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 load16(bf16_bits const* p) noexcept {
+  __m256i const h = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx512f"))) inline void store16_bf16(bf16_bits* p, __m512 w) noexcept {
+  __m512i const b = _mm512_castps_si512(w);
+  __m512i const lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __mmask16 const nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+template <bool Decoupled, class Grad>
+__attribute__((target("avx512f"))) void avx512_range(constants const& c,
+                                                     cpu_adam_arrays<Grad> const& a,
+                                                     std::size_t first, std::size_t last) noexcept {
+  __m512 const b1 = _mm512_set1_ps(c.b1), omb1 = _mm512_set1_ps(c.omb1);
+  __m512 const b2 = _mm512_set1_ps(c.b2), omb2 = _mm512_set1_ps(c.omb2);
+  __m512 const eps = _mm512_set1_ps(c.eps), scale = _mm512_set1_ps(c.scale);
+  __m512 const step = _mm512_set1_ps(c.step_size), ibc2 = _mm512_set1_ps(c.inv_bc2_sqrt);
+  __m512 const decay = _mm512_set1_ps(c.decay), l2 = _mm512_set1_ps(c.l2);
+  std::size_t i = first;
+  for (; i + 16 <= last; i += 16) {
+    __m512 g = _mm512_mul_ps(load16(a.grad + i), scale);
+    __m512 w = _mm512_loadu_ps(a.master + i);
+    if constexpr (Decoupled) {
+      w = _mm512_mul_ps(w, decay);
+    } else {
+      g = _mm512_fmadd_ps(l2, w, g);
+    }
+    __m512 const m = _mm512_fmadd_ps(b1, _mm512_loadu_ps(a.m + i), _mm512_mul_ps(omb1, g));
+    __m512 const v =
+        _mm512_fmadd_ps(b2, _mm512_loadu_ps(a.v + i), _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
+    __m512 const denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), ibc2, eps);
+    w = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), w);
+    _mm512_storeu_ps(a.m + i, m);
+    _mm512_storeu_ps(a.v + i, v);
+    _mm512_storeu_ps(a.master + i, w);
+    if (a.bf16_out != nullptr) {
+      store16_bf16(a.bf16_out + i, w);
+    }
+  }
+  scalar_range<Decoupled>(c, a, i, last);
+}
+
+#endif  // WM_ZERO_X86
+
+template <bool Decoupled, class Grad>
+void range(cpu_isa isa, constants const& c, cpu_adam_arrays<Grad> const& a, std::size_t first,
+           std::size_t last) noexcept {
+#if WM_ZERO_X86
+  if (isa == cpu_isa::avx512) {
+    return avx512_range<Decoupled>(c, a, first, last);
+  }
+  if (isa == cpu_isa::avx2) {
+    return avx2_range<Decoupled>(c, a, first, last);
+  }
+#endif
+  (void)isa;
+  scalar_range<Decoupled>(c, a, first, last);
+}
+
+}  // namespace cpu_adam_detail
+
+/**
+ * @brief One Adam/AdamW step over @p a's n elements, split in size() contiguous ranges (one per
+ * pool thread, boundaries on 64 elements) and run with @p isa's body.
+ * @throw wm::logic_error @p isa is not supported by this CPU, a required array is null, or
+ * step < 1.
+ */
+template <class Grad>
+void cpu_adam_update(cpu_adam_options const& opt, cpu_adam_step s, cpu_adam_arrays<Grad> const& a,
+                     thread_pool& pool, cpu_isa isa = best_cpu_isa()) {
+  static_assert(std::same_as<Grad, float> || std::same_as<Grad, bf16_bits>,
+                "gradients are float or bf16 bits");
+  WM_EXPECTS(cpu_supports(isa), "an instruction set this CPU supports");
+  WM_EXPECTS(s.step >= 1, "a 1-based Adam step count");
+  if (a.n == 0) {
+    return;
+  }
+  WM_EXPECTS(a.master != nullptr && a.m != nullptr && a.v != nullptr && a.grad != nullptr,
+             "master weights, m, v and gradients for every element");
+  auto const c = cpu_adam_detail::make_constants(opt, s);
+  std::size_t const tasks = std::min<std::size_t>(pool.size(), (a.n + 4095) / 4096);
+  std::size_t const blocks = (a.n + 63) / 64;
+  pool.run(tasks, [&](std::size_t t) {
+    std::size_t const first = std::min(a.n, blocks * t / tasks * 64);
+    std::size_t const last = std::min(a.n, blocks * (t + 1) / tasks * 64);
+    if (opt.decoupled) {
+      cpu_adam_detail::range<true>(isa, c, a, first, last);
+    } else {
+      cpu_adam_detail::range<false>(isa, c, a, first, last);
+    }
+  });
+}
+
+}  // namespace wm::detail::zero

@@ -1,0 +1,136 @@
+// A small persistent thread pool for host work of wm::zero_optimizer (the CPU Adam of the
+// offload path): `run(tasks, fn)` calls fn(task) for every task over the workers and the calling
+// thread and returns when all are done. Task k always runs on thread k mod size(), so memory a
+// caller first touches with the same split stays on the thread (and NUMA node) that uses it.
+// One caller at a time: `run` is not reentrant and two threads must not call it at once.
+// Host-only, no dependency beyond the standard library.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace wm::detail::zero {
+
+class thread_pool {
+ public:
+  /// A pool of @p threads threads in all, the caller's included (0: one per hardware thread).
+  explicit thread_pool(unsigned threads = 0) {
+    if (threads == 0) {
+      threads = std::max(1u, std::thread::hardware_concurrency());
+    }
+    workers_.reserve(threads - 1);
+    try {
+      for (unsigned i = 1; i < threads; ++i) {
+        workers_.emplace_back([this, i] { work_(i); });
+      }
+    } catch (...) {
+      stop_all_();
+      throw;
+    }
+  }
+  thread_pool(thread_pool const&) = delete;
+  thread_pool& operator=(thread_pool const&) = delete;
+  ~thread_pool() { stop_all_(); }
+
+  /// Threads in all, the caller's included.
+  [[nodiscard]] unsigned size() const noexcept {
+    return static_cast<unsigned>(workers_.size()) + 1;
+  }
+
+  /// Calls @p fn(task) for task in [0, tasks); task k on thread k mod size(). Rethrows the first
+  /// exception a task threw, after every task has ended.
+  template <class F>
+  void run(std::size_t tasks, F&& fn) {
+    if (tasks == 0) {
+      return;
+    }
+    auto call = [](void* ctx, std::size_t task) {
+      (*static_cast<std::remove_reference_t<F>*>(ctx))(task);
+    };
+    {
+      std::lock_guard lock{mu_};
+      call_ = call;
+      ctx_ = static_cast<void*>(&fn);
+      tasks_ = tasks;
+      pending_ = workers_.size();
+      error_ = nullptr;
+      ++generation_;
+    }
+    if (!workers_.empty()) {
+      wake_.notify_all();
+    }
+    run_share_(0);
+    std::unique_lock lock{mu_};
+    done_.wait(lock, [&] { return pending_ == 0; });
+    if (error_) {
+      std::rethrow_exception(std::exchange(error_, nullptr));
+    }
+  }
+
+ private:
+  void stop_all_() noexcept {
+    {
+      std::lock_guard lock{mu_};
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) {
+      t.join();
+    }
+  }
+
+  void run_share_(std::size_t thread) noexcept {
+    std::size_t const stride = workers_.size() + 1;
+    for (std::size_t t = thread; t < tasks_; t += stride) {
+      try {
+        call_(ctx_, t);
+      } catch (...) {
+        std::lock_guard lock{mu_};
+        if (!error_) {
+          error_ = std::current_exception();
+        }
+      }
+    }
+  }
+
+  void work_(std::size_t thread) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock lock{mu_};
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) {
+          return;
+        }
+        seen = generation_;
+      }
+      run_share_(thread);
+      std::lock_guard lock{mu_};
+      if (--pending_ == 0) {
+        done_.notify_one();
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  std::vector<std::thread> workers_;
+  void (*call_)(void*, std::size_t){};
+  void* ctx_{};
+  std::size_t tasks_{};
+  std::size_t pending_{};
+  std::uint64_t generation_{};
+  bool stop_{};
+  std::exception_ptr error_;
+};
+
+}  // namespace wm::detail::zero

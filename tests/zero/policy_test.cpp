@@ -1,0 +1,31 @@
+// Host tests: the ZeRO policy types of zero.cuh (no CUDA code in it, so the host compiler reads
+// it): stages 1 to 3 only, the offload policies, and the concepts that accept exactly them.
+#include <wm/zero.cuh>
+
+#include "catch.hpp"
+
+namespace {
+template <int N>
+concept stage_exists = requires {
+  typename wm::zero_stage<N>;
+};
+struct not_a_stage {
+  static constexpr int value = 2;
+};
+}  // namespace
+
+TEST_CASE("zero policies: stages 1 to 3, two offload kinds", "[host]") {
+  STATIC_REQUIRE(stage_exists<1>);
+  STATIC_REQUIRE(stage_exists<3>);
+  STATIC_REQUIRE(!stage_exists<0>);
+  STATIC_REQUIRE(!stage_exists<4>);
+  STATIC_REQUIRE(wm::zero_stage<2>::value == 2);
+  STATIC_REQUIRE(wm::zero_stage_policy<wm::zero_stage<1>>);
+  STATIC_REQUIRE(!wm::zero_stage_policy<not_a_stage>);
+  STATIC_REQUIRE(!wm::zero_stage_policy<int>);
+  STATIC_REQUIRE(wm::offload_policy<wm::no_offload>);
+  STATIC_REQUIRE(wm::offload_policy<wm::offload_host>);
+  STATIC_REQUIRE(!wm::offload_policy<wm::zero_stage<1>>);
+  STATIC_REQUIRE(wm::offload_host::host);
+  STATIC_REQUIRE(!wm::no_offload::host);
+}
