@@ -420,6 +420,15 @@ class communicator {
    */
   void abort() noexcept;
 
+  /**
+   * @brief A host-side agreement for teardown paths (collective, never throws): as
+   * `expect_same(what, args)`, but waiting at most @p limit (and at most the timeout). Returns
+   * true if every rank made it with the same @p what and @p args in time; otherwise aborts the
+   * communicator, so that no peer waits on this rank, and returns false.
+   */
+  [[nodiscard]] bool agree_within(std::string_view what, std::uint64_t args,
+                                  std::chrono::milliseconds limit) noexcept;
+
  private:
   // Shared state lives on the heap so that moving a communicator never moves what NCCL and
   // the channel refer to.

@@ -125,6 +125,10 @@ class embedding {
     detail::row_source<CachePolicy>::gather(weights_, indices, out, stream);
   }
 
+  /// Read-only rows for user kernels (see `wm::tensor_ref`): this rank's rows on every layout,
+  /// any row on mapped layouts; nothing can write through it.
+  [[nodiscard]] tensor_ref<T const, Layout, Mapping> ref() const noexcept { return weights_.ref(); }
+
   /**
    * @brief Backward + update (collective): `grads` has one dense row of `dim` values per index;
    * duplicates are summed; each touched row is updated once with @p lr. Synchronizes @p stream.

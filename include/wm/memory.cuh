@@ -11,11 +11,11 @@
  *
  * | | allocated by | how |
  * |---|---|---|
- * | continuous·device | each rank | driver VMM: `cuMemCreate`, fd export over the node channel, import, `cuMemMap` into one reserved range |
- * | chunked·device | each rank | `cudaMalloc` + CUDA IPC handles |
- * | continuous·host, chunked·host | first rank | `memfd_create` shared with every rank, `mmap` + `cudaHostRegister(Mapped)` |
- * | distributed·device | each rank | `cudaMalloc` |
- * | distributed·host | each rank | `cudaMallocHost` |
+ * | continuous·device | each rank | driver VMM: `cuMemCreate`, fd export over the node channel,
+ * import, `cuMemMap` into one reserved range | | chunked·device | each rank | `cudaMalloc` + CUDA
+ * IPC handles | | continuous·host, chunked·host | first rank | `memfd_create` shared with every
+ * rank, `mmap` + `cudaHostRegister(Mapped)` | | distributed·device | each rank | `cudaMalloc` | |
+ * distributed·host | each rank | `cudaMallocHost` |
  *
  * Mapped layouts (continuous, chunked) need every rank on one node; distributed works anywhere.
  * Views are trivially copyable and are passed to kernels by value. A view that a layout cannot
@@ -34,52 +34,77 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace wm {
 
+namespace detail {  // the resource types that allocate each kind (detail/memory/)
+class vmm_resource;
+class ipc_resource;
+class shared_host_resource;
+template <bool Host>
+class private_resource;
+template <class Location, class Layout>
+struct memory_impl;
+}  // namespace detail
+
 // ---- Policies ---------------------------------------------------------------------------------
+//
+// Each layout names, for each location, the resource type that allocates it (as cuco's storage
+// policies name their implementation): the pair is chosen at compile time and the code of each
+// kind lives in its own file under detail/memory/. The set is closed: `wm::location` and
+// `wm::layout` accept these five types and no other.
 
 /** @brief Location policy: pinned host memory, mapped into every GPU's address space. */
 struct host {
-  static constexpr bool is_host = true;
+  static constexpr bool is_host     = true;
   static constexpr char const* name = "host";
 };
 /** @brief Location policy: GPU memory. */
 struct device {
-  static constexpr bool is_host = false;
+  static constexpr bool is_host     = false;
   static constexpr char const* name = "device";
 };
 
 /** @brief Layout policy: one pointer reaches the whole memory on every rank. */
 struct continuous {
-  static constexpr bool mapped = true;
+  static constexpr bool mapped      = true;
   static constexpr char const* name = "continuous";
+  /// device: driver VMM, every rank's GPU memory mapped into one range; host: a shared memfd.
+  template <class Location>
+  using resource =
+      std::conditional_t<Location::is_host, detail::shared_host_resource, detail::vmm_resource>;
 };
 /** @brief Layout policy: every rank maps every rank's part; one pointer per rank. */
 struct chunked {
-  static constexpr bool mapped = true;
+  static constexpr bool mapped      = true;
   static constexpr char const* name = "chunked";
+  /// device: cudaMalloc + CUDA IPC handles; host: a shared memfd.
+  template <class Location>
+  using resource =
+      std::conditional_t<Location::is_host, detail::shared_host_resource, detail::ipc_resource>;
 };
 /** @brief Layout policy: each rank reaches only its own part. */
 struct distributed {
-  static constexpr bool mapped = false;
+  static constexpr bool mapped      = false;
   static constexpr char const* name = "distributed";
+  /// device: cudaMalloc; host: cudaMallocHost. No peer maps it.
+  template <class Location>
+  using resource = detail::private_resource<Location::is_host>;
 };
 
-/** @brief A memory location policy (`wm::host`, `wm::device`). */
+/** @brief A memory location policy: `wm::host` or `wm::device` (no other type). */
 template <class T>
-concept location = requires {
-  { T::is_host } -> std::convertible_to<bool>;
-  { T::name } -> std::convertible_to<char const*>;
-};
+concept location = std::same_as<T, host> || std::same_as<T, device>;
 
-/** @brief A memory layout (mapping strategy) policy (`wm::continuous`, `wm::chunked`, `wm::distributed`). */
+/**
+ * @brief A memory layout (mapping strategy) policy: `wm::continuous`, `wm::chunked` or
+ * `wm::distributed` (no other type: each one comes with its allocation code).
+ */
 template <class T>
-concept layout = requires {
-  { T::mapped } -> std::convertible_to<bool>;
-  { T::name } -> std::convertible_to<char const*>;
-};
+concept layout =
+    std::same_as<T, continuous> || std::same_as<T, chunked> || std::same_as<T, distributed>;
 
 /** @brief Layouts whose peers' parts are mapped on every rank (continuous, chunked). */
 template <class T>
@@ -89,29 +114,27 @@ concept mapped_layout = layout<T> && T::mapped;
 
 /** @brief This rank's own part; directly accessible from this rank's GPU (every layout). */
 struct local_view {
-  std::byte* data{};            ///< first byte of this rank's part (device-accessible)
-  std::size_t first_entry{};    ///< global index of the first local entry
-  std::size_t entries{};        ///< number of local entries
-  std::size_t granularity{};    ///< bytes per entry
+  std::byte* data{};          ///< first byte of this rank's part (device-accessible)
+  std::size_t first_entry{};  ///< global index of the first local entry
+  std::size_t entries{};      ///< number of local entries
+  std::size_t granularity{};  ///< bytes per entry
 
   [[nodiscard]] WM_HOST_DEVICE std::size_t bytes() const noexcept { return entries * granularity; }
   /// Address of global entry @p e, which must be local.
-  [[nodiscard]] WM_HOST_DEVICE std::byte* entry(std::size_t e) const noexcept
-  {
+  [[nodiscard]] WM_HOST_DEVICE std::byte* entry(std::size_t e) const noexcept {
     return data + (e - first_entry) * granularity;
   }
 };
 
 /** @brief Every rank's part through one pointer per rank (continuous and chunked layouts). */
 struct chunked_view {
-  std::byte* const* chunks{};   ///< device array: start of each rank's part (null if empty)
-  partition_ref partition{};    ///< which rank owns which entries (starts in device memory)
-  std::size_t granularity{};    ///< bytes per entry
+  std::byte* const* chunks{};  ///< device array: start of each rank's part (null if empty)
+  partition_ref partition{};   ///< which rank owns which entries (starts in device memory)
+  std::size_t granularity{};   ///< bytes per entry
 
 #if defined(__CUDACC__)
   /// Address of global entry @p e (device code).
-  [[nodiscard]] __device__ std::byte* entry(std::size_t e) const noexcept
-  {
+  [[nodiscard]] __device__ std::byte* entry(std::size_t e) const noexcept {
     int const r = partition.owner(e);
     return chunks[r] + (e - partition.begin(r)) * granularity;
   }
@@ -120,14 +143,13 @@ struct chunked_view {
 
 /** @brief The whole memory at one pointer (continuous layout). */
 struct continuous_view {
-  std::byte* data{};           ///< first byte of the whole memory
-  std::size_t entries{};       ///< total entries
-  std::size_t granularity{};   ///< bytes per entry
+  std::byte* data{};          ///< first byte of the whole memory
+  std::size_t entries{};      ///< total entries
+  std::size_t granularity{};  ///< bytes per entry
 
   [[nodiscard]] WM_HOST_DEVICE std::size_t bytes() const noexcept { return entries * granularity; }
   /// Address of global entry @p e.
-  [[nodiscard]] WM_HOST_DEVICE std::byte* entry(std::size_t e) const noexcept
-  {
+  [[nodiscard]] WM_HOST_DEVICE std::byte* entry(std::size_t e) const noexcept {
     return data + e * granularity;
   }
 };
@@ -139,10 +161,6 @@ struct index_range {
   [[nodiscard]] constexpr std::size_t size() const noexcept { return end - begin; }
   friend constexpr bool operator==(index_range, index_range) = default;
 };
-
-namespace detail {
-struct memory_resources;  // what one rank holds for one allocation (detail/memory/memory.hpp)
-}
 
 // ---- memory -----------------------------------------------------------------------------------
 
@@ -175,30 +193,34 @@ class memory {
   memory(communicator& comm, std::size_t total_bytes, std::size_t granularity = 1);
 
   /// As above, with rank r owning `entries_per_rank[r]` entries.
-  memory(communicator& comm,
-         std::size_t total_bytes,
-         std::size_t granularity,
+  memory(communicator& comm, std::size_t total_bytes, std::size_t granularity,
          std::span<std::size_t const> entries_per_rank);
 
   /// Deduction form: `wm::memory m{comm, bytes, granularity, wm::device{}, wm::chunked{}};`
   memory(communicator& comm, std::size_t total_bytes, std::size_t granularity, Location, Layout)
-    : memory(comm, total_bytes, granularity)
-  {
-  }
+      : memory(comm, total_bytes, granularity) {}
 
   memory(memory&&) noexcept;
   memory& operator=(memory&&) noexcept;
   memory(memory const&)            = delete;
   memory& operator=(memory const&) = delete;
-  /// Collective: frees mappings, handles, shared and registered memory. Never throws.
+  /**
+   * @brief Collective: frees mappings, handles, shared and registered memory. Never throws.
+   * The release barriers carry a descriptor of their own ("memory release"), never that of
+   * `communicator::barrier`. Destroyed by stack unwinding (this rank is failing), it waits for
+   * its peers at most 5 s (peers failing with it, after an error every rank saw, meet it at
+   * once and the communicator stays usable); when a peer does not reach its release in time
+   * (gone, busy elsewhere, or in another collective), the communicator is aborted, so that the
+   * peers' waits fail at once, and the memory is freed without waiting further.
+   */
   ~memory();
 
-  [[nodiscard]] std::size_t total_bytes() const noexcept;   ///< bytes in all
-  [[nodiscard]] std::size_t granularity() const noexcept;   ///< bytes per entry
-  [[nodiscard]] std::size_t entries() const noexcept;       ///< entries in all
+  [[nodiscard]] std::size_t total_bytes() const noexcept;           ///< bytes in all
+  [[nodiscard]] std::size_t granularity() const noexcept;           ///< bytes per entry
+  [[nodiscard]] std::size_t entries() const noexcept;               ///< entries in all
   [[nodiscard]] block_partition const& partition() const noexcept;  ///< who owns what
-  [[nodiscard]] int rank() const noexcept;   ///< this rank
-  [[nodiscard]] int world() const noexcept;  ///< number of ranks
+  [[nodiscard]] int rank() const noexcept;                          ///< this rank
+  [[nodiscard]] int world() const noexcept;                         ///< number of ranks
   /// Entries owned by @p rank.
   [[nodiscard]] index_range entry_range(int rank) const;
   /// Bytes owned by @p rank (offsets into the whole memory).
@@ -209,17 +231,15 @@ class memory {
   /// This rank's part (every layout).
   [[nodiscard]] wm::local_view local_view() const noexcept;
   /// Every rank's part, one pointer per rank (continuous and chunked only).
-  [[nodiscard]] wm::chunked_view chunked_view() const noexcept
-    requires mapped_layout<Layout>;
+  [[nodiscard]] wm::chunked_view chunked_view() const noexcept requires mapped_layout<Layout>;
   /// Start of @p rank's part as this rank's GPU addresses it, for host code that hands it to
   /// kernels (continuous and chunked only; null if that rank owns nothing).
-  [[nodiscard]] std::byte* part_data(int rank) const
-    requires mapped_layout<Layout>;
+  [[nodiscard]] std::byte* part_data(int rank) const requires mapped_layout<Layout>;
   /// The partition with its starts in device memory, for kernels (every layout).
   [[nodiscard]] partition_ref device_partition() const noexcept;
   /// The whole memory at one pointer (continuous only).
-  [[nodiscard]] wm::continuous_view continuous_view() const noexcept
-    requires std::same_as<Layout, continuous>;
+  [[nodiscard]] wm::continuous_view continuous_view()
+      const noexcept requires std::same_as<Layout, continuous>;
 
   /**
    * @brief Fills the memory from raw binary files, logically concatenated (collective).
@@ -242,11 +262,11 @@ class memory {
 
   /// The file names `store(prefix)` writes for @p world ranks.
   [[nodiscard]] static std::vector<std::filesystem::path> part_files(
-    std::filesystem::path const& prefix, int world);
+      std::filesystem::path const& prefix, int world);
 
  private:
   void release() noexcept;  // the collective part of destruction
-  std::unique_ptr<detail::memory_resources> r_;
+  std::unique_ptr<detail::memory_impl<Location, Layout>> r_;
 };
 
 template <location Location, layout Layout>

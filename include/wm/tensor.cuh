@@ -78,6 +78,62 @@ struct matrix_view {
   }
 };
 
+/**
+ * @brief A tensor as user kernels see it: trivially copyable, passed to kernels by value
+ * (`t.ref()`; `std::as_const(t).ref()` or `embedding::ref()` for a read-only one).
+ *
+ * Every layout offers this rank's rows, `local_row(l)`. Mapped layouts (continuous, chunked)
+ * also offer any row, `row(k)`, through the per-rank mappings and the tensor's mapping. On the
+ * distributed layout another rank's row needs an exchange (`tensor::gather`): `row(k)` does not
+ * exist there, and calling it does not compile. With `T const` every row is read-only.
+ *
+ * @tparam T element type; `const`-qualified for a read-only ref
+ * @tparam Layout, Mapping the tensor's
+ */
+template <class T, layout Layout, mapping Mapping>
+class tensor_ref {
+ public:
+  using value_type   = T;
+  using layout_type  = Layout;
+  using mapping_type = Mapping;
+
+  tensor_ref() = default;
+  /// Made by `tensor::ref()`. @p parts: device array of each rank's part (mapped layouts;
+  /// null otherwise); @p local: this rank's first row; @p map: the tensor's mapping.
+  tensor_ref(std::byte* const* parts, T* local, std::size_t local_rows, mapping_ref<Mapping> map,
+             std::size_t cols, std::size_t stride, int rank) noexcept;
+  /// The read-only form of a writable ref.
+  template <class U>
+  tensor_ref(
+      tensor_ref<U, Layout, Mapping> const& other) noexcept requires std::same_as<T, U const>;
+
+  [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept;        ///< rows in all
+  [[nodiscard]] WM_HOST_DEVICE std::size_t cols() const noexcept;        ///< elements per row
+  [[nodiscard]] WM_HOST_DEVICE std::size_t stride() const noexcept;      ///< elements between rows
+  [[nodiscard]] WM_HOST_DEVICE std::size_t local_rows() const noexcept;  ///< rows of this rank
+  [[nodiscard]] WM_HOST_DEVICE int rank() const noexcept;                ///< this rank
+  /// Owner rank and local row of global row @p k (k < rows()); mine if `rank == rank()`.
+  [[nodiscard]] WM_HOST_DEVICE row_location locate(std::size_t k) const noexcept;
+  /// This rank's local row @p l (l < local_rows()): `cols()` elements in memory this GPU reads.
+  [[nodiscard]] WM_HOST_DEVICE T* local_row(std::size_t l) const noexcept;
+#if defined(__CUDACC__)
+  /// Global row @p k (k < rows()), whichever rank owns it (mapped layouts only; device code).
+  [[nodiscard]] __device__ T* row(std::size_t k) const noexcept requires mapped_layout<Layout>;
+#endif
+
+ private:
+  template <class, layout, mapping>
+  friend class tensor_ref;
+
+  std::byte* const* parts_{};
+  T* local_{};
+  std::size_t local_rows_{};
+  mapping_ref<Mapping> map_{};
+  std::size_t cols_{};
+  std::size_t stride_{};
+  int rank_{};
+};
+
 /// How other ranks' rows reach a distributed gather (see `tensor::gather_path`).
 enum class row_path {
   undecided,  ///< no distributed gather has run yet (the first one decides, collectively)
@@ -100,8 +156,8 @@ struct exchange_scratch;  // workspaces, error state and ordering event (detail/
  * @tparam T element type (float, half, bfloat16, int32, int64, any trivially copyable type)
  * @tparam Location `wm::device` or `wm::host`
  * @tparam Layout `wm::continuous`, `wm::chunked` or `wm::distributed`
- * @tparam Mapping `wm::block` (contiguous row ranges; default) or `wm::cyclic` (row k on rank
- * k % world)
+ * @tparam Mapping `wm::block` (contiguous row ranges; default), `wm::cyclic` (row k on rank
+ * k % world), or any type satisfying `wm::mapping` (the tensor asks it where each row lives)
  */
 template <class T, location Location = device, layout Layout = chunked, mapping Mapping = block>
   requires std::is_trivially_copyable_v<T>
@@ -140,6 +196,15 @@ class tensor {
   [[nodiscard]] mapping_ref<Mapping> device_mapping() const noexcept { return map_ref(); }
   /// Where global row @p k lives (host-side helper).
   [[nodiscard]] row_location locate(std::size_t k) const;
+
+  /**
+   * @brief The tensor for user kernels (see `wm::tensor_ref`): this rank's rows on every
+   * layout, any row on mapped layouts. Valid while the tensor lives; writes through it are
+   * ordered with the tensor's own calls only by the streams the caller uses.
+   */
+  [[nodiscard]] tensor_ref<T, Layout, Mapping> ref() noexcept;
+  /// Read-only form of `ref()`.
+  [[nodiscard]] tensor_ref<T const, Layout, Mapping> ref() const noexcept;
 
   /**
    * @brief This rank's rows as a strided view (device-accessible). Block mapping: local row l is
@@ -219,4 +284,5 @@ class tensor {
 
 }  // namespace wm
 
+#include <wm/detail/tensor/ref.cuh>
 #include <wm/detail/tensor/tensor.cuh>

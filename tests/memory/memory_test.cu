@@ -6,6 +6,7 @@
 // with the descriptors, memfd mappings, GPU memory and pinned registrations it started with.
 #include "catch.hpp"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 #include <wm/wm.cuh>
 
@@ -18,11 +19,35 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+namespace policy_checks {
+
+// The policy sets are closed: a type that merely looks like a location or layout (the members
+// the old concepts asked for) is rejected, and so is a memory of it.
+struct foreign_location {
+  static constexpr bool is_host     = false;
+  static constexpr char const* name = "foreign";
+};
+struct foreign_layout {
+  static constexpr bool mapped      = false;
+  static constexpr char const* name = "foreign";
+};
+template <class L, class Y>
+concept memory_of = requires {
+  typename wm::memory<L, Y>;
+};
+static_assert(!wm::location<foreign_location> && !wm::layout<foreign_layout>);
+static_assert(memory_of<wm::device, wm::distributed> && memory_of<wm::host, wm::chunked>);
+static_assert(!memory_of<foreign_location, wm::chunked> && !memory_of<wm::device, foreign_layout>);
+
+}  // namespace policy_checks
 
 namespace {
 
@@ -49,6 +74,12 @@ static_assert(!std::is_copy_constructible_v<wm::memory<wm::device, wm::chunked>>
 static_assert(std::is_nothrow_move_constructible_v<wm::memory<wm::device, wm::chunked>>);
 static_assert(wm::location<wm::host> && wm::location<wm::device> && !wm::location<wm::chunked>);
 static_assert(wm::layout<wm::continuous> && wm::layout<wm::distributed> && !wm::layout<wm::host>);
+// Each pair selects its resource type at compile time.
+static_assert(std::is_same_v<wm::continuous::resource<wm::device>, wm::detail::vmm_resource>);
+static_assert(std::is_same_v<wm::chunked::resource<wm::device>, wm::detail::ipc_resource>);
+static_assert(std::is_same_v<wm::continuous::resource<wm::host>, wm::chunked::resource<wm::host>>);
+static_assert(std::is_same_v<wm::distributed::resource<wm::device>, wm::detail::device_resource>);
+static_assert(std::is_same_v<wm::distributed::resource<wm::host>, wm::detail::pinned_resource>);
 
 // ---- the pattern ------------------------------------------------------------------------------
 __host__ __device__ inline std::uint8_t pattern(std::size_t offset, int owner, std::uint32_t salt)
@@ -748,4 +779,153 @@ TEST_CASE("one rank: memory kinds, tensors and splits made and destroyed 20 time
 TEST_CASE("ranks: memory kinds, tensors and splits made and destroyed 20 times leak nothing", "[multi_gpu]")
 {
   create_and_destroy_everything(wm::local_device_count());
+}
+
+// ---- teardown after a failure (issue 16, item 5) ------------------------------------------------
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+template <class L, class Y>
+struct kind {
+  using location_type = L;
+  using layout_type   = Y;
+};
+using continuous_device  = kind<wm::device, wm::continuous>;
+using chunked_device     = kind<wm::device, wm::chunked>;
+using continuous_host    = kind<wm::host, wm::continuous>;
+using distributed_device = kind<wm::device, wm::distributed>;
+using distributed_host   = kind<wm::host, wm::distributed>;
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "ranked: memory destroyed by unwinding on every rank leaves the communicator usable",
+    "[ranked]", continuous_device, chunked_device, continuous_host, distributed_device,
+    distributed_host) {
+  using L    = typename TestType::location_type;
+  using Y    = typename TestType::layout_type;
+  auto& comm = wm_test::comm();
+  // A communicator of its own, so that a failure here leaves the program's one alone.
+  auto sub = comm.split(0, comm.rank());
+  REQUIRE(sub.valid());
+  std::size_t const gran = 64;
+  // Every rank fails together (as after an error every rank saw): the releases meet at once, and
+  // the communicator goes on.
+  for (int round = 0; round < 2; ++round) {
+    auto const t0 = clock_type::now();
+    bool caught   = false;
+    try {
+      wm::memory<L, Y> a{sub, gran * 1000, gran};
+      wm::memory<L, Y> b{sub, gran * 7, gran};
+      throw std::runtime_error{"every rank fails holding memory"};
+    } catch (std::runtime_error const&) { caught = true; }
+    CHECK(caught);
+    CHECK(seconds_since(t0) < 4.0);  // below the 5 s that a rank failing alone would wait
+    CHECK_NOTHROW(sub.barrier());
+  }
+  comm.barrier();
+}
+
+TEST_CASE("ranked: a rank that fails alone holding memory waits for its peers 5 s, not the timeout",
+          "[ranked][multi]") {
+  auto& comm = wm_test::comm();
+  auto sub   = comm.split(0, comm.rank());
+  REQUIRE(sub.valid());
+  double const limit = std::min(std::chrono::duration<double>(sub.timeout()).count(),
+                                5.0);  // what the release waits
+  {
+    wm::memory<wm::device, wm::chunked> a{sub, std::size_t{64} << 10, 64};
+    std::optional<wm::memory<wm::host, wm::continuous>> b;
+    b.emplace(sub, std::size_t{64} << 10, 64);
+    if (sub.rank() == 1) {
+      // The peers are busy elsewhere (sleeping, below) and do not come to the release: this rank
+      // gives up after the limit and aborts the communicator instead of sitting out the timeout.
+      auto const t0 = clock_type::now();
+      try {
+        wm::memory<wm::host, wm::continuous> held{std::move(*b)};
+        b.reset();  // moved from: nothing to release
+        throw std::runtime_error{"rank 1 fails alone"};
+      } catch (std::runtime_error const&) {}
+      double const took = seconds_since(t0);
+      INFO("the failing rank's release took " << took << " s, limit " << limit << " s");
+      CHECK(took >= 0.8 * limit);  // it did wait for its peers, up to the limit
+      CHECK(took < limit + 10.0);  // and no longer (the old release waited WM_TIMEOUT_S, 300 s)
+      CHECK_THROWS_AS(sub.barrier(), wm::comm_error);  // aborted
+    } else {
+      std::this_thread::sleep_for(std::chrono::duration<double>(limit + 3.0));
+      // The group cannot go on (rank 1 gave up on it): abort here too, so that this rank's
+      // releases below do not wait for rank 1 either.
+      sub.abort();
+    }
+  }  // every rank's remaining releases skip their barriers: the communicator is aborted
+  comm.barrier();
+}
+
+TEST_CASE("ranked: a release does not stand in for a peer's barrier", "[ranked][multi]") {
+  auto& comm = wm_test::comm();
+  auto sub   = comm.split(0, comm.rank());
+  REQUIRE(sub.valid());
+  std::optional<wm::memory<wm::device, wm::distributed>> m;
+  m.emplace(sub, std::size_t{64} * 100, 64);
+  if (sub.rank() == 1) {
+    // Rank 1 releases while the others call barrier(): with one descriptor for both, the release
+    // would satisfy their barrier and every rank would go on, out of step. Now every rank sees
+    // the mismatch; the release, which cannot throw, aborts the communicator.
+    auto const t0 = clock_type::now();
+    m.reset();
+    CHECK(seconds_since(t0) < 10.0);
+    CHECK_THROWS_AS(sub.barrier(), wm::comm_error);
+  } else {
+    std::string what;
+    try {
+      sub.barrier();
+    } catch (wm::comm_error const& e) { what = e.what(); }
+    INFO("barrier error: " << what);
+    CHECK(what.find("memory release") != std::string::npos);
+    sub.abort();  // this group cannot go on; the release below then skips its barrier
+    auto const t0 = clock_type::now();
+    m.reset();
+    CHECK(seconds_since(t0) < 10.0);
+  }
+  comm.barrier();
+}
+
+TEST_CASE("a rank that throws holding memory lets wm::launch report it within seconds",
+          "[multi_gpu]") {
+  int const n = wm::local_device_count();
+  // A failing test stays short: the old behaviour sat out this timeout on the throwing rank.
+  char const* old_timeout = std::getenv("WM_TIMEOUT_S");
+  std::string const saved = old_timeout != nullptr ? old_timeout : "";
+  ::setenv("WM_TIMEOUT_S", "60", 1);
+  auto const t0 = clock_type::now();
+  std::string error;
+  try {
+    wm::launch(n, [&](wm::communicator& comm) {
+      wm::memory<wm::device, wm::chunked> a{comm, std::size_t{64} << 20, 64};
+      wm::memory<wm::host, wm::continuous> b{comm, std::size_t{16} << 20, 64};
+      if (comm.rank() == 1) { throw std::runtime_error{"rank 1 fails holding memory"}; }
+      // The others wait for rank 1 in a device exchange, not in a host collective: a release
+      // barrier there would wait for the timeout.
+      std::byte* buf = nullptr;
+      WM_CUDA_TRY(cudaMalloc(&buf, 1));
+      wm::communicator::recv_part const from_1{1, buf, 1};
+      comm.send_recv({}, std::span{&from_1, 1}, cuda::stream_ref{cudaStreamLegacy});
+      comm.synchronize(cuda::stream_ref{cudaStreamLegacy}, "waiting for rank 1");
+    });
+  } catch (wm::launch_error const& e) { error = e.what(); }
+  double const took = seconds_since(t0);
+  if (old_timeout != nullptr) {
+    ::setenv("WM_TIMEOUT_S", saved.c_str(), 1);
+  } else {
+    ::unsetenv("WM_TIMEOUT_S");
+  }
+  INFO("launch error: " << error << "; took " << took << " s");
+  CHECK(error.find("rank 1 fails holding memory") != std::string::npos);
+  CHECK(took < 30.0);
 }

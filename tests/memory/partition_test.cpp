@@ -1,23 +1,21 @@
 // Host tests: the block partition plan, VMM chunk boundaries, file read plans and size checks.
-#include "catch.hpp"
-
 #include <wm/detail/memory/plan.hpp>
 #include <wm/partition.hpp>
 
 #include <random>
 #include <vector>
 
+#include "catch.hpp"
+
 namespace {
-std::vector<std::size_t> counts_of(wm::block_partition const& p)
-{
+std::vector<std::size_t> counts_of(wm::block_partition const& p) {
   std::vector<std::size_t> c;
   for (int r = 0; r < p.world(); ++r) { c.push_back(p.count(r)); }
   return c;
 }
 
 // Reference plan written from DESIGN.md's formula, entry by entry.
-void check_against_reference(std::size_t entries, int world, wm::block_partition const& p)
-{
+void check_against_reference(std::size_t entries, int world, wm::block_partition const& p) {
   std::size_t const per = (entries + world - 1) / world;
   for (int r = 0; r < world; ++r) {
     CHECK(p.begin(r) == std::min(r * per, entries));
@@ -31,8 +29,7 @@ void check_against_reference(std::size_t entries, int world, wm::block_partition
 }
 }  // namespace
 
-TEST_CASE("block partition follows the plan for 1 to 8 ranks", "[host]")
-{
+TEST_CASE("block partition follows the plan for 1 to 8 ranks", "[host]") {
   CHECK(counts_of(wm::block_partition{15, 4}) == std::vector<std::size_t>{4, 4, 4, 3});
   CHECK(counts_of(wm::block_partition{9, 8}) == std::vector<std::size_t>{2, 2, 2, 2, 1, 0, 0, 0});
   CHECK(counts_of(wm::block_partition{0, 3}) == std::vector<std::size_t>{0, 0, 0});
@@ -40,8 +37,9 @@ TEST_CASE("block partition follows the plan for 1 to 8 ranks", "[host]")
   CHECK(counts_of(wm::block_partition{16, 4}) == std::vector<std::size_t>{4, 4, 4, 4});
   std::mt19937_64 rng{std::random_device{}()};
   for (int world = 1; world <= 8; ++world) {
-    for (std::size_t entries : {std::size_t{0}, std::size_t{1}, std::size_t(world), std::size_t(world) * 7 + 3,
-                                std::size_t(rng() % 100000), std::size_t{1} << 40}) {
+    for (std::size_t entries :
+         {std::size_t{0}, std::size_t{1}, std::size_t(world), std::size_t(world) * 7 + 3,
+          std::size_t(rng() % 100000), std::size_t{1} << 40}) {
       wm::block_partition const p{entries, world};
       check_against_reference(entries, world, p);
       CHECK(p.end(world - 1) == entries);
@@ -51,8 +49,7 @@ TEST_CASE("block partition follows the plan for 1 to 8 ranks", "[host]")
   CHECK_THROWS_AS((wm::block_partition{15, 4}.owner(15)), wm::logic_error);
 }
 
-TEST_CASE("a user-given entry list replaces the plan", "[host]")
-{
+TEST_CASE("a user-given entry list replaces the plan", "[host]") {
   std::vector<std::size_t> const counts{0, 5, 0, 2};
   wm::block_partition const p{7, 4, counts};
   CHECK(counts_of(p) == counts);
@@ -63,17 +60,31 @@ TEST_CASE("a user-given entry list replaces the plan", "[host]")
   std::vector<std::size_t> const first_only{3, 0, 0};
   wm::block_partition const q{3, 3, first_only};
   for (std::size_t e = 0; e < 3; ++e) { CHECK(q.owner(e) == 0); }
-  CHECK_THROWS_AS((wm::block_partition{8, 4, counts}), wm::logic_error);    // sum differs
-  CHECK_THROWS_AS((wm::block_partition{7, 3, counts}), wm::logic_error);    // wrong length
+  // A list equal to the default plan is the default plan (owner() divides instead of searching).
+  for (int world = 1; world <= 8; ++world) {
+    for (std::size_t entries :
+         {std::size_t{0}, std::size_t{1}, std::size_t{9}, std::size_t{15}, std::size_t{1000}}) {
+      wm::block_partition const plan{entries, world};
+      wm::block_partition const listed{entries, world, wm::block::counts(entries, world)};
+      CHECK(listed == plan);
+      CHECK(listed.per_rank() == plan.per_rank());
+      CHECK(listed.per_rank() > 0);
+    }
+  }
+  std::vector<std::size_t> const almost{4, 4, 3, 4};  // not the plan of 15 over 4
+  CHECK(wm::block_partition{15, 4, almost}.per_rank() == 0);
+  CHECK(wm::block_partition{15, 4, almost}.owner(11) == 3);
+  CHECK_THROWS_AS((wm::block_partition{8, 4, counts}), wm::logic_error);  // sum differs
+  CHECK_THROWS_AS((wm::block_partition{7, 3, counts}), wm::logic_error);  // wrong length
 }
 
-TEST_CASE("VMM chunk boundaries are granule-aligned and follow the partition", "[host]")
-{
+TEST_CASE("VMM chunk boundaries are granule-aligned and follow the partition", "[host]") {
   std::size_t const G = std::size_t{2} << 20;
   for (int world = 1; world <= 8; ++world) {
-    for (std::size_t gran : {std::size_t{1}, std::size_t{12}, std::size_t{1000}, std::size_t{4096}}) {
-      for (std::size_t entries : {std::size_t{0}, std::size_t{1}, std::size_t{9}, std::size_t{123457},
-                                  std::size_t{10'000'019}}) {
+    for (std::size_t gran :
+         {std::size_t{1}, std::size_t{12}, std::size_t{1000}, std::size_t{4096}}) {
+      for (std::size_t entries : {std::size_t{0}, std::size_t{1}, std::size_t{9},
+                                  std::size_t{123457}, std::size_t{10'000'019}}) {
         wm::block_partition const p{entries, world};
         auto const total = entries * gran;
         auto const b     = wm::detail::vmm_boundaries(p.starts(), gran, G, total);
@@ -95,8 +106,7 @@ TEST_CASE("VMM chunk boundaries are granule-aligned and follow the partition", "
   }
 }
 
-TEST_CASE("file lists are read as one concatenated range", "[host]")
-{
+TEST_CASE("file lists are read as one concatenated range", "[host]") {
   std::vector<std::uint64_t> const sizes{10, 0, 5, 20};
   using seg = wm::detail::file_segment;
   CHECK(wm::detail::plan_reads(sizes, 0, 35) ==
@@ -130,8 +140,7 @@ TEST_CASE("file lists are read as one concatenated range", "[host]")
   }
 }
 
-TEST_CASE("file sizes must fit the memory and its granularity", "[host]")
-{
+TEST_CASE("file sizes must fit the memory and its granularity", "[host]") {
   std::vector<std::string> const names{"a.bin", "b.bin"};
   std::vector<std::uint64_t> ok{24, 12};
   CHECK(wm::detail::check_file_sizes(ok, names, 36, 12).empty());
@@ -143,8 +152,7 @@ TEST_CASE("file sizes must fit the memory and its granularity", "[host]")
 #include <filesystem>
 #include <fstream>
 
-TEST_CASE("files are checked and read as one concatenated byte range", "[host]")
-{
+TEST_CASE("files are checked and read as one concatenated byte range", "[host]") {
   namespace fs = std::filesystem;
   std::mt19937_64 rng{std::random_device{}()};
   auto const dir = fs::temp_directory_path() / ("wm-files-test-" + std::to_string(rng()));
@@ -186,7 +194,8 @@ TEST_CASE("files are checked and read as one concatenated byte range", "[host]")
   std::vector<std::uint64_t> lying = sizes;
   lying.back() += gran;
   std::vector<std::byte> buf(all.size() + gran);
-  CHECK_THROWS_AS(wm::detail::read_concatenated(files, lying, 0, all.size() + gran, buf.data()), wm::io_error);
+  CHECK_THROWS_AS(wm::detail::read_concatenated(files, lying, 0, all.size() + gran, buf.data()),
+                  wm::io_error);
   // Row pieces cover the largest rank's share.
   CHECK(wm::detail::row_pieces(0, 4, 10) == 0);
   CHECK(wm::detail::row_pieces(15, 4, 4) == 1);

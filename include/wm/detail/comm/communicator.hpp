@@ -518,4 +518,18 @@ inline communicator communicator::split(int color, int key)
   return child;
 }
 
+inline bool communicator::agree_within(std::string_view what, std::uint64_t args,
+                                       std::chrono::milliseconds limit) noexcept {
+  if (s_ == nullptr) { return false; }
+  auto const saved = s_->timeout;
+  s_->timeout      = std::min(saved, limit);  // every wait below takes its deadline from it
+  bool agreed      = true;
+  try {
+    (void)exchange(what, args, {});
+  } catch (...) { agreed = false; }
+  s_->timeout = saved;
+  if (!agreed) { abort(); }
+  return agreed;
+}
+
 }  // namespace wm

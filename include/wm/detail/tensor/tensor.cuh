@@ -34,12 +34,8 @@ tensor<T, Location, Layout, Mapping>::tensor(communicator& comm, std::size_t row
       WM_EXPECTS(stride == 0 || stride >= cols, "the row stride (" + std::to_string(stride) +
                                                   ") must be at least the row width (" + std::to_string(cols) + ")");
       std::size_t const s = stride == 0 ? cols : stride;
-      if constexpr (std::same_as<Mapping, block>) {
-        return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T)};
-      } else {
-        auto const counts = Mapping::counts(rows, comm.size());
-        return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T), counts};
-      }
+      auto const counts = Mapping::counts(rows, comm.size());  // the mapping sizes the parts
+      return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T), counts};
     }()},
     scratch_{std::make_unique<detail::exchange_scratch>(comm, std::same_as<Layout, distributed>)}
 {
@@ -79,11 +75,7 @@ template <class T, location Location, layout Layout, mapping Mapping>
   requires std::is_trivially_copyable_v<T>
 mapping_ref<Mapping> tensor<T, Location, Layout, Mapping>::map_ref() const noexcept
 {
-  if constexpr (std::same_as<Mapping, block>) {
-    return mapping_ref<block>{mem_.device_partition()};
-  } else {
-    return mapping_ref<cyclic>{rows_, comm_->size()};
-  }
+  return make_mapping_ref<Mapping>(mem_.device_partition());
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -91,13 +83,8 @@ template <class T, location Location, layout Layout, mapping Mapping>
 row_location tensor<T, Location, Layout, Mapping>::locate(std::size_t k) const
 {
   WM_EXPECTS(k < rows_, "row " + std::to_string(k) + " is out of range [0, " + std::to_string(rows_) + ")");
-  if constexpr (std::same_as<Mapping, block>) {
-    int const r = mem_.partition().owner(k);
-    return {r, k - mem_.partition().begin(r)};
-  } else {
-    auto const w = static_cast<std::size_t>(comm_->size());
-    return {static_cast<int>(k % w), k / w};
-  }
+  auto const& p = mem_.partition();
+  return make_mapping_ref<Mapping>(p.ref(p.starts().data())).locate(k);  // host starts
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -161,7 +148,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
       // (seen with 4 ranks: chunked gathers at 0.59 of the peer-copy floor, continuous ones at
       // 0.87). Host rows have one home: nothing to spread. Rotated rows must fit in Index.
       std::size_t start = 0;
-      if constexpr (std::same_as<Mapping, block> && !Location::is_host) {
+      if constexpr (contiguous_mapping<Mapping> && !Location::is_host) {
         if (rows_ > 0 && rows_ <= static_cast<std::size_t>(std::numeric_limits<Index>::max())) {
           start = mem_.entry_range((comm_->rank() + 1) % comm_->size()).begin % rows_;
         }
