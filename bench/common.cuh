@@ -99,9 +99,7 @@ template <class F>
 std::vector<float> event_times_ms(F const& enqueue, int warmups,
                                   std::span<cudaEvent_t const> events, cudaStream_t stream,
                                   wm::communicator& comm) {
-  for (int i = 0; i < warmups; ++i) {
-    enqueue();
-  }
+  for (int i = 0; i < warmups; ++i) { enqueue(); }
   WM_CUDA_TRY(cudaStreamSynchronize(stream));
   comm.barrier();
   std::size_t const runs = events.size() / 2;
@@ -131,15 +129,13 @@ struct peer_result {
 /// ../../bench beside the executable, or bench/ under the working directory; empty if none.
 inline fs::path peer_script(char const* name) {
   std::error_code ec;
-  char const* repo = std::getenv("WM_REPO");
+  char const* repo      = std::getenv("WM_REPO");
   fs::path const script = fs::path{"peers"} / name;
   for (fs::path const& dir :
        {repo != nullptr && *repo != '\0' ? fs::path{repo} / "bench" : fs::path{},
         fs::path{__FILE__}.parent_path(),
         fs::read_symlink("/proc/self/exe", ec).parent_path() / "../../bench", fs::path{"bench"}}) {
-    if (!dir.empty() && fs::is_regular_file(dir / script, ec)) {
-      return dir / script;
-    }
+    if (!dir.empty() && fs::is_regular_file(dir / script, ec)) { return dir / script; }
   }
   return {};
 }
@@ -177,7 +173,7 @@ inline void run_peer(std::string const& cmd, peer_result& p) {
   int const status = pipe == nullptr ? -1 : ::pclose(pipe);
   if (status != 0 || p.json.empty()) {
     p.failed = true;
-    p.note = "torch peer FAILED (exit status " +
+    p.note   = "torch peer FAILED (exit status " +
              std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
              ", 124 = timeout; its stderr is above)";
   }
@@ -186,11 +182,9 @@ inline void run_peer(std::string const& cmd, peer_result& p) {
 /// The number after "key": in a JSON line (NaN if absent or null).
 inline double json_number(std::string const& line, std::string const& key) {
   auto const at = line.find('"' + key + "\":");
-  if (at == std::string::npos) {
-    return std::numeric_limits<double>::quiet_NaN();
-  }
-  char const* s = line.c_str() + at + key.size() + 3;
-  char* end = nullptr;
+  if (at == std::string::npos) { return std::numeric_limits<double>::quiet_NaN(); }
+  char const* s  = line.c_str() + at + key.size() + 3;
+  char* end      = nullptr;
   double const v = std::strtod(s, &end);
   return end == s ? std::numeric_limits<double>::quiet_NaN() : v;
 }

@@ -53,9 +53,7 @@ std::pair<std::size_t, std::size_t> part(std::size_t n, std::size_t parts, std::
 
 template <class F>
 double median_ms(int reps, F&& f) {
-  for (int i = 0; i < 2; ++i) {
-    f();
-  }
+  for (int i = 0; i < 2; ++i) { f(); }
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     auto const t0 = std::chrono::steady_clock::now();
@@ -69,18 +67,18 @@ double median_ms(int reps, F&& f) {
 
 double json_number(std::string const& line, char const* key) {
   std::string const k = std::string{"\""} + key + "\":";
-  auto const at = line.find(k);
+  auto const at       = line.find(k);
   return at == std::string::npos ? -1.0 : std::atof(line.c_str() + at + k.size());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::size_t n = std::size_t{1} << 27;
+  std::size_t n    = std::size_t{1} << 27;
   unsigned threads = 0;
-  int reps = 10;
-  bool all_isas = true;
-  bool peer = false;
+  int reps         = 10;
+  bool all_isas    = true;
+  bool peer        = false;
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
     if (a == "--params" && i + 1 < argc) {
@@ -104,35 +102,35 @@ int main(int argc, char** argv) {
   std::size_t const parts = pool.size();
 
   // Buffers, first touched by the thread that updates them.
-  auto master = allocate<float>(n);
-  auto m = allocate<float>(n);
-  auto v = allocate<float>(n);
-  auto grad = allocate<float>(n);
-  auto grad16 = allocate<z::bf16_bits>(n);
-  auto out16 = allocate<z::bf16_bits>(n);
+  auto master                  = allocate<float>(n);
+  auto m                       = allocate<float>(n);
+  auto v                       = allocate<float>(n);
+  auto grad                    = allocate<float>(n);
+  auto grad16                  = allocate<z::bf16_bits>(n);
+  auto out16                   = allocate<z::bf16_bits>(n);
   std::size_t const copy_bytes = 14 * n;
-  auto copy_src = allocate<char>(copy_bytes);
-  auto copy_dst = allocate<char>(copy_bytes);
+  auto copy_src                = allocate<char>(copy_bytes);
+  auto copy_dst                = allocate<char>(copy_bytes);
   pool.run(parts, [&](std::size_t t) {
     auto const [first, last] = part(n, parts, t);
     std::mt19937 rng{static_cast<unsigned>(t) + 1};
     std::uniform_real_distribution<float> d{-1.0f, 1.0f};
     for (std::size_t i = first; i < last; ++i) {
       master[i] = d(rng);
-      m[i] = 0.0f;
-      v[i] = 0.0f;
-      grad[i] = 1e-3f * d(rng);
+      m[i]      = 0.0f;
+      v[i]      = 0.0f;
+      grad[i]   = 1e-3f * d(rng);
       std::uint32_t b;
       std::memcpy(&b, &grad[i], 4);
       grad16[i] = static_cast<z::bf16_bits>(b >> 16);
-      out16[i] = 0;
+      out16[i]  = 0;
     }
     auto const [cf, cl] = part(copy_bytes, parts, t);
     std::memset(copy_src.get() + cf, 1, cl - cf);
     std::memset(copy_dst.get() + cf, 0, cl - cf);
   });
 
-  double const copy_ms = median_ms(reps, [&] {
+  double const copy_ms  = median_ms(reps, [&] {
     pool.run(parts, [&](std::size_t t) {
       auto const [cf, cl] = part(copy_bytes, parts, t);
       std::memcpy(copy_dst.get() + cf, copy_src.get() + cf, cl - cf);
@@ -141,19 +139,17 @@ int main(int argc, char** argv) {
   double const copy_gbs = 2.0 * static_cast<double>(copy_bytes) / (copy_ms * 1e6);
   // The same bytes read and written in place (as Adam does with master, m and v): no
   // read-for-ownership of a destination, whatever memcpy's store strategy is.
-  auto* words = reinterpret_cast<std::uint32_t*>(copy_src.get());
+  auto* words                  = reinterpret_cast<std::uint32_t*>(copy_src.get());
   std::size_t const word_count = copy_bytes / 4;
-  double const sweep_ms = median_ms(reps, [&] {
+  double const sweep_ms        = median_ms(reps, [&] {
     pool.run(parts, [&](std::size_t t) {
       auto const [first, last] = part(word_count, parts, t);
-      for (std::size_t i = first; i < last; ++i) {
-        words[i] += 1u;
-      }
+      for (std::size_t i = first; i < last; ++i) { words[i] += 1u; }
     });
   });
-  double const sweep_gbs = 2.0 * static_cast<double>(word_count * 4) / (sweep_ms * 1e6);
-  double const limit_gbs = std::max(copy_gbs, sweep_gbs);
-  double const bound = limit_gbs * 1e9 / 28.0;  // params/s the host memory allows
+  double const sweep_gbs       = 2.0 * static_cast<double>(word_count * 4) / (sweep_ms * 1e6);
+  double const limit_gbs       = std::max(copy_gbs, sweep_gbs);
+  double const bound           = limit_gbs * 1e9 / 28.0;  // params/s the host memory allows
 
   std::printf("cpu_adam_bench: %zu parameters, %u threads, best ISA %s, median of %d\n", n,
               pool.size(), z::name_of(z::best_cpu_isa()), reps);
@@ -168,15 +164,11 @@ int main(int argc, char** argv) {
   z::cpu_adam_options const opt;  // AdamW defaults: wd 0.01, eps 1e-8
   double best_fp32 = 0.0;
   for (auto isa : {z::cpu_isa::avx512, z::cpu_isa::avx2, z::cpu_isa::scalar}) {
-    if (!z::cpu_supports(isa)) {
-      continue;
-    }
-    if (!all_isas && isa != z::best_cpu_isa()) {
-      continue;
-    }
+    if (!z::cpu_supports(isa)) { continue; }
+    if (!all_isas && isa != z::best_cpu_isa()) { continue; }
     for (int mode = 0; mode < 2; ++mode) {
       std::int64_t step = 0;
-      double ms = 0.0;
+      double ms         = 0.0;
       if (mode == 0) {
         z::cpu_adam_arrays<float> const a{master.get(), m.get(), v.get(), grad.get(), nullptr, n};
         ms = median_ms(reps, [&] { z::cpu_adam_update(opt, {1e-3f, ++step, 1.0f}, a, pool, isa); });
@@ -186,9 +178,7 @@ int main(int argc, char** argv) {
         ms = median_ms(reps, [&] { z::cpu_adam_update(opt, {1e-3f, ++step, 1.0f}, a, pool, isa); });
       }
       double const pps = static_cast<double>(n) / (ms * 1e-3);
-      if (mode == 0) {
-        best_fp32 = std::max(best_fp32, pps);
-      }
+      if (mode == 0) { best_fp32 = std::max(best_fp32, pps); }
       std::printf("| %s | %s | %.2f | %.3f | %.1f | %.2f |\n",
                   mode == 0 ? "AdamW fp32 grad, fp32 out" : "AdamW bf16 grad, fp32 + bf16 out",
                   z::name_of(isa), ms, pps / 1e9, pps * 28.0 / 1e9, pps / bound);
@@ -202,7 +192,7 @@ int main(int argc, char** argv) {
     if (!std::filesystem::exists(script)) {
       std::string s = __FILE__;
       auto const at = s.rfind('/');
-      script = (at == std::string::npos ? std::string{"."} : s.substr(0, at)) +
+      script        = (at == std::string::npos ? std::string{"."} : s.substr(0, at)) +
                "/peers/torch_cpu_adam.py";
     }
     std::string const cmd = "python3 " + script + " --json --params " + std::to_string(n) +
@@ -217,18 +207,16 @@ int main(int argc, char** argv) {
     }
     {
       char line[4096];
-      while (std::fgets(line, sizeof line, p) != nullptr) {
-        last = line;
-      }
+      while (std::fgets(line, sizeof line, p) != nullptr) { last = line; }
       int const rc = ::pclose(p);
       if (rc != 0 || last.find('{') == std::string::npos) {
         std::printf("torch peer: failed (exit %d): %s\n", rc, cmd.c_str());
         return 0;
       }
     }
-    double const fused = json_number(last, "fused");
+    double const fused    = json_number(last, "fused");
     double const foreach_ = json_number(last, "foreach");
-    double const plain = json_number(last, "default");
+    double const plain    = json_number(last, "default");
     std::printf(
         "torch CPU AdamW (same size, %u threads): default %.3f, foreach %.3f, fused %.3f "
         "Gparams/s\n",

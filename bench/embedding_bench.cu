@@ -72,19 +72,19 @@ using wm_bench::median;
 using wm_bench::peer_result;
 using clock_type = std::chrono::steady_clock;
 
-constexpr std::size_t gib = std::size_t{1} << 30;
+constexpr std::size_t gib        = std::size_t{1} << 30;
 constexpr std::size_t table_rows = 10'000'000;
-constexpr std::size_t dim = 128;
-constexpr std::size_t row_bytes = dim * sizeof(float);
-constexpr std::size_t batch = 1'000'000;  // keys per rank per step
-constexpr double zipf_alpha = 1.05;
-constexpr std::uint64_t scatter = 7'368'787;  // odd, not a multiple of 5: a bijection mod 10M
-constexpr float lr = 0.01f;
-constexpr int warmups = 2;
-constexpr int reps = 10;
-constexpr int threads = 256;
-constexpr int max_cases = 64;
-constexpr double nan = std::numeric_limits<double>::quiet_NaN();
+constexpr std::size_t dim        = 128;
+constexpr std::size_t row_bytes  = dim * sizeof(float);
+constexpr std::size_t batch      = 1'000'000;  // keys per rank per step
+constexpr double zipf_alpha      = 1.05;
+constexpr std::uint64_t scatter  = 7'368'787;  // odd, not a multiple of 5: a bijection mod 10M
+constexpr float lr               = 0.01f;
+constexpr int warmups            = 2;
+constexpr int reps               = 10;
+constexpr int threads            = 256;
+constexpr int max_cases          = 64;
+constexpr double nan             = std::numeric_limits<double>::quiet_NaN();
 
 enum dist { uniform = 0, zipf = 1 };
 constexpr char const* dist_names[] = {"uniform", "zipf"};
@@ -170,9 +170,7 @@ key_sets make_keys(int ranks) {
       for (std::size_t i = 0; i < all.size(); ++i) {
         run = i > 0 && all[i] == all[i - 1] ? run + 1 : 1;
         distinct += run == 1 ? 1 : 0;
-        if (rank == 0) {
-          s.hottest[d] = std::max(s.hottest[d], run);
-        }
+        if (rank == 0) { s.hottest[d] = std::max(s.hottest[d], run); }
       }
       s.uniq[d].push_back(distinct);
     }
@@ -206,28 +204,22 @@ class bench {
     WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()));
     blocks_ = 8 * sms;
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    for (auto& e : events_) {
-      WM_CUDA_TRY(cudaEventCreate(&e));
-    }
+    for (auto& e : events_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
     cudaDeviceProp prop{};
     WM_CUDA_TRY(cudaGetDeviceProperties(&prop, comm.device()));
-    if (comm.rank() == 0) {
-      std::snprintf(res_.gpu, sizeof res_.gpu, "%s", prop.name);
-    }
-    idx_ = allocate<std::int64_t>(batch);
+    if (comm.rank() == 0) { std::snprintf(res_.gpu, sizeof res_.gpu, "%s", prop.name); }
+    idx_   = allocate<std::int64_t>(batch);
     grads_ = allocate<float>(batch * dim);
-    out_ = allocate<float>(batch * dim);
+    out_   = allocate<float>(batch * dim);
     grad_kernel<<<blocks_, threads, 0, stream_>>>(grads_.get(), batch * dim, 77 + comm.rank());
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(cudaStreamSynchronize(stream_));
   }
-  bench(bench const&) = delete;
+  bench(bench const&)            = delete;
   bench& operator=(bench const&) = delete;
   ~bench() {
     (void)cudaStreamSynchronize(stream_);
-    for (auto e : events_) {
-      (void)cudaEventDestroy(e);
-    }
+    for (auto e : events_) { (void)cudaEventDestroy(e); }
     (void)cudaStreamDestroy(stream_);
   }
 
@@ -239,8 +231,8 @@ class bench {
       WM_CUDA_TRY(
           cudaMemcpyAsync(dst.get(), src.get(), 2 * gib, cudaMemcpyDeviceToDevice, stream_));
     });
-    auto const all = comm_.all_gather(2.0 * double(2 * gib) / ms / 1e6);
-    copy_gbps_ = *std::min_element(all.begin(), all.end());
+    auto const all  = comm_.all_gather(2.0 * double(2 * gib) / ms / 1e6);
+    copy_gbps_      = *std::min_element(all.begin(), all.end());
   }
 
   /// One table with optimizer @p opt: the sanity step, then each key distribution in @p dists.
@@ -269,20 +261,18 @@ class bench {
           apply.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
         }
       }
-      auto const steps = comm_.all_gather(median(step));
+      auto const steps   = comm_.all_gather(median(step));
       auto const applies = comm_.all_gather(median(apply));
-      if (comm_.rank() != 0 || res_.count >= max_cases) {
-        continue;
-      }
+      if (comm_.rank() != 0 || res_.count >= max_cases) { continue; }
       case_result& c = res_.cases[res_.count++];
       std::snprintf(c.opt, sizeof c.opt, "%s", Opt::name);
-      c.d = d;
-      c.gpus = comm_.size();
-      c.states = Opt::states;
-      c.step_ms = *std::max_element(steps.begin(), steps.end());
-      c.apply_ms = *std::max_element(applies.begin(), applies.end());
+      c.d         = d;
+      c.gpus      = comm_.size();
+      c.states    = Opt::states;
+      c.step_ms   = *std::max_element(steps.begin(), steps.end());
+      c.apply_ms  = *std::max_element(applies.begin(), applies.end());
       c.copy_gbps = copy_gbps_;
-      c.uniq = keys_.uniq[d][comm_.size() - 1];
+      c.uniq      = keys_.uniq[d][comm_.size() - 1];
       std::printf("embedding_bench: %d GPU %-8s %-8s %8.3f ms/step, apply %8.3f ms\n", c.gpus,
                   c.opt, dist_names[d], c.step_ms, c.apply_ms);
       std::fflush(stdout);
@@ -317,12 +307,12 @@ class bench {
     auto const sign = [](std::uint64_t h) { return (h & 1) != 0 ? 1.0f : -1.0f; };
     for (std::size_t j = 0; j < dim; ++j) {  // the same on every rank: sums keep the sign
       float const mag = 0.25f + static_cast<float>(mix(j + 99) >> 40) * (1.0f / 16777216.0f);
-      hg[j] = sign(mix(j)) * mag;
-      hg[dim + j] = sign(mix(j)) * 0.5f * mag;
+      hg[j]           = sign(mix(j)) * mag;
+      hg[dim + j]     = sign(mix(j)) * 0.5f * mag;
       hg[2 * dim + j] = sign(mix(j + 1000)) * mag;
     }
     auto const d_keys = allocate<std::int64_t>(6);
-    auto const d_g = allocate<float>(hg.size());
+    auto const d_g    = allocate<float>(hg.size());
     WM_CUDA_TRY(cudaMemcpyAsync(d_keys.get(), hk, sizeof hk, cudaMemcpyHostToDevice, stream_));
     WM_CUDA_TRY(cudaMemcpyAsync(d_g.get(), hg.data(), hg.size() * sizeof(float),
                                 cudaMemcpyHostToDevice, stream_));
@@ -365,13 +355,11 @@ class bench {
 peer_result run_torch_peer(key_sets const& keys) {
   peer_result p;
   fs::path const script = wm_bench::find_peer("torch_embedding.py", p);
-  if (script.empty()) {
-    return p;
-  }
+  if (script.empty()) { return p; }
   std::string dir_template = (fs::temp_directory_path() / "wm_embedding_bench.XXXXXX").string();
   if (::mkdtemp(dir_template.data()) == nullptr) {
     p.failed = true;
-    p.note = "torch peer FAILED: cannot create a temporary directory";
+    p.note   = "torch peer FAILED: cannot create a temporary directory";
     return p;
   }
   fs::path const dir{dir_template};
@@ -399,9 +387,7 @@ void print_table(results const& r, int gpus, int ranks, key_sets const& keys, pe
   std::printf(
       "   zipf(%.2f): %zu distinct rows in rank 0's 1M keys (uniform %zu); hottest row %zu times\n",
       zipf_alpha, keys.uniq[zipf][0], keys.uniq[uniform][0], keys.hottest[zipf]);
-  if (!p.note.empty()) {
-    std::printf("   %s\n", p.note.c_str());
-  }
+  if (!p.note.empty()) { std::printf("   %s\n", p.note.c_str()); }
   if (gpus < 2) {
     std::printf("   multi-GPU cases not run: 1 GPU visible\n");
   } else if (ranks == 1) {
@@ -411,17 +397,17 @@ void print_table(results const& r, int gpus, int ranks, key_sets const& keys, pe
               "uniq rows", "uniq GB/s", "copy GB/s", "ratio", "step GB/s", "step r", "torch ms",
               "speedup", "target");
   for (int i = 0; i < r.count; ++i) {
-    case_result const& c = r.cases[i];
-    double const n = double(batch) * c.gpus;
-    double const uniq_b = 2.0 * double(c.uniq) * row_bytes * (1 + c.states);
-    double const step_b = 2.0 * n * row_bytes + uniq_b + n * row_bytes;
+    case_result const& c  = r.cases[i];
+    double const n        = double(batch) * c.gpus;
+    double const uniq_b   = 2.0 * double(c.uniq) * row_bytes * (1 + c.states);
+    double const step_b   = 2.0 * n * row_bytes + uniq_b + n * row_bytes;
     double const uniq_gbs = uniq_b / c.gpus / c.apply_ms / 1e6;
     double const step_gbs = step_b / c.gpus / c.step_ms / 1e6;
-    double const ratio = uniq_gbs / c.copy_gbps;
+    double const ratio    = uniq_gbs / c.copy_gbps;
     double const torch_ms =
         c.gpus == 1 ? json_number(p.json, std::string{c.opt} + "_" + dist_names[c.d] + "_ms") : nan;
     double const speedup = torch_ms / c.step_ms;
-    std::string target = "report";
+    std::string target   = "report";
     if (c.gpus == 1 && c.d == uniform && std::string{c.opt} == "adam") {
       bool const ok = speedup >= 5 && ratio >= 0.60;
       target = std::string{">=5x, >=0.60  "} + (std::isnan(speedup) ? "n/a" : ok ? "ok" : "BELOW");
@@ -441,37 +427,29 @@ void print_table(results const& r, int gpus, int ranks, key_sets const& keys, pe
 
 int main(int argc, char** argv) {
   wm_bench::set_environment();
-  auto const t0 = clock_type::now();
-  int const gpus = wm::local_device_count();  // before any CUDA call in this process
+  auto const t0   = clock_type::now();
+  int const gpus  = wm::local_device_count();  // before any CUDA call in this process
   int const ranks = wm_bench::ranks_argument(argc, argv, gpus, "embedding_bench");
-  if (ranks < 0) {
-    return 2;
-  }
+  if (ranks < 0) { return 2; }
   if (gpus == 0) {
     std::printf("embedding_bench: no GPU found, nothing to measure\n");
     return 0;
   }
   results* const shared = wm_bench::shared_results<results>("embedding_bench");
-  if (shared == nullptr) {
-    return 1;
-  }
+  if (shared == nullptr) { return 1; }
   results& res = *shared;
   std::vector<int> counts;  // rank counts of the multi-GPU cases, ascending
   if (ranks >= 2) {
     counts.push_back(ranks);
   } else if (ranks == 0) {
-    for (int n = 2; n <= gpus; n *= 2) {
-      counts.push_back(n);
-    }
-    if (gpus > 2 && (gpus & (gpus - 1)) != 0) {
-      counts.push_back(gpus);
-    }
+    for (int n = 2; n <= gpus; n *= 2) { counts.push_back(n); }
+    if (gpus > 2 && (gpus & (gpus - 1)) != 0) { counts.push_back(gpus); }
   }
   // host only; the forked ranks inherit them
   key_sets const keys = make_keys(counts.empty() ? 1 : counts.back());
   try {
     wm::launch_options options;
-    options.timeout = std::chrono::seconds{80};  // expected: well under a minute each
+    options.timeout       = std::chrono::seconds{80};      // expected: well under a minute each
     auto const every_case = [&](wm::communicator& comm) {  // the same cases for every rank count
       bench b{comm, res, keys};
       b.copy_limit();

@@ -56,8 +56,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -99,13 +99,11 @@ __host__ __device__ constexpr std::uint64_t mix(std::uint64_t x)  // splitmix64 
 }
 
 /// Element (row, col) of every table: a 24-bit integer, exact in float.
-__host__ __device__ constexpr float pattern(std::uint64_t row, std::size_t col)
-{
+__host__ __device__ constexpr float pattern(std::uint64_t row, std::size_t col) {
   return static_cast<float>(mix(row * cols + col) >> 40);
 }
 
-__global__ void fill_kernel(wm::matrix_view<float> v, std::size_t first_row)
-{
+__global__ void fill_kernel(wm::matrix_view<float> v, std::size_t first_row) {
   std::size_t const n = v.rows * cols;
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
@@ -120,8 +118,7 @@ struct key_range {
 };
 
 __global__ void random_kernel(std::int64_t* idx, std::size_t n, std::size_t rows,
-                              std::uint64_t seed, key_range range)
-{
+                              std::uint64_t seed, key_range range) {
   std::size_t const count = range.count == 0 ? rows : range.count;
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
@@ -131,8 +128,7 @@ __global__ void random_kernel(std::int64_t* idx, std::size_t n, std::size_t rows
 
 /// Counts in @p bad the output elements that differ from the pattern of their row.
 __global__ void check_kernel(float const* out, std::int64_t const* idx, std::size_t n,
-                             unsigned long long* bad)
-{
+                             unsigned long long* bad) {
   unsigned long long wrong = 0;
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n * cols;
        i += std::size_t{gridDim.x} * blockDim.x) {
@@ -143,13 +139,12 @@ __global__ void check_kernel(float const* out, std::int64_t const* idx, std::siz
 
 /// The plain gather: one warp per output row, each lane copies 16 B, no unrolling.
 __global__ void plain_gather_kernel(std::byte const* table, std::int64_t const* idx, std::size_t n,
-                                    std::byte* out)
-{
+                                    std::byte* out) {
   std::size_t const t = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   std::size_t const i = t / 32;
   if (i >= n) { return; }
   auto const* src =
-    reinterpret_cast<uint4 const*>(table + static_cast<std::size_t>(idx[i]) * row_bytes);
+      reinterpret_cast<uint4 const*>(table + static_cast<std::size_t>(idx[i]) * row_bytes);
   reinterpret_cast<uint4*>(out + i * row_bytes)[t % 32] = src[t % 32];
 }
 
@@ -162,8 +157,7 @@ using buffer = std::unique_ptr<T[], cuda_free>;
 
 /// n elements of T in device memory (or in pinned host memory).
 template <class T>
-buffer<T> allocate(std::size_t n, bool host = false)
-{
+buffer<T> allocate(std::size_t n, bool host = false) {
   void* p                 = nullptr;
   std::size_t const bytes = std::max<std::size_t>(n, 1) * sizeof(T);
   WM_CUDA_TRY(host ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes));
@@ -175,8 +169,9 @@ struct results {
   char gpu[256]{};
   int ranks{0};
   double a_ms{nan}, copy_gbps{nan};  // (a) gather; D2D copy, read+write
-  double d_one_ms{nan}, d_one_direct_ms{nan};  // (d) on one rank: distributed; continuous, same keys
-  double peer_gbps{nan};             // (b) peer copy, slowest rank
+  double d_one_ms{nan},
+      d_one_direct_ms{nan};  // (d) on one rank: distributed; continuous, same keys
+  double peer_gbps{nan};     // (b) peer copy, slowest rank
   struct layout_figures {
     double r0_ms{nan}, max_ms{nan}, bound_ms{nan};
   } b[3];                // (b) continuous, chunked, distributed
@@ -186,7 +181,7 @@ struct results {
   double d_nccl_ms{nan};                   // (d) limit: NCCL moving a uniform batch's remote rows
   double d_own_ms{nan}, d_remote_ms{nan};  // (d) keys of this rank's rows only / of others' only
   double d_via_nccl_ms{nan};               // (d) with the rows through NCCL (WM_DISPATCH_ROWS=nccl)
-  double d_via_put_ms{nan};                // (d) rows stored into the mailboxes by kernels (WM_DISPATCH_ROWS=put)
+  double d_via_put_ms{nan};  // (d) rows stored into the mailboxes by kernels (WM_DISPATCH_ROWS=put)
 };
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
@@ -205,8 +200,7 @@ class bench {
   results& res;  ///< the figures, once every rank has its own
 
   /// Rank 0 writes its figures to @p out; the other ranks to their own copy.
-  bench(wm::communicator& comm, results& out) : res{comm.rank() == 0 ? out : own_}, comm_{comm}
-  {
+  bench(wm::communicator& comm, results& out) : res{comm.rank() == 0 ? out : own_}, comm_{comm} {
     int sms = 0;
     WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()));
     blocks_ = 8 * sms;
@@ -220,8 +214,7 @@ class bench {
   }
   bench(bench const&)            = delete;
   bench& operator=(bench const&) = delete;
-  ~bench()
-  {
+  ~bench() {
     (void)cudaStreamSynchronize(stream_);
     for (auto e : events_) { (void)cudaEventDestroy(e); }
     (void)cudaFree(scratch_);
@@ -229,12 +222,11 @@ class bench {
   }
 
   /// (a) on a 1-rank communicator: the gather, then the device copy limit.
-  void single_gpu()
-  {
+  void single_gpu() {
     {
       wm::tensor<float, wm::device, wm::continuous> t{comm_, table_rows, cols};
       fill(t);
-      res.a_ms = gather_case(t, batch, 1).ms;
+      res.a_ms            = gather_case(t, batch, 1).ms;
       res.d_one_direct_ms = gather_case(t, keys, 2).ms;
     }
     {
@@ -249,27 +241,25 @@ class bench {
   }
 
   /// (b) limit: every rank copies the next rank's 2 GiB part at the same time.
-  void peer_copy()
-  {
+  void peer_copy() {
     wm::memory<wm::device, wm::chunked> mem{comm_, 2 * gib * comm_.size(), row_bytes};
     auto const local = mem.local_view();
     WM_CUDA_TRY(cudaMemsetAsync(local.data, 0x5A, local.bytes(), stream_));
     WM_CUDA_TRY(cudaStreamSynchronize(stream_));
     comm_.barrier();
-    int const peer       = (comm_.rank() + 1) % comm_.size();
-    std::size_t const n  = mem.byte_range(peer).size();
+    int const peer      = (comm_.rank() + 1) % comm_.size();
+    std::size_t const n = mem.byte_range(peer).size();
     std::byte const* src =
-      wm_bench::entry_address(mem.chunked_view(), mem.entry_range(peer).begin, scratch_, stream_);
-    auto const dst       = allocate<std::byte>(n);
-    peer_gbps_           = copy_gbps(dst.get(), src, n, cudaMemcpyDeviceToDevice);
-    res.peer_gbps        = min_over_ranks(peer_gbps_);
+        wm_bench::entry_address(mem.chunked_view(), mem.entry_range(peer).begin, scratch_, stream_);
+    auto const dst = allocate<std::byte>(n);
+    peer_gbps_     = copy_gbps(dst.get(), src, n, cudaMemcpyDeviceToDevice);
+    res.peer_gbps  = min_over_ranks(peer_gbps_);
     comm_.barrier();  // every peer part stays alive until every copy is done
   }
 
   /// (b) for one layout (slot 0, 1, 2); for distributed also (d), on the same table.
   template <class Layout>
-  void multi_gpu(int slot)
-  {
+  void multi_gpu(int slot) {
     wm::tensor<float, wm::device, Layout> t{comm_, table_rows, cols};
     fill(t);
     auto mine      = gather_case(t, batch, 100 + slot);
@@ -277,18 +267,17 @@ class bench {
     auto const all = comm_.all_gather(mine);
     res.b[slot] = {all[0].ms, max_of(all, &rank_figures::ms), max_of(all, &rank_figures::bound_ms)};
     if constexpr (std::same_as<Layout, wm::distributed>) {
-      auto const d = comm_.all_gather(gather_case(t, keys, 200));
-      res.d_r0_ms  = d[0].ms;
-      res.d_ms     = max_of(d, &rank_figures::ms);
-      auto const n = comm_.all_gather(nccl_rows_ms());
+      auto const d  = comm_.all_gather(gather_case(t, keys, 200));
+      res.d_r0_ms   = d[0].ms;
+      res.d_ms      = max_of(d, &rank_figures::ms);
+      auto const n  = comm_.all_gather(nccl_rows_ms());
       res.d_nccl_ms = *std::max_element(n.begin(), n.end());
       // Where the time goes: the same lookup with only this rank's rows, then only others'.
-      auto const own  = t.storage().local_entry_range();
-      auto const size = own.end - own.begin;
-      auto const mine_only =
-        comm_.all_gather(gather_case(t, keys, 210, false, {own.begin, size}));
+      auto const own       = t.storage().local_entry_range();
+      auto const size      = own.end - own.begin;
+      auto const mine_only = comm_.all_gather(gather_case(t, keys, 210, false, {own.begin, size}));
       auto const others =
-        comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
+          comm_.all_gather(gather_case(t, keys, 220, false, {own.end, table_rows - size}));
       res.d_own_ms    = max_of(mine_only, &rank_figures::ms);
       res.d_remote_ms = max_of(others, &rank_figures::ms);
       // The path taken across nodes or without peer access: rows through NCCL, not mailboxes;
@@ -301,14 +290,18 @@ class bench {
 
   /// (d) the lookup on a fresh tensor with WM_DISPATCH_ROWS=@p how (see wm/tensor.cuh); NaN
   /// when the tensor took another path (no peer access: the mailboxes fall back to NCCL).
-  double other_path(char const* how, wm::row_path want, int slot)
-  {
+  double other_path(char const* how, wm::row_path want, int slot) {
     std::optional<std::string> const before =
-      std::getenv("WM_DISPATCH_ROWS") != nullptr ? std::optional<std::string>{std::getenv("WM_DISPATCH_ROWS")} : std::nullopt;
+        std::getenv("WM_DISPATCH_ROWS") != nullptr
+            ? std::optional<std::string>{std::getenv("WM_DISPATCH_ROWS")}
+            : std::nullopt;
     if (::setenv("WM_DISPATCH_ROWS", how, 1) != 0) { throw std::runtime_error{"setenv failed"}; }
     struct restore {
       std::optional<std::string> const& v;
-      ~restore() { v ? (void)::setenv("WM_DISPATCH_ROWS", v->c_str(), 1) : (void)::unsetenv("WM_DISPATCH_ROWS"); }
+      ~restore() {
+        v ? (void)::setenv("WM_DISPATCH_ROWS", v->c_str(), 1)
+          : (void)::unsetenv("WM_DISPATCH_ROWS");
+      }
     } const put_back{before};
     wm::tensor<float, wm::device, wm::distributed> t{comm_, table_rows, cols};
     fill(t);
@@ -318,8 +311,7 @@ class bench {
 
   /// (d) limit: ms for NCCL alone to move the rows a uniform batch of `keys` takes from other
   /// ranks (keys / R rows of 512 B from each peer, every rank at once, grouped send/recv).
-  double nccl_rows_ms()
-  {
+  double nccl_rows_ms() {
     auto const r        = static_cast<std::size_t>(comm_.size());
     std::size_t const b = keys / r * row_bytes;
     auto const send = allocate<std::byte>(b * r), recv = allocate<std::byte>(b * r);
@@ -330,16 +322,14 @@ class bench {
   }
 
   /// (c) limit: every rank copies 1 GiB of pinned host memory to its GPU at the same time.
-  void pinned_h2d()
-  {
+  void pinned_h2d() {
     auto const src = allocate<std::byte>(gib, true), dst = allocate<std::byte>(gib);
     std::memset(src.get(), 0x5A, gib);
     res.h2d_gbps = min_over_ranks(copy_gbps(dst.get(), src.get(), gib, cudaMemcpyHostToDevice));
   }
 
   /// (c) one host table; the large one also runs the plain kernel.
-  void host_table(std::size_t rows)
-  {
+  void host_table(std::size_t rows) {
     bool const large = rows == host_large;
     wm::tensor<float, wm::host, wm::chunked> t{comm_, rows, cols};
     fill(t);
@@ -349,22 +339,19 @@ class bench {
   }
 
  private:
-  static double max_of(std::vector<rank_figures> const& v, double rank_figures::*field)
-  {
+  static double max_of(std::vector<rank_figures> const& v, double rank_figures::*field) {
     double m = 0;
     for (auto const& r : v) { m = std::max(m, r.*field); }
     return m;
   }
 
-  double min_over_ranks(double x)
-  {
+  double min_over_ranks(double x) {
     auto const all = comm_.all_gather(x);
     return *std::min_element(all.begin(), all.end());
   }
 
   /// This rank's GB/s of cudaMemcpyAsync of @p n bytes (every rank copying at the same time).
-  double copy_gbps(void* dst, void const* src, std::size_t n, cudaMemcpyKind kind)
-  {
+  double copy_gbps(void* dst, void const* src, std::size_t n, cudaMemcpyKind kind) {
     double const ms = median_ms([&] { WM_CUDA_TRY(cudaMemcpyAsync(dst, src, n, kind, stream_)); });
     return double(n) / ms / 1e6;
   }
@@ -373,8 +360,7 @@ class bench {
 
   /// Writes the pattern into this rank's rows (local row l is global row begin + l).
   template <class Tensor>
-  void fill(Tensor& t)
-  {
+  void fill(Tensor& t) {
     auto const v = t.local_view();
     if (v.rows > 0) {
       fill_kernel<<<blocks_, threads, 0, stream_>>>(v, t.storage().local_entry_range().begin);
@@ -386,8 +372,7 @@ class bench {
 
   /// Checks every output row on the device and 4096 rows on the host; throws if one is wrong.
   void verify(float const* out, std::int64_t const* idx, std::vector<std::int64_t> const& host_idx,
-              char const* what)
-  {
+              char const* what) {
     std::size_t const n = host_idx.size();
     auto* bad           = reinterpret_cast<unsigned long long*>(scratch_);
     WM_CUDA_TRY(cudaMemsetAsync(bad, 0, sizeof(*bad), stream_));
@@ -408,24 +393,23 @@ class bench {
     }
     if (device_wrong != 0 || host_wrong != 0) {
       throw std::runtime_error{
-        fmt("gather_bench: rank %d: %s of %zu rows: %llu wrong elements, "
-            "%zu in the host sample",
-            comm_.rank(), what, n, device_wrong, host_wrong)};
+          fmt("gather_bench: rank %d: %s of %zu rows: %llu wrong elements, "
+              "%zu in the host sample",
+              comm_.rank(), what, n, device_wrong, host_wrong)};
     }
   }
 
   /// Gathers n random rows of @p t: checks once, then times (and the plain kernel if asked).
   template <class Tensor>
   rank_figures gather_case(Tensor& t, std::size_t n, std::uint64_t seed, bool plain = false,
-                           key_range range = {})
-  {
+                           key_range range = {}) {
     auto const idx = allocate<std::int64_t>(n);  // and a host copy, for checks and counts
     std::vector<std::int64_t> host_idx(n);
     random_kernel<<<blocks_, threads, 0, stream_>>>(idx.get(), n, t.rows(),
                                                     seed * 100 + comm_.rank(), range);
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(
-      cudaMemcpyAsync(host_idx.data(), idx.get(), n * 8, cudaMemcpyDeviceToHost, stream_));
+        cudaMemcpyAsync(host_idx.data(), idx.get(), n * 8, cudaMemcpyDeviceToHost, stream_));
     auto const out = allocate<float>(n * cols);
     std::span<std::int64_t const> const span{idx.get(), n};
     auto const poison = [&] {
@@ -445,11 +429,11 @@ class bench {
     if constexpr (Tensor::layout_type::mapped) {
       if (plain) {
         std::byte const* base =  // one allocation
-          wm_bench::entry_address(t.storage().chunked_view(), 0, scratch_, stream_);
-        auto const run_plain  = [&] {
+            wm_bench::entry_address(t.storage().chunked_view(), 0, scratch_, stream_);
+        auto const run_plain = [&] {
           auto const grid = static_cast<unsigned>((n * 32 + threads - 1) / threads);
           plain_gather_kernel<<<grid, threads, 0, stream_>>>(
-            base, idx.get(), n, reinterpret_cast<std::byte*>(out.get()));
+              base, idx.get(), n, reinterpret_cast<std::byte*>(out.get()));
           WM_CHECK_LAUNCH();
         };
         poison();
@@ -464,8 +448,7 @@ class bench {
   /// Median milliseconds of @p enqueue: warm-ups, a barrier (every rank starts together), then
   /// the timed runs back to back, each between two events on the stream.
   template <class F>
-  double median_ms(F const& enqueue)
-  {
+  double median_ms(F const& enqueue) {
     return wm_bench::median(wm_bench::event_times_ms(enqueue, warmups, events_, stream_, comm_));
   }
 
@@ -485,13 +468,12 @@ struct peer_result : wm_bench::peer_result {
 };
 
 /// Runs the peer; its all-to-all lookup on @p world ranks (none if 1).
-peer_result run_torch_peer(int world)
-{
+peer_result run_torch_peer(int world) {
   peer_result p;
   fs::path const script = wm_bench::find_peer("torch_gather.py", p);
   if (script.empty()) { return p; }
   wm_bench::run_peer(
-    "timeout 180 python3 '" + script.string() + "' --json --world " + std::to_string(world), p);
+      "timeout 180 python3 '" + script.string() + "' --json --world " + std::to_string(world), p);
   if (p.failed) { return p; }
   p.index_select_ms   = json_number(p.json, "index_select_ms");
   p.index_select_gbps = json_number(p.json, "index_select_gbps");
@@ -501,8 +483,7 @@ peer_result run_torch_peer(int world)
 
 /// One table row; target <= 0: reported only.
 void row(char const* name, std::string const& figure, std::string const& limit, double ratio,
-         double target)
-{
+         double target) {
   std::string const r = std::isnan(ratio) ? "-" : fmt("%.2f", ratio);
   std::string t       = target > 0 ? fmt(">= %.2f", target) : "report";
   if (target > 0) { t += std::isnan(ratio) ? "  n/a" : ratio >= target ? "  ok" : "  BELOW"; }
@@ -510,8 +491,7 @@ void row(char const* name, std::string const& figure, std::string const& limit, 
               t.c_str());
 }
 
-void print_table(results const& r, peer_result const& p, double seconds)
-{
+void print_table(results const& r, peer_result const& p, double seconds) {
   std::printf("== gather_bench: %d x %s (%.0f s in all)\n", r.ranks, r.gpu, seconds);
   std::printf("   ranks gather at once; figure: slowest rank (r0: rank 0), median of %d\n", reps);
   if (!p.note.empty()) { std::printf("   %s\n", p.note.c_str()); }
@@ -524,8 +504,8 @@ void print_table(results const& r, peer_result const& p, double seconds)
       fmt("%.0f GB/s dev copy (r+w)", r.copy_gbps), 2 * out / r.copy_gbps, 0.85);
   row("(a) vs torch.index_select", fmt("%.0f GB/s out (%.3f ms)", out, r.a_ms),
       std::isnan(p.index_select_ms)
-        ? no_peer
-        : fmt("%.0f GB/s out (%.3f ms)", p.index_select_gbps, p.index_select_ms),
+          ? no_peer
+          : fmt("%.0f GB/s out (%.3f ms)", p.index_select_gbps, p.index_select_ms),
       out / p.index_select_gbps, 2);
   std::string const on      = two ? fmt("%d GPUs", r.ranks) : "N GPUs";
   std::string const names[] = {"(b) continuous " + on, "(b) chunked " + on,
@@ -553,10 +533,13 @@ void print_table(results const& r, peer_result const& p, double seconds)
           : "-",
       r.d_nccl_ms / r.d_ms, 0);
   row("(d) with rows through NCCL", two ? fmt("%.3f ms", r.d_via_nccl_ms) : "n/a (1 GPU)",
-      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_nccl_ms, 0);
+      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms),
+      p.a2a_ms / r.d_via_nccl_ms, 0);
   row("(d) rows put by kernels", two ? fmt("%.3f ms", r.d_via_put_ms) : "n/a (1 GPU)",
-      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms), p.a2a_ms / r.d_via_put_ms, 0);
-  row("(d) one rank, 1M keys", fmt("%.3f ms", r.d_one_ms), fmt("continuous layout, same keys %.3f ms", r.d_one_direct_ms),
+      std::isnan(p.a2a_ms) ? no_peer : fmt("torch a2a %.3f ms", p.a2a_ms),
+      p.a2a_ms / r.d_via_put_ms, 0);
+  row("(d) one rank, 1M keys", fmt("%.3f ms", r.d_one_ms),
+      fmt("continuous layout, same keys %.3f ms", r.d_one_direct_ms),
       r.d_one_direct_ms / r.d_one_ms, 0);
   row("(d) own rows only", two ? fmt("%.3f ms", r.d_own_ms) : "n/a (1 GPU)", "-", nan, 0);
   row("(d) others' rows only", two ? fmt("%.3f ms", r.d_remote_ms) : "n/a (1 GPU)",
@@ -569,11 +552,10 @@ void print_table(results const& r, peer_result const& p, double seconds)
 
 }  // namespace
 
-int main(int argc, char** argv)
-{
+int main(int argc, char** argv) {
   wm_bench::set_environment();
-  using clock    = std::chrono::steady_clock;
-  auto const t0  = clock::now();
+  using clock     = std::chrono::steady_clock;
+  auto const t0   = clock::now();
   int const gpus  = wm::local_device_count();  // before any CUDA call in this process
   int const ranks = wm_bench::ranks_argument(argc, argv, gpus, "gather_bench");
   if (ranks < 0) { return 2; }

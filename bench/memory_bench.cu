@@ -48,8 +48,7 @@ constexpr int reps                = 10;
 constexpr int threads             = 256;
 
 /// Non-zero fill value of the 8-byte word at global word index @p w of a memory.
-__host__ __device__ constexpr std::uint64_t pattern(std::uint64_t w)
-{
+__host__ __device__ constexpr std::uint64_t pattern(std::uint64_t w) {
   std::uint64_t const x = (w + 1) * 0x9E3779B97F4A7C15ull;  // odd factor: x != 0
   return x ^ (x >> 29);
 }
@@ -57,9 +56,8 @@ __host__ __device__ constexpr std::uint64_t pattern(std::uint64_t w)
 enum class op { write, poison, check };  // what pattern_kernel does
 
 /// Writes the pattern (or zeros) to @p p, or counts in @p bad the words that differ from it.
-__global__ void pattern_kernel(
-  std::uint64_t* p, std::size_t words, std::uint64_t first, op what, unsigned long long* bad)
-{
+__global__ void pattern_kernel(std::uint64_t* p, std::size_t words, std::uint64_t first, op what,
+                               unsigned long long* bad) {
   std::size_t const stride = std::size_t{gridDim.x} * blockDim.x;
   unsigned long long n     = 0;
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < words; i += stride) {
@@ -73,8 +71,7 @@ __global__ void pattern_kernel(
 }
 
 /// dst[i] = src[i] for i < n; grid-stride, four independent 16-byte loads in flight per thread.
-__global__ void copy_kernel(uint4 const* __restrict__ src, uint4* __restrict__ dst, std::size_t n)
-{
+__global__ void copy_kernel(uint4 const* __restrict__ src, uint4* __restrict__ dst, std::size_t n) {
   std::size_t const stride = std::size_t{gridDim.x} * blockDim.x;
   std::size_t i            = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   for (; i + 3 * stride < n; i += 4 * stride) {
@@ -100,34 +97,31 @@ struct row {
 };
 
 /// File system type of the mount that holds @p p, from /proc/mounts ("?" if unknown).
-std::string fs_type(fs::path const& p)
-{
+std::string fs_type(fs::path const& p) {
   std::ifstream in{"/proc/mounts"};
   std::error_code ec;
   std::string const s = fs::weakly_canonical(p, ec).string();
   std::string dev, mnt, type, rest, best, best_type{"?"};
   while (in >> dev >> mnt >> type && std::getline(in, rest)) {
     bool const under =
-      s.starts_with(mnt) && (mnt == "/" || s.size() == mnt.size() || s[mnt.size()] == '/');
+        s.starts_with(mnt) && (mnt == "/" || s.size() == mnt.size() || s[mnt.size()] == '/');
     if (under && mnt.size() >= best.size()) { best = mnt, best_type = type; }
   }
   return best_type;
 }
 
-double since(std::chrono::steady_clock::time_point t0)
-{
+double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 /// One rank's state. Rank 0 also holds the destination buffers and timing events.
 class bench {
  public:
-  bench(wm::communicator& comm, fs::path dir) : comm_{comm}, dir_{std::move(dir)}
-  {
+  bench(wm::communicator& comm, fs::path dir) : comm_{comm}, dir_{std::move(dir)} {
     int sms = 0, per_sm = 0;
     WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()));
     WM_CUDA_TRY(
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, comm.device()));
+        cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, comm.device()));
     blocks_ = 4 * sms * per_sm / threads;
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     WM_CUDA_TRY(cudaMalloc(&scratch_, 2 * sizeof(std::uint64_t)));
@@ -139,8 +133,7 @@ class bench {
   }
   bench(bench const&)            = delete;
   bench& operator=(bench const&) = delete;
-  ~bench()
-  {
+  ~bench() {
     (void)cudaStreamSynchronize(stream_);
     if (start_ != nullptr) { (void)cudaEventDestroy(start_), (void)cudaEventDestroy(stop_); }
     (void)cudaFreeHost(pinned_), (void)cudaFree(dst_), (void)cudaFree(scratch_);
@@ -149,8 +142,7 @@ class bench {
 
   /// (a) Rank 0 reads rank 1's whole part of a device memory through the view.
   template <class Layout>
-  void peer_read()
-  {
+  void peer_read() {
     std::string name = std::string{"peer read "} + Layout::name + ".device";
     if (comm_.size() < 2) {
       rows_.push_back({std::move(name), 0, -1.0});
@@ -178,8 +170,7 @@ class bench {
 
   /// (b) Rank 0 reads a host memory (all of it; its own part for distributed) from a kernel.
   template <class Layout>
-  void host_read()
-  {
+  void host_read() {
     wm::memory<wm::host, Layout> mem{comm_, gib, granularity};
     apply_local(op::write, mem);
     comm_.barrier();
@@ -206,8 +197,7 @@ class bench {
 
   /// (c) Stores 1 GiB to files and loads it back (collective), timed on rank 0.
   template <class Location, class Layout>
-  void files()
-  {
+  void files() {
     wm::memory<Location, Layout> mem{comm_, gib, granularity};
     apply_local(op::write, mem);
     comm_.barrier();
@@ -227,8 +217,7 @@ class bench {
     rows_.push_back({"load  " + kind, gib, gib / load / 1e9});
   }
 
-  void print() const
-  {
+  void print() const {
     if (comm_.rank() != 0) { return; }
     cudaDeviceProp prop{};
     WM_CUDA_TRY(cudaGetDeviceProperties(&prop, comm_.device()));
@@ -249,25 +238,23 @@ class bench {
       }
     }
     std::printf(
-      "store/load: files in %s (%s); store returns once the data is in the page cache "
-      "(no fsync)\n  and load right after store reads from the page cache, so these "
-      "rows measure wm's file path, not the disk.\n",
-      dir_.c_str(), fs_type(dir_).c_str());
+        "store/load: files in %s (%s); store returns once the data is in the page cache "
+        "(no fsync)\n  and load right after store reads from the page cache, so these "
+        "rows measure wm's file path, not the disk.\n",
+        dir_.c_str(), fs_type(dir_).c_str());
     std::fflush(stdout);
   }
 
  private:
   /// apply() to this rank's part of @p mem.
   template <class Memory>
-  void apply_local(op what, Memory const& mem)
-  {
+  void apply_local(op what, Memory const& mem) {
     apply(what, mem.local_view().data, mem.local_view().bytes(), mem.local_byte_range().begin);
   }
 
   /// Runs pattern_kernel on @p bytes at @p p, which hold a memory's bytes from @p first_byte on,
   /// and waits; op::check throws if any word differs from the pattern.
-  void apply(op what, std::byte* p, std::size_t bytes, std::size_t first_byte)
-  {
+  void apply(op what, std::byte* p, std::size_t bytes, std::size_t first_byte) {
     auto* bad = reinterpret_cast<unsigned long long*>(scratch_);
     WM_CUDA_TRY(cudaMemsetAsync(bad, 0, sizeof(*bad), stream_));
     if (bytes > 0) {
@@ -287,8 +274,7 @@ class bench {
 
   /// Median seconds of @p enqueue (after warm-ups), timed with CUDA events on the stream.
   template <class F>
-  double median_seconds(F const& enqueue)
-  {
+  double median_seconds(F const& enqueue) {
     for (int i = 0; i < warmups; ++i) { enqueue(); }
     std::vector<float> ms(reps);
     for (auto& t : ms) {
@@ -304,8 +290,7 @@ class bench {
 
   /// Copies @p bytes at @p src (a memory's bytes from @p first_byte on) into dst_ with the copy
   /// kernel: checks the result once, then returns the median time.
-  double kernel_read(std::byte const* src, std::size_t bytes, std::size_t first_byte)
-  {
+  double kernel_read(std::byte const* src, std::size_t bytes, std::size_t first_byte) {
     auto const enqueue = [&] {
       copy_kernel<<<blocks_, threads, 0, stream_>>>(reinterpret_cast<uint4 const*>(src),
                                                     reinterpret_cast<uint4*>(dst_), bytes / 16);
@@ -317,8 +302,7 @@ class bench {
     return median_seconds(enqueue);
   }
 
-  double copy_read(void const* src, std::size_t bytes, cudaMemcpyKind kind)
-  {
+  double copy_read(void const* src, std::size_t bytes, cudaMemcpyKind kind) {
     return median_seconds([&] { WM_CUDA_TRY(cudaMemcpyAsync(dst_, src, bytes, kind, stream_)); });
   }
 
@@ -336,8 +320,7 @@ class bench {
 
 }  // namespace
 
-int main()
-{
+int main() {
   int const gpus = wm::local_device_count();  // before any CUDA call in this process
   if (gpus == 0) {
     std::printf("memory_bench: no GPU found, nothing to measure\n");
@@ -345,8 +328,8 @@ int main()
   }
   char const* base = std::getenv("WM_BENCH_DIR");
   fs::path const dir =
-    fs::path{base != nullptr && *base != '\0' ? fs::path{base} : fs::temp_directory_path()} /
-    ("wm-bench-" + std::to_string(std::random_device{}()));
+      fs::path{base != nullptr && *base != '\0' ? fs::path{base} : fs::temp_directory_path()} /
+      ("wm-bench-" + std::to_string(std::random_device{}()));
   int rc = 0;
   try {
     fs::create_directories(dir);

@@ -69,9 +69,7 @@ double pinned_copy_gbps(std::size_t bytes, cudaMemcpyKind kind, cudaStream_t s) 
   WM_CUDA_TRY(cudaMemset(d, 1, bytes));
   std::memset(h, 1, bytes);
   std::vector<cudaEvent_t> ev(20);
-  for (auto& e : ev) {
-    WM_CUDA_TRY(cudaEventCreate(&e));
-  }
+  for (auto& e : ev) { WM_CUDA_TRY(cudaEventCreate(&e)); }
   auto copy = [&] {
     if (kind == cudaMemcpyDeviceToHost) {
       WM_CUDA_TRY(cudaMemcpyAsync(h, d, bytes, kind, s));
@@ -91,9 +89,7 @@ double pinned_copy_gbps(std::size_t bytes, cudaMemcpyKind kind, cudaStream_t s) 
   for (std::size_t i = 0; i < ms.size(); ++i) {
     WM_CUDA_TRY(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
   }
-  for (auto e : ev) {
-    WM_CUDA_TRY(cudaEventDestroy(e));
-  }
+  for (auto e : ev) { WM_CUDA_TRY(cudaEventDestroy(e)); }
   WM_CUDA_TRY(cudaFree(d));
   WM_CUDA_TRY(cudaFreeHost(h));
   return static_cast<double>(bytes) / (wm_bench::median(ms) * 1e-3) / 1e9;
@@ -104,21 +100,15 @@ row train(config const& c, int keep, int slots, std::vector<float>& losses, cuda
   row r;
   WM_CUDA_TRY(cudaDeviceSynchronize());
   std::size_t const base = device_used();
-  int const total_steps = warmups + c.steps;
+  int const total_steps  = warmups + c.steps;
   std::vector<cudaEvent_t> ev(2 * static_cast<std::size_t>(c.steps));
-  for (auto& e : ev) {
-    WM_CUDA_TRY(cudaEventCreate(&e));
-  }
+  for (auto& e : ev) { WM_CUDA_TRY(cudaEventCreate(&e)); }
   {
     wm_workload::mlp model{c.layers, c.width, c.batch, 2024, total_steps};
     auto const run = [&](auto& store, wm::swap_scope* scope) {
-      for (int i = 0; i < warmups; ++i) {
-        model.step(store, i, 1 + i, 0.05f, s);
-      }
+      for (int i = 0; i < warmups; ++i) { model.step(store, i, 1 + i, 0.05f, s); }
       WM_CUDA_TRY(cudaStreamSynchronize(s));
-      if (scope != nullptr) {
-        scope->reset_statistics();
-      }
+      if (scope != nullptr) { scope->reset_statistics(); }
       for (int i = 0; i < c.steps; ++i) {
         WM_CUDA_TRY(cudaEventRecord(ev[2 * i], s));
         model.step(store, warmups + i, 1 + warmups + i, 0.05f, s);
@@ -128,13 +118,13 @@ row train(config const& c, int keep, int slots, std::vector<float>& losses, cuda
       r.peak_gib = static_cast<double>(device_used() - base) / (1 << 30);
       if (scope != nullptr) {
         auto const st = scope->statistics();
-        r.out_gbps = st.out_gbps();
-        r.in_gbps = st.in_gbps();
+        r.out_gbps    = st.out_gbps();
+        r.in_gbps     = st.in_gbps();
         r.allocs_per_step =
             static_cast<double>(st.device_allocations + st.pinned_allocations + st.events_created) /
             c.steps;
         r.syncs_per_step = static_cast<double>(st.host_blocking_syncs) / c.steps;
-        r.pool_peak_gib = static_cast<double>(st.peak_resident_bytes) / (1 << 30);
+        r.pool_peak_gib  = static_cast<double>(st.peak_resident_bytes) / (1 << 30);
       }
     };
     if (keep < 0) {
@@ -143,8 +133,8 @@ row train(config const& c, int keep, int slots, std::vector<float>& losses, cuda
       r.name = "wm, no swap";
     } else {
       wm::swap_options o;
-      o.device_budget = static_cast<std::size_t>(slots) * model.activation_bytes();
-      o.host_bytes = static_cast<std::size_t>(c.layers + 1) * model.activation_bytes();
+      o.device_budget      = static_cast<std::size_t>(slots) * model.activation_bytes();
+      o.host_bytes         = static_cast<std::size_t>(c.layers + 1) * model.activation_bytes();
       o.prefetch_lookahead = 2 * model.activation_bytes();
       wm::swap_scope scope{o};
       wm_workload::swap_store store{scope, c.layers, model.activation_elements(), keep};
@@ -159,9 +149,7 @@ row train(config const& c, int keep, int slots, std::vector<float>& losses, cuda
   for (int i = 0; i < c.steps; ++i) {
     WM_CUDA_TRY(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
   }
-  for (auto e : ev) {
-    WM_CUDA_TRY(cudaEventDestroy(e));
-  }
+  for (auto e : ev) { WM_CUDA_TRY(cudaEventDestroy(e)); }
   r.ms = wm_bench::median(ms);
   return r;
 }
@@ -198,8 +186,8 @@ int main(int argc, char** argv) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::size_t const act = static_cast<std::size_t>(c.batch) * c.width * 2;
-    double const d2h = pinned_copy_gbps(act, cudaMemcpyDeviceToHost, s);
-    double const h2d = pinned_copy_gbps(act, cudaMemcpyHostToDevice, s);
+    double const d2h      = pinned_copy_gbps(act, cudaMemcpyDeviceToHost, s);
+    double const h2d      = pinned_copy_gbps(act, cudaMemcpyHostToDevice, s);
 
     std::vector<row> rows;
     std::vector<float> base_losses;
@@ -209,11 +197,9 @@ int main(int argc, char** argv) {
     std::vector<std::pair<int, int>> const policies{{0, 6}, {0, 9},  {0, L + 1},
                                                     {2, 9}, {4, 11}, {L / 2, L / 2 + 5}};
     for (auto const& [keep, slots] : policies) {
-      if (keep >= L || slots > L + 1) {
-        continue;
-      }
+      if (keep >= L || slots > L + 1) { continue; }
       std::vector<float> losses;
-      row r = train(c, keep, slots, losses, s);
+      row r       = train(c, keep, slots, losses, s);
       r.same_loss = losses.size() == base_losses.size() &&
                             std::memcmp(losses.data(), base_losses.data(), losses.size() * 4) == 0
                         ? 1

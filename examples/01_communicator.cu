@@ -20,15 +20,13 @@
 #include <vector>
 
 // Every element says who sent it to whom: src * 1000 + dst.
-__global__ void fill(int* out, std::size_t n, int value)
-{
+__global__ void fill(int* out, std::size_t n, int value) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     out[i] = value;
   }
 }
 
-int main()
-{
+int main() {
   // 1. Count the GPUs without initializing CUDA here (we still have to fork).
   int const gpus = wm::local_device_count();
   if (gpus == 0) {
@@ -50,8 +48,10 @@ int main()
         send_counts[p] = static_cast<std::size_t>(me + p + 1);
         recv_counts[p] = static_cast<std::size_t>(p + me + 1);  // what p sends to me
       }
-      std::size_t const n_send = std::accumulate(send_counts.begin(), send_counts.end(), std::size_t{0});
-      std::size_t const n_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0});
+      std::size_t const n_send =
+          std::accumulate(send_counts.begin(), send_counts.end(), std::size_t{0});
+      std::size_t const n_recv =
+          std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0});
       int* send = nullptr;
       int* recv = nullptr;
       WM_CUDA_TRY(cudaMalloc(&send, n_send * sizeof(int)));
@@ -67,8 +67,8 @@ int main()
       comm.all_to_all_v(send, std::span<std::size_t const>{send_counts}, recv,
                         std::span<std::size_t const>{recv_counts}, cuda::stream_ref{stream});
       std::vector<int> got(n_recv);
-      WM_CUDA_TRY(cudaMemcpyAsync(got.data(), recv, n_recv * sizeof(int), cudaMemcpyDeviceToHost,
-                                  stream));
+      WM_CUDA_TRY(
+          cudaMemcpyAsync(got.data(), recv, n_recv * sizeof(int), cudaMemcpyDeviceToHost, stream));
       WM_CUDA_TRY(cudaStreamSynchronize(stream));
 
       // 4. Check: the block from rank p holds p * 1000 + me, recv_counts[p] times.
@@ -82,10 +82,10 @@ int main()
         offset += recv_counts[p];
       }
       comm.barrier();
-      std::printf("rank %d/%d on GPU %d (node rank %d/%d): all-gather saw %zu devices, "
-                  "all-to-all-v received %zu ints, all correct\n",
-                  me, world, comm.device(), comm.local_rank(), comm.local_size(), devices.size(),
-                  n_recv);
+      std::printf(
+          "rank %d/%d on GPU %d (node rank %d/%d): all-gather saw %zu devices, "
+          "all-to-all-v received %zu ints, all correct\n",
+          me, world, comm.device(), comm.local_rank(), comm.local_size(), devices.size(), n_recv);
       WM_CUDA_TRY(cudaStreamDestroy(stream));
       WM_CUDA_TRY(cudaFree(send));
       WM_CUDA_TRY(cudaFree(recv));

@@ -23,20 +23,20 @@ constexpr std::size_t row_floats = 16;
 constexpr std::size_t rows       = 100'003;  // not divisible by the rank count
 
 // Row r holds the values r * 16 + j.
-__global__ void write_rows(wm::local_view v)
-{
+__global__ void write_rows(wm::local_view v) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < v.entries * row_floats;
        i += gridDim.x * blockDim.x) {
-    std::size_t const row                          = v.first_entry + i / row_floats;
-    reinterpret_cast<float*>(v.entry(row))[i % row_floats] = static_cast<float>(row * row_floats + i % row_floats);
+    std::size_t const row = v.first_entry + i / row_floats;
+    reinterpret_cast<float*>(v.entry(row))[i % row_floats] =
+        static_cast<float>(row * row_floats + i % row_floats);
   }
 }
 
 // Reads every row through any view with entry(row) and counts wrong values.
 template <class View>
-__global__ void check_rows(View v, std::size_t n_rows, unsigned long long* wrong)
-{
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_rows * row_floats; i += gridDim.x * blockDim.x) {
+__global__ void check_rows(View v, std::size_t n_rows, unsigned long long* wrong) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_rows * row_floats;
+       i += gridDim.x * blockDim.x) {
     std::size_t const row = i / row_floats;
     float const got       = reinterpret_cast<float const*>(v.entry(row))[i % row_floats];
     if (got != static_cast<float>(row * row_floats + i % row_floats)) { atomicAdd(wrong, 1ull); }
@@ -44,8 +44,7 @@ __global__ void check_rows(View v, std::size_t n_rows, unsigned long long* wrong
 }
 
 template <class View>
-unsigned long long count_wrong(View v, std::size_t n_rows, unsigned long long* wrong)
-{
+unsigned long long count_wrong(View v, std::size_t n_rows, unsigned long long* wrong) {
   WM_CUDA_TRY(cudaMemset(wrong, 0, sizeof(*wrong)));
   check_rows<<<256, 256>>>(v, n_rows, wrong);
   WM_CHECK_LAUNCH();
@@ -55,8 +54,7 @@ unsigned long long count_wrong(View v, std::size_t n_rows, unsigned long long* w
 }
 
 template <class Location, class Layout>
-void demo(wm::communicator& comm, std::filesystem::path const& dir, unsigned long long* wrong)
-{
+void demo(wm::communicator& comm, std::filesystem::path const& dir, unsigned long long* wrong) {
   std::size_t const bytes = rows * row_floats * sizeof(float);
   // 1. Collective allocation: every rank passes the same sizes.
   wm::memory<Location, Layout> table{comm, bytes, row_floats * sizeof(float)};
@@ -70,31 +68,39 @@ void demo(wm::communicator& comm, std::filesystem::path const& dir, unsigned lon
 
   // 3. Read through every view the layout offers.
   unsigned long long bad = 0;
-  if constexpr (wm::mapped_layout<Layout>) { bad += count_wrong(table.chunked_view(), rows, wrong); }
-  if constexpr (std::is_same_v<Layout, wm::continuous>) { bad += count_wrong(table.continuous_view(), rows, wrong); }
+  if constexpr (wm::mapped_layout<Layout>) {
+    bad += count_wrong(table.chunked_view(), rows, wrong);
+  }
+  if constexpr (std::is_same_v<Layout, wm::continuous>) {
+    bad += count_wrong(table.continuous_view(), rows, wrong);
+  }
 
   // 4. Store one file per rank, load the list into a distributed device memory, check its rows.
   auto const files = table.store(dir / (std::string{Location::name} + "_" + Layout::name));
   wm::memory<wm::device, wm::distributed> copy{comm, bytes, row_floats * sizeof(float)};
   copy.load(files);
-  auto const local               = copy.local_view();
-  unsigned long long loaded_bad  = 0;
+  auto const local              = copy.local_view();
+  unsigned long long loaded_bad = 0;
   {  // distributed memory: this rank checks its own rows, here on the host
     std::vector<float> host(local.entries * row_floats);
-    WM_CUDA_TRY(cudaMemcpy(host.data(), local.data, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    WM_CUDA_TRY(
+        cudaMemcpy(host.data(), local.data, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
     for (std::size_t i = 0; i < host.size(); ++i) {
       if (host[i] != static_cast<float>(local.first_entry * row_floats + i)) { ++loaded_bad; }
     }
   }
   comm.barrier();
-  if (bad + loaded_bad != 0) { throw std::runtime_error{"wrong values in " + std::string{Layout::name}}; }
-  std::printf("rank %d: %-6s %-11s owns rows [%zu, %zu); all %zu rows read back through its views; "
-              "store+load round trip ok\n",
-              comm.rank(), Location::name, Layout::name, mine.begin, mine.end, wm::mapped_layout<Layout> ? rows : mine.size());
+  if (bad + loaded_bad != 0) {
+    throw std::runtime_error{"wrong values in " + std::string{Layout::name}};
+  }
+  std::printf(
+      "rank %d: %-6s %-11s owns rows [%zu, %zu); all %zu rows read back through its views; "
+      "store+load round trip ok\n",
+      comm.rank(), Location::name, Layout::name, mine.begin, mine.end,
+      wm::mapped_layout<Layout> ? rows : mine.size());
 }
 
-int main()
-{
+int main() {
   int const gpus = wm::local_device_count();
   if (gpus == 0) {
     std::printf("02_whole_memory: no GPU found, nothing to run\n");

@@ -22,41 +22,40 @@ constexpr std::size_t dim   = 32;
 constexpr std::size_t batch = 8192;
 constexpr int steps         = 300;
 
-__host__ __device__ inline std::uint64_t mix(std::uint64_t z)
-{
+__host__ __device__ inline std::uint64_t mix(std::uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
 
 // The vector row k should learn: values in [-1, 1).
-__device__ inline float target(std::size_t k, std::size_t j)
-{
+__device__ inline float target(std::size_t k, std::size_t j) {
   return static_cast<float>(mix(k * dim + j + 1) >> 40) / 8388608.0f - 1.0f;
 }
 
 // Keys of step s on rank r: a hot set of 2,000 rows gets half the keys (so keys repeat in a
 // batch), the rest spread over the first 20,000 rows.
-__global__ void draw_keys(std::int64_t* keys, int step, int rank)
-{
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < batch; i += gridDim.x * blockDim.x) {
-    std::uint64_t const z = mix((static_cast<std::uint64_t>(step) << 40) ^ (static_cast<std::uint64_t>(rank) << 32) ^ i);
+__global__ void draw_keys(std::int64_t* keys, int step, int rank) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < batch;
+       i += gridDim.x * blockDim.x) {
+    std::uint64_t const z = mix((static_cast<std::uint64_t>(step) << 40) ^
+                                (static_cast<std::uint64_t>(rank) << 32) ^ i);
     keys[i]               = static_cast<std::int64_t>(i % 2 == 0 ? z % 2000 : z % 20000);
   }
 }
 
 // grads = rows - targets; loss accumulates 0.5 |rows - targets|².
-__global__ void loss_and_grad(float const* out, std::int64_t const* keys, float* grads, double* loss)
-{
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < batch * dim; i += gridDim.x * blockDim.x) {
+__global__ void loss_and_grad(float const* out, std::int64_t const* keys, float* grads,
+                              double* loss) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < batch * dim;
+       i += gridDim.x * blockDim.x) {
     float const d = out[i] - target(static_cast<std::size_t>(keys[i / dim]), i % dim);
     grads[i]      = d;
     atomicAdd(loss, 0.5 * d * d);
   }
 }
 
-int main()
-{
+int main() {
   int const gpus = wm::local_device_count();
   if (gpus == 0) {
     std::printf("04_train_embedding: no GPU found, nothing to run\n");
@@ -68,7 +67,7 @@ int main()
       wm::adam adam;
       adam.weight_decay = 0.0f;
       wm::embedding<float, wm::no_cache, wm::adam, wm::device, wm::chunked> table{
-        comm, rows, dim, adam, wm::embedding_init::uniform(-0.01f, 0.01f, 7)};
+          comm, rows, dim, adam, wm::embedding_init::uniform(-0.01f, 0.01f, 7)};
 
       std::int64_t* keys = nullptr;
       float* out         = nullptr;
@@ -108,7 +107,8 @@ int main()
       }
       // 5. The loss must have fallen a lot.
       if (!(last < 0.05 * first)) {
-        throw std::runtime_error{"the loss did not fall: " + std::to_string(first) + " -> " + std::to_string(last)};
+        throw std::runtime_error{"the loss did not fall: " + std::to_string(first) + " -> " +
+                                 std::to_string(last)};
       }
       if (comm.rank() == 0) { std::printf("loss fell from %.4f to %.5f\n", first, last); }
       WM_CUDA_TRY(cudaStreamDestroy(stream));

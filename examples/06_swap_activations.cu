@@ -34,10 +34,10 @@
 #include "workloads/swap_store.cuh"
 
 constexpr int layers = 8;
-constexpr int width = 4096;
-constexpr int batch = 8192;
-constexpr int steps = 6;
-constexpr float lr = 0.05f;
+constexpr int width  = 4096;
+constexpr int batch  = 8192;
+constexpr int steps  = 6;
+constexpr float lr   = 0.05f;
 
 struct run_result {
   std::vector<float> losses;
@@ -67,9 +67,7 @@ run_result train(bool swap, std::size_t budget_slots) {
     auto const run = [&](auto& store) {
       model.step(store, 0, 1, lr, s);  // step 0 is the warm-up
       WM_CUDA_TRY(cudaEventRecord(t0, s));
-      for (int i = 1; i < steps; ++i) {
-        model.step(store, i, 1 + i, lr, s);
-      }
+      for (int i = 1; i < steps; ++i) { model.step(store, i, 1 + i, lr, s); }
       WM_CUDA_TRY(cudaEventRecord(t1, s));
       WM_CUDA_TRY(cudaStreamSynchronize(s));
       r.device_bytes = device_used() - base;
@@ -77,8 +75,8 @@ run_result train(bool swap, std::size_t budget_slots) {
     if (swap) {
       // 1. The scope: a pool for `budget_slots` activations, a host slab for all of them.
       wm::swap_options o;
-      o.device_budget = budget_slots * model.activation_bytes();
-      o.host_bytes = (layers + 1) * model.activation_bytes();
+      o.device_budget      = budget_slots * model.activation_bytes();
+      o.host_bytes         = (layers + 1) * model.activation_bytes();
       o.prefetch_lookahead = 2 * model.activation_bytes();
       wm::swap_scope scope{o};
       // 2. The hooks: every layer's input is paged out after the forward pass read it.
@@ -107,8 +105,8 @@ int main() {
   }
   try {
     // 3. The same training without and with swapping.
-    std::size_t const slots = layers / 2 + 2;
-    run_result const plain = train(false, 0);
+    std::size_t const slots  = layers / 2 + 2;
+    run_result const plain   = train(false, 0);
     run_result const swapped = train(true, slots);
 
     // 4. The losses must be bitwise equal and finite; each step saw its own input, so they differ

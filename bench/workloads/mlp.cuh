@@ -66,7 +66,7 @@ __global__ void fill_uniform_kernel(bf16* p, std::size_t n, std::uint64_t seed, 
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
     float const u = static_cast<float>(mix(seed ^ (i * 0x9E3779B97F4A7C15ull)) >> 40) / 16777216.0f;
-    p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+    p[i]          = __float2bfloat16((2.0f * u - 1.0f) * scale);
   }
 }
 
@@ -74,9 +74,7 @@ __global__ void fill_uniform_kernel(bf16* p, std::size_t n, std::uint64_t seed, 
 __global__ void relu_backward_kernel(bf16* dy, bf16 const* y, std::size_t n) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
-    if (!(__bfloat162float(y[i]) > 0.0f)) {
-      dy[i] = __float2bfloat16(0.0f);
-    }
+    if (!(__bfloat162float(y[i]) > 0.0f)) { dy[i] = __float2bfloat16(0.0f); }
   }
 }
 
@@ -140,12 +138,10 @@ class lt_gemm {
         cublasLtMatmulAlgoGetHeuristic(h, op_, a_, b_, c_, c_, pref, 1, &result, &found);
     (void)cublasLtMatmulPreferenceDestroy(pref);
     WM_MLP_CUBLAS_TRY(st);
-    if (found == 0) {
-      throw std::runtime_error{"cuBLASLt found no algorithm for an MLP GEMM"};
-    }
+    if (found == 0) { throw std::runtime_error{"cuBLASLt found no algorithm for an MLP GEMM"}; }
     algo_ = result.algo;
   }
-  lt_gemm(lt_gemm const&) = delete;
+  lt_gemm(lt_gemm const&)            = delete;
   lt_gemm& operator=(lt_gemm const&) = delete;
   lt_gemm(lt_gemm&& o) noexcept { *this = std::move(o); }
   lt_gemm& operator=(lt_gemm&& o) noexcept {
@@ -157,25 +153,17 @@ class lt_gemm {
     return *this;
   }
   ~lt_gemm() {
-    if (op_ != nullptr) {
-      (void)cublasLtMatmulDescDestroy(op_);
-    }
-    if (a_ != nullptr) {
-      (void)cublasLtMatrixLayoutDestroy(a_);
-    }
-    if (b_ != nullptr) {
-      (void)cublasLtMatrixLayoutDestroy(b_);
-    }
-    if (c_ != nullptr) {
-      (void)cublasLtMatrixLayoutDestroy(c_);
-    }
+    if (op_ != nullptr) { (void)cublasLtMatmulDescDestroy(op_); }
+    if (a_ != nullptr) { (void)cublasLtMatrixLayoutDestroy(a_); }
+    if (b_ != nullptr) { (void)cublasLtMatrixLayoutDestroy(b_); }
+    if (c_ != nullptr) { (void)cublasLtMatrixLayoutDestroy(c_); }
   }
 
   /// C = op(A) op(B) (column-major).
   void run(cublasLtHandle_t h, bf16 const* a, bf16 const* b, bf16* c, void* workspace,
            std::size_t workspace_bytes, cudaStream_t s) const {
     float const alpha = 1.0f;
-    float const beta = 0.0f;
+    float const beta  = 0.0f;
     WM_MLP_CUBLAS_TRY(cublasLtMatmul(h, op_, &alpha, a, a_, b, b_, &beta, c, c_, c, c_, &algo_,
                                      workspace, workspace_bytes, s));
   }
@@ -234,24 +222,18 @@ class mlp {
         workspace_bytes};
     WM_CUDA_TRY(cudaDeviceSynchronize());
   }
-  mlp(mlp const&) = delete;
+  mlp(mlp const&)            = delete;
   mlp& operator=(mlp const&) = delete;
   ~mlp() {
     (void)cudaDeviceSynchronize();
-    for (auto* p : weights_) {
-      (void)cudaFree(p);
-    }
-    for (auto* p : grads_) {
-      (void)cudaFree(p);
-    }
+    for (auto* p : weights_) { (void)cudaFree(p); }
+    for (auto* p : grads_) { (void)cudaFree(p); }
     (void)cudaFree(dy_[0]);
     (void)cudaFree(dy_[1]);
     (void)cudaFree(workspace_);
     (void)cudaFree(losses_);
     (void)cudaFree(reduce_temp_);
-    if (handle_ != nullptr) {
-      (void)cublasLtDestroy(handle_);
-    }
+    if (handle_ != nullptr) { (void)cublasLtDestroy(handle_); }
   }
 
   [[nodiscard]] int layers() const noexcept { return layers_; }
@@ -275,22 +257,20 @@ class mlp {
    */
   template <activation_store S>
   void step(S& store, int step, std::uint64_t seed, float lr, cudaStream_t s) {
-    if (step < 0 || step >= max_steps_) {
-      throw std::out_of_range{"mlp::step: step out of range"};
-    }
+    if (step < 0 || step >= max_steps_) { throw std::out_of_range{"mlp::step: step out of range"}; }
     std::size_t const n = activation_elements();
-    bf16* x0 = store.create(0, s);
+    bf16* x0            = store.create(0, s);
     fill_uniform_kernel<<<1024, 256, 0, s>>>(x0, n, mix(seed), 1.0f);
     WM_CHECK_LAUNCH();
     // Forward: x_i = relu(x_{i-1} · weight_i^T).
     for (int i = 1; i <= layers_; ++i) {
-      bf16* in = store.get(i - 1, s);
+      bf16* in  = store.get(i - 1, s);
       bf16* out = store.create(i, s);
       forward_.run(handle_, weights_[i - 1], in, out, workspace_, workspace_bytes, s);
       store.forward_done(i - 1, s);
     }
     // Loss 0.5 Σ y² / batch and its gradient.
-    bf16* y = store.get(layers_, s);
+    bf16* y           = store.get(layers_, s);
     float const scale = 1.0f / static_cast<float>(batch_);
     WM_CUDA_TRY(cub::DeviceReduce::TransformReduce(
         reduce_temp_, reduce_bytes_, y, losses_ + max_steps_, n, plus_op{}, square_op{}, 0.0f, s));
@@ -353,16 +333,12 @@ class mlp {
 class resident_store {
  public:
   resident_store(int layers, std::size_t bytes) : x_(static_cast<std::size_t>(layers) + 1) {
-    for (auto& p : x_) {
-      WM_CUDA_TRY(cudaMalloc(&p, bytes));
-    }
+    for (auto& p : x_) { WM_CUDA_TRY(cudaMalloc(&p, bytes)); }
   }
-  resident_store(resident_store const&) = delete;
+  resident_store(resident_store const&)            = delete;
   resident_store& operator=(resident_store const&) = delete;
   ~resident_store() {
-    for (auto* p : x_) {
-      (void)cudaFree(p);
-    }
+    for (auto* p : x_) { (void)cudaFree(p); }
   }
   bf16* create(int i, cudaStream_t) { return x_.at(static_cast<std::size_t>(i)); }
   bf16* get(int i, cudaStream_t) { return x_.at(static_cast<std::size_t>(i)); }

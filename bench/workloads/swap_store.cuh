@@ -32,23 +32,19 @@ class swap_store {
 
   bf16* create(int i, cudaStream_t s) {
     auto& x = x_.at(static_cast<std::size_t>(i));
-    x = scope_.allocate<bf16>(elements_, cuda::stream_ref{s});
+    x       = scope_.allocate<bf16>(elements_, cuda::stream_ref{s});
     return x.data(cuda::stream_ref{s});
   }
   bf16* get(int i, cudaStream_t s) {
     return x_.at(static_cast<std::size_t>(i)).data(cuda::stream_ref{s});
   }
   void forward_done(int i, cudaStream_t s) {
-    if (paged(i)) {
-      x_.at(static_cast<std::size_t>(i)).pageout(cuda::stream_ref{s});
-    }
+    if (paged(i)) { x_.at(static_cast<std::size_t>(i)).pageout(cuda::stream_ref{s}); }
   }
   void backward_begin(cudaStream_t) {
     scope_.prefetch_init();
     for (int i = layers_ - 1; i >= 0; --i) {
-      if (paged(i)) {
-        x_[static_cast<std::size_t>(i)].need_prefetch();
-      }
+      if (paged(i)) { x_[static_cast<std::size_t>(i)].need_prefetch(); }
     }
     scope_.prefetch_all();
   }

@@ -231,15 +231,13 @@ struct communicator_options {
   bool exchange_twin{default_exchange_twin()};
 
   /// `WM_TIMEOUT_S` if set, else 300 s. @throw wm::logic_error if `WM_TIMEOUT_S` is malformed
-  [[nodiscard]] static std::chrono::milliseconds default_timeout()
-  {
+  [[nodiscard]] static std::chrono::milliseconds default_timeout() {
     if (char const* s = std::getenv("WM_TIMEOUT_S"); s != nullptr && *s != '\0') {
       return detail::parse_timeout_seconds(s, "WM_TIMEOUT_S");
     }
     return std::chrono::seconds{300};
   }
-  [[nodiscard]] static bool default_exchange_twin()
-  {
+  [[nodiscard]] static bool default_exchange_twin() {
     char const* s = std::getenv("WM_EXCHANGE_TWIN");
     return s == nullptr || std::string_view{s} != "0";
   }
@@ -278,16 +276,13 @@ class communicator {
   ~communicator() = default;
 
   [[nodiscard]] bool valid() const noexcept { return s_ != nullptr; }
-  [[nodiscard]] int rank() const noexcept { return s_->rank; }   ///< this rank
-  [[nodiscard]] int size() const noexcept { return s_->size; }   ///< number of ranks
+  [[nodiscard]] int rank() const noexcept { return s_->rank; }      ///< this rank
+  [[nodiscard]] int size() const noexcept { return s_->size; }      ///< number of ranks
   [[nodiscard]] int device() const noexcept { return s_->device; }  ///< this rank's GPU
   /// Rank among the ranks on this host (same hostname and boot id), ordered by rank.
   [[nodiscard]] int local_rank() const noexcept { return s_->local_rank; }
   /// Number of ranks on this host.
-  [[nodiscard]] int local_size() const noexcept
-  {
-    return static_cast<int>(s_->node_ranks.size());
-  }
+  [[nodiscard]] int local_size() const noexcept { return static_cast<int>(s_->node_ranks.size()); }
   /// The ranks on this host, ascending.
   [[nodiscard]] std::vector<int> const& node_ranks() const noexcept { return s_->node_ranks; }
   /// True if every rank of the group is on this host.
@@ -310,16 +305,14 @@ class communicator {
    * @return one buffer per rank, in rank order
    */
   [[nodiscard]] std::vector<std::vector<std::byte>> all_gather_bytes(
-    std::span<std::byte const> mine)
-  {
+      std::span<std::byte const> mine) {
     return exchange("all_gather", 0, mine);
   }
 
   /** @brief Host-side all-gather of one trivially copyable value per rank (collective). */
   template <class T>
-    requires std::is_trivially_copyable_v<T>
-  [[nodiscard]] std::vector<T> all_gather(T const& mine)
-  {
+  requires std::is_trivially_copyable_v<T>
+  [[nodiscard]] std::vector<T> all_gather(T const& mine) {
     auto const parts = exchange("all_gather", sizeof(T), std::as_bytes(std::span{&mine, 1}));
     std::vector<T> out(parts.size());
     for (std::size_t r = 0; r < parts.size(); ++r) {
@@ -365,18 +358,19 @@ class communicator {
    * @throw wm::comm_error if NCCL rejects the operations or fails while accepting them (an NCCL
    * group this call opened is closed first)
    */
-  void send_recv(std::span<send_part const> sends, std::span<recv_part const> recvs, cuda::stream_ref stream) const;
+  void send_recv(std::span<send_part const> sends, std::span<recv_part const> recvs,
+                 cuda::stream_ref stream) const;
 
   /**
    * @brief Waits for @p stream as the communicator waits for its own work: past the timeout, or
    * on an NCCL error, the communicator is aborted (which ends its pending transfers) and a
    * `wm::comm_error` names this rank. (NCCL's abort frees device memory, which waits for the
-   * kernels running on the device: NCCL's end with the abort, others run to their end.) Use it instead of `cudaStreamSynchronize` for a stream
-   * that holds exchanges with peers: a peer that died or failed before its side of an exchange
-   * then gives an error instead of a wait with no end. wm's own synchronizing operations use it.
+   * kernels running on the device: NCCL's end with the abort, others run to their end.) Use it
+   * instead of `cudaStreamSynchronize` for a stream that holds exchanges with peers: a peer that
+   * died or failed before its side of an exchange then gives an error instead of a wait with no
+   * end. wm's own synchronizing operations use it.
    */
-  void synchronize(cuda::stream_ref stream, std::string_view what = "synchronize") const
-  {
+  void synchronize(cuda::stream_ref stream, std::string_view what = "synchronize") const {
     check_usable();
     wait_stream(what, stream.get());
   }
@@ -393,11 +387,8 @@ class communicator {
    * communicator's timeout does not cover it; see `send_recv`).
    */
   template <class T>
-  void all_to_all_v(T const* send,
-                    std::span<std::size_t const> send_counts,
-                    T* recv,
-                    std::span<std::size_t const> recv_counts,
-                    cuda::stream_ref stream) const;
+  void all_to_all_v(T const* send, std::span<std::size_t const> send_counts, T* recv,
+                    std::span<std::size_t const> recv_counts, cuda::stream_ref stream) const;
 
   /**
    * @brief Device all-to-all of @p count elements per peer (collective, `ncclAlltoAll` where
@@ -445,15 +436,15 @@ class communicator {
     std::uint64_t token{0};
     std::chrono::milliseconds timeout{};
     node_channel channel;
-    cudaStream_t stream{nullptr};     // internal stream for host-side collectives
-    std::byte* scratch{nullptr};      // device scratch for host-side collectives
+    cudaStream_t stream{nullptr};  // internal stream for host-side collectives
+    std::byte* scratch{nullptr};   // device scratch for host-side collectives
     std::size_t scratch_bytes{0};
-    std::byte* staging{nullptr};      // pinned host mirror of scratch
-    std::uint64_t seq{0};             // number of host-side collectives issued
+    std::byte* staging{nullptr};  // pinned host mirror of scratch
+    std::uint64_t seq{0};         // number of host-side collectives issued
     std::uint64_t split_seq{0};
     bool failed{false};
 
-    state() = default;
+    state()                        = default;
     state(state const&)            = delete;
     state& operator=(state const&) = delete;
     ~state();  // frees the stream and buffers; finalizes (or aborts) NCCL; never throws
@@ -466,8 +457,7 @@ class communicator {
   void wait_nccl(std::string_view what, ncclComm_t which = nullptr) const;
   void wait_stream(std::string_view what, cudaStream_t stream) const;
   void ensure_scratch(std::size_t bytes);
-  std::vector<std::vector<std::byte>> exchange(std::string_view what,
-                                               std::uint64_t args,
+  std::vector<std::vector<std::byte>> exchange(std::string_view what, std::uint64_t args,
                                                std::span<std::byte const> mine);
   void check_usable() const;
 
@@ -476,6 +466,6 @@ class communicator {
 
 }  // namespace wm
 
-#include <wm/detail/comm/unique_id.hpp>
-#include <wm/detail/comm/node_channel.hpp>
 #include <wm/detail/comm/communicator.hpp>
+#include <wm/detail/comm/node_channel.hpp>
+#include <wm/detail/comm/unique_id.hpp>

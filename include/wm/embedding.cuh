@@ -40,7 +40,9 @@ struct no_cache {
 
 /** @brief A cache policy (only `wm::no_cache` so far). */
 template <class C>
-concept cache_policy = requires { { C::name } -> std::convertible_to<char const*>; };
+concept cache_policy = requires {
+  { C::name } -> std::convertible_to<char const*>;
+};
 
 /** @brief An optimizer policy for `wm::embedding`: a sparse optimizer or `wm::no_optimizer`. */
 template <class O>
@@ -58,11 +60,16 @@ struct embedding_init {
   std::uint64_t seed{42};
 
   [[nodiscard]] static embedding_init zeros() { return {kind::zeros, 0, 0, 0}; }
-  [[nodiscard]] static embedding_init uniform(float low, float high, std::uint64_t seed) { return {kind::uniform, low, high, seed}; }
-  [[nodiscard]] static embedding_init normal(float mean, float stddev, std::uint64_t seed) { return {kind::normal, mean, stddev, seed}; }
+  [[nodiscard]] static embedding_init uniform(float low, float high, std::uint64_t seed) {
+    return {kind::uniform, low, high, seed};
+  }
+  [[nodiscard]] static embedding_init normal(float mean, float stddev, std::uint64_t seed) {
+    return {kind::normal, mean, stddev, seed};
+  }
 
   /// The initial value of (row, col): host and device.
-  [[nodiscard]] WM_HOST_DEVICE float value(std::size_t row, std::size_t col, std::size_t dim) const noexcept;
+  [[nodiscard]] WM_HOST_DEVICE float value(std::size_t row, std::size_t col,
+                                           std::size_t dim) const noexcept;
 };
 
 namespace detail {
@@ -80,12 +87,8 @@ struct row_source;  // where gather reads and the update writes rows (detail/emb
  * any type satisfying `wm::sparse_optimizer` (see <wm/optimizer.hpp>)
  * @tparam Location, Layout, Mapping the storage, as for `wm::tensor`
  */
-template <class T,
-          cache_policy CachePolicy = no_cache,
-          optimizer_policy Optimizer = sgd,
-          location Location          = device,
-          layout Layout              = chunked,
-          mapping Mapping            = block>
+template <class T, cache_policy CachePolicy = no_cache, optimizer_policy Optimizer = sgd,
+          location Location = device, layout Layout = chunked, mapping Mapping = block>
 class embedding {
  public:
   using value_type     = T;
@@ -101,7 +104,8 @@ class embedding {
    * more than 2^32 - 1 rows (the update sorts local rows as 32-bit keys)
    * @throw wm::comm_error on every rank if the ranks passed different @p rows or @p dim
    */
-  embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer = {}, embedding_init init = {});
+  embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer = {},
+            embedding_init init = {});
   embedding(embedding&&) noexcept;
   embedding& operator=(embedding&&) noexcept;
   ~embedding();
@@ -112,16 +116,19 @@ class embedding {
   /// The weight tensor (e.g. to load weights from files or read local rows).
   [[nodiscard]] tensor<T, Location, Layout, Mapping>& weights() noexcept { return weights_; }
   /// Optimizer state: `Optimizer::states × dim` floats per row (absent if the optimizer has none).
-  [[nodiscard]] tensor<float, Location, Layout, Mapping>* states() noexcept { return states_ ? &*states_ : nullptr; }
+  [[nodiscard]] tensor<float, Location, Layout, Mapping>* states() noexcept {
+    return states_ ? &*states_ : nullptr;
+  }
   /// Per-row step counts (present when the optimizer `needs_steps()`, e.g. lazy Adam).
-  [[nodiscard]] tensor<std::int64_t, Location, Layout, Mapping>* steps() noexcept { return steps_ ? &*steps_ : nullptr; }
+  [[nodiscard]] tensor<std::int64_t, Location, Layout, Mapping>* steps() noexcept {
+    return steps_ ? &*steps_ : nullptr;
+  }
   /// Number of `apply_gradients` calls so far (the global step).
   [[nodiscard]] std::int64_t global_step() const noexcept { return global_step_; }
 
   /** @brief Forward: `out[i, :] = table[indices[i], :]`; see `wm::tensor::gather`. */
   template <index_type Index>
-  void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream)
-  {
+  void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream) {
     detail::row_source<CachePolicy>::gather(weights_, indices, out, stream);
   }
 
@@ -135,8 +142,8 @@ class embedding {
    * @throw wm::logic_error if an index is out of range (then nothing is updated)
    */
   template <index_type Index>
-  void apply_gradients(std::span<Index const> indices, T const* grads, float lr, cuda::stream_ref stream)
-    requires sparse_optimizer<Optimizer>;
+  void apply_gradients(std::span<Index const> indices, T const* grads, float lr,
+                       cuda::stream_ref stream) requires sparse_optimizer<Optimizer>;
 
   /**
    * @brief Writes the checkpoint `<prefix>.weights.*`, `.states.*`, `.steps.*` and `<prefix>.meta`

@@ -50,8 +50,7 @@ class io_error : public std::runtime_error {
 
 namespace detail {
 
-[[nodiscard]] inline std::string where(char const* file, int line)
-{
+[[nodiscard]] inline std::string where(char const* file, int line) {
   std::string_view f{file};
   if (auto const pos = f.rfind("include/wm/"); pos != std::string_view::npos) {
     f.remove_prefix(pos + 8);
@@ -59,30 +58,21 @@ namespace detail {
   return std::string{f} + ":" + std::to_string(line);
 }
 
-[[noreturn]] inline void throw_logic_error(char const* file,
-                                           int line,
-                                           char const* condition,
-                                           std::string_view what)
-{
+[[noreturn]] inline void throw_logic_error(char const* file, int line, char const* condition,
+                                           std::string_view what) {
   throw wm::logic_error{"wm: " + std::string{what} + " (check `" + condition + "` failed at " +
                         where(file, line) + ")"};
 }
 
-[[noreturn]] inline void throw_cuda_error(char const* file,
-                                          int line,
-                                          char const* call,
-                                          cudaError_t code)
-{
+[[noreturn]] inline void throw_cuda_error(char const* file, int line, char const* call,
+                                          cudaError_t code) {
   throw wm::cuda_error{"wm: CUDA error " + std::string{cudaGetErrorName(code)} + " (" +
-                         cudaGetErrorString(code) + ") in `" + call + "` at " + where(file, line),
+                           cudaGetErrorString(code) + ") in `" + call + "` at " + where(file, line),
                        static_cast<int>(code)};
 }
 
-[[noreturn]] inline void throw_nccl_error(char const* file,
-                                          int line,
-                                          char const* call,
-                                          ncclResult_t code)
-{
+[[noreturn]] inline void throw_nccl_error(char const* file, int line, char const* call,
+                                          ncclResult_t code) {
   throw wm::comm_error{"wm: NCCL error " + std::to_string(static_cast<int>(code)) + " (" +
                        ncclGetErrorString(code) + ") in `" + call + "` at " + where(file, line)};
 }
@@ -94,28 +84,28 @@ namespace detail {
  * @brief Throws `wm::logic_error` with @p what and the location unless @p cond holds.
  * @p what may be a string literal or a `std::string` built from the offending values.
  */
-#define WM_EXPECTS(cond, what)                                                 \
-  do {                                                                         \
+#define WM_EXPECTS(cond, what)                                                           \
+  do {                                                                                   \
     if (!(cond)) { ::wm::detail::throw_logic_error(__FILE__, __LINE__, #cond, (what)); } \
   } while (0)
 
 /** @brief Runs a CUDA runtime call and throws `wm::cuda_error` if it did not succeed. */
-#define WM_CUDA_TRY(call)                                                                 \
-  do {                                                                                    \
-    cudaError_t const wm_cuda_status_ = (call);                                           \
-    if (wm_cuda_status_ != cudaSuccess) {                                                 \
-      ::wm::detail::throw_cuda_error(__FILE__, __LINE__, #call, wm_cuda_status_);         \
-    }                                                                                     \
+#define WM_CUDA_TRY(call)                                                         \
+  do {                                                                            \
+    cudaError_t const wm_cuda_status_ = (call);                                   \
+    if (wm_cuda_status_ != cudaSuccess) {                                         \
+      ::wm::detail::throw_cuda_error(__FILE__, __LINE__, #call, wm_cuda_status_); \
+    }                                                                             \
   } while (0)
 
 /** @brief Checks the last kernel launch (configuration and launch errors). */
 #define WM_CHECK_LAUNCH() WM_CUDA_TRY(cudaPeekAtLastError())
 
 /** @brief Runs an NCCL call and throws `wm::comm_error` unless it succeeded or is in progress. */
-#define WM_NCCL_TRY(call)                                                                  \
-  do {                                                                                     \
-    ncclResult_t const wm_nccl_status_ = (call);                                           \
-    if (wm_nccl_status_ != ncclSuccess && wm_nccl_status_ != ncclInProgress) {             \
-      ::wm::detail::throw_nccl_error(__FILE__, __LINE__, #call, wm_nccl_status_);          \
-    }                                                                                      \
+#define WM_NCCL_TRY(call)                                                         \
+  do {                                                                            \
+    ncclResult_t const wm_nccl_status_ = (call);                                  \
+    if (wm_nccl_status_ != ncclSuccess && wm_nccl_status_ != ncclInProgress) {    \
+      ::wm::detail::throw_nccl_error(__FILE__, __LINE__, #call, wm_nccl_status_); \
+    }                                                                             \
   } while (0)

@@ -37,7 +37,7 @@ struct update_step {
 /** @brief Plain SGD: w -= lr (g + wd w). */
 struct sgd {
   static constexpr char const* name = "sgd";
-  static constexpr int states = 0;
+  static constexpr int states       = 0;
   float weight_decay{0.0f};
 
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
@@ -79,7 +79,7 @@ enum class adam_epsilon {
  */
 struct adam {
   static constexpr char const* name = "adam";
-  static constexpr int states = 2;  // m, v
+  static constexpr int states       = 2;  // m, v
   float beta1{0.9f};
   float beta2{0.999f};
   float eps{1e-8f};
@@ -104,18 +104,18 @@ struct adam {
   WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     F const b1 = beta1;
     F const b2 = beta2;
-    F const e = eps;
+    F const e  = eps;
     if (decoupled) {
       w -= s.lr * static_cast<F>(weight_decay) * w;
     } else {
       g += static_cast<F>(weight_decay) * w;
     }
-    F& m = state[0];
-    F& v = state[1];
-    m = b1 * m + (F{1} - b1) * g;
-    v = b2 * v + (F{1} - b2) * g * g;
-    F const t = static_cast<F>(s.step);
-    F const c1 = one_minus_pow_(b1, t);
+    F& m            = state[0];
+    F& v            = state[1];
+    m               = b1 * m + (F{1} - b1) * g;
+    v               = b2 * v + (F{1} - b2) * g * g;
+    F const t       = static_cast<F>(s.step);
+    F const c1      = one_minus_pow_(b1, t);
     F const sqrt_c2 = sqrt_(one_minus_pow_(b2, t));
     // torch's lr / c1 · m / (sqrt(v) / sqrt(c2) + eps), with numerator and denominator times
     // sqrt(c2): one division per value, as in the SparseAdam form.
@@ -143,7 +143,7 @@ struct adam {
 /** @brief RMSProp: v = a v + (1-a) g²; w -= lr g / (sqrt(v) + eps). */
 struct rmsprop {
   static constexpr char const* name = "rmsprop";
-  static constexpr int states = 1;
+  static constexpr int states       = 1;
   float alpha{0.99f};
   float eps{1e-8f};
   float weight_decay{0.0f};
@@ -155,7 +155,7 @@ struct rmsprop {
     using std::sqrt;
     g += static_cast<F>(weight_decay) * w;
     F& v = state[0];
-    v = static_cast<F>(alpha) * v + (F{1} - static_cast<F>(alpha)) * g * g;
+    v    = static_cast<F>(alpha) * v + (F{1} - static_cast<F>(alpha)) * g * g;
     w -= s.lr * g / (sqrt(v) + static_cast<F>(eps));
   }
 };
@@ -163,7 +163,7 @@ struct rmsprop {
 /** @brief AdaGrad: s += g²; w -= lr g / (sqrt(s) + eps); s starts at `initial_accumulator`. */
 struct adagrad {
   static constexpr char const* name = "adagrad";
-  static constexpr int states = 1;
+  static constexpr int states       = 1;
   float eps{1e-10f};
   float initial_accumulator{0.0f};
   float weight_decay{0.0f};
@@ -183,7 +183,7 @@ struct adagrad {
 /** @brief No optimizer: an inference-only table; `apply_gradients` does not compile. */
 struct no_optimizer {
   static constexpr char const* name = "none";
-  static constexpr int states = 0;
+  static constexpr int states       = 0;
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
 };

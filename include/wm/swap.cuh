@@ -110,7 +110,7 @@ class swap_scope {
    * the workers. @throw wm::logic_error on a zero budget or slab, wm::cuda_error on CUDA errors.
    */
   explicit swap_scope(swap_options const& options);
-  swap_scope(swap_scope const&) = delete;
+  swap_scope(swap_scope const&)            = delete;
   swap_scope& operator=(swap_scope const&) = delete;
   ~swap_scope();
 
@@ -159,7 +159,7 @@ class swappable {
   swappable() = default;
   swappable(swappable&& other) noexcept;
   swappable& operator=(swappable&& other) noexcept;
-  swappable(swappable const&) = delete;
+  swappable(swappable const&)            = delete;
   swappable& operator=(swappable const&) = delete;
   ~swappable();
 

@@ -67,13 +67,12 @@ concept index_type = std::same_as<I, std::int32_t> || std::same_as<I, std::int64
 /** @brief A strided 2D view of rows (`stride >= cols` elements between row starts). */
 template <class T>
 struct matrix_view {
-  T* data{};               ///< first element of row 0
-  std::size_t rows{};      ///< number of rows
-  std::size_t cols{};      ///< elements per row
-  std::size_t stride{};    ///< elements between row starts
+  T* data{};             ///< first element of row 0
+  std::size_t rows{};    ///< number of rows
+  std::size_t cols{};    ///< elements per row
+  std::size_t stride{};  ///< elements between row starts
   [[nodiscard]] WM_HOST_DEVICE T* row(std::size_t r) const noexcept { return data + r * stride; }
-  [[nodiscard]] WM_HOST_DEVICE T& operator()(std::size_t r, std::size_t c) const noexcept
-  {
+  [[nodiscard]] WM_HOST_DEVICE T& operator()(std::size_t r, std::size_t c) const noexcept {
     return data[r * stride + c];
   }
 };
@@ -144,7 +143,8 @@ enum class row_path {
 };
 
 namespace detail {
-struct exchange_scratch;  // workspaces, error state and ordering event (detail/dispatch/scratch.cuh)
+struct exchange_scratch;  // workspaces, error state and ordering event
+                          // (detail/dispatch/scratch.cuh)
 }
 
 /**
@@ -160,7 +160,7 @@ struct exchange_scratch;  // workspaces, error state and ordering event (detail/
  * k % world), or any type satisfying `wm::mapping` (the tensor asks it where each row lives)
  */
 template <class T, location Location = device, layout Layout = chunked, mapping Mapping = block>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 class tensor {
  public:
   using value_type    = T;

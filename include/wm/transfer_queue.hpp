@@ -103,11 +103,11 @@ template <transfer_copier Copier>
 class transfer_queue {
  public:
   using ticket_type = typename Copier::ticket_type;
-  using clock = std::chrono::steady_clock;
+  using clock       = std::chrono::steady_clock;
 
   /** @brief A queue feeding @p copier; the worker thread starts here, idle until tasks come. */
   explicit transfer_queue(Copier& copier, transfer_queue_options options = {});
-  transfer_queue(transfer_queue const&) = delete;
+  transfer_queue(transfer_queue const&)            = delete;
   transfer_queue& operator=(transfer_queue const&) = delete;
   /** @brief `close()`: drops waiting tasks, waits for the copies in flight, joins the worker. */
   ~transfer_queue();

@@ -5,11 +5,11 @@
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/embedding.cuh>
 #include <wm/error.hpp>
 #include <wm/launch.hpp>
 #include <wm/memory.cuh>
-#include <wm/partition.hpp>
-#include <wm/tensor.cuh>
 #include <wm/optimizer.hpp>
-#include <wm/embedding.cuh>
+#include <wm/partition.hpp>
 #include <wm/swap.cuh>
+#include <wm/tensor.cuh>

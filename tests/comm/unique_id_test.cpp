@@ -1,20 +1,18 @@
-#include "catch.hpp"
-
 #include <wm/comm.hpp>
 
 #include <random>
 
+#include "catch.hpp"
+
 namespace {
-wm::unique_id random_id(std::mt19937_64& rng)
-{
+wm::unique_id random_id(std::mt19937_64& rng) {
   ncclUniqueId raw{};
   for (auto& c : raw.internal) { c = static_cast<char>(rng()); }
   return wm::unique_id::from_parts(rng(), raw);
 }
 }  // namespace
 
-TEST_CASE("unique_id round-trips through bytes and hex", "[host]")
-{
+TEST_CASE("unique_id round-trips through bytes and hex", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   for (int i = 0; i < 20; ++i) {
     auto const id = random_id(rng);
@@ -31,8 +29,7 @@ TEST_CASE("unique_id round-trips through bytes and hex", "[host]")
   CHECK_FALSE(wm::unique_id{}.valid());
 }
 
-TEST_CASE("unique_id rejects malformed input", "[host]")
-{
+TEST_CASE("unique_id rejects malformed input", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   auto const id  = random_id(rng);
   auto bytes     = id.bytes();

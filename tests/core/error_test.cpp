@@ -1,11 +1,10 @@
-#include "catch.hpp"
-
 #include <wm/error.hpp>
 
 #include <string>
 
-TEST_CASE("WM_EXPECTS throws logic_error with the message and the location", "[host]")
-{
+#include "catch.hpp"
+
+TEST_CASE("WM_EXPECTS throws logic_error with the message and the location", "[host]") {
   int const rows = -3;
   REQUIRE_NOTHROW([&] { WM_EXPECTS(rows < 0, "never thrown"); }());
   try {
@@ -19,8 +18,7 @@ TEST_CASE("WM_EXPECTS throws logic_error with the message and the location", "[h
   }
 }
 
-TEST_CASE("WM_CUDA_TRY and WM_NCCL_TRY name the error and the call", "[host]")
-{
+TEST_CASE("WM_CUDA_TRY and WM_NCCL_TRY name the error and the call", "[host]") {
   try {
     WM_CUDA_TRY(cudaErrorInvalidValue);
     FAIL("no exception");

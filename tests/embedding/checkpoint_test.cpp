@@ -16,21 +16,21 @@ namespace {
 
 wm::detail::checkpoint_meta sample() {
   wm::detail::checkpoint_meta m;
-  m.rows = 5'000'000'123;
-  m.dim = 19;
-  m.world = 3;
-  m.global_step = 77;
-  m.dtype = "float16";
-  m.dtype_bytes = 2;
-  m.optimizer = "adam";
+  m.rows          = 5'000'000'123;
+  m.dim           = 19;
+  m.world         = 3;
+  m.global_step   = 77;
+  m.dtype         = "float16";
+  m.dtype_bytes   = 2;
+  m.optimizer     = "adam";
   m.optimizer_tag = wm::checkpoint_tag(wm::adam{});
-  m.states = 2;
-  m.steps = true;
+  m.states        = 2;
+  m.steps         = true;
   return m;
 }
 
 std::string replace_line(std::string text, std::string const& key, std::string const& line) {
-  auto const at = text.find("\n" + key + " ");
+  auto const at  = text.find("\n" + key + " ");
   auto const end = text.find('\n', at + 1);
   return text.replace(at + 1, end - at - 1, line);
 }
@@ -38,7 +38,7 @@ std::string replace_line(std::string text, std::string const& key, std::string c
 }  // namespace
 
 TEST_CASE("checkpoint meta: format and parse round trip", "[host]") {
-  auto const m = sample();
+  auto const m    = sample();
   auto const back = wm::detail::parse_meta(wm::detail::format_meta(m), "x.meta");
   CHECK(back.rows == m.rows);
   CHECK(back.dim == m.dim);
@@ -53,19 +53,19 @@ TEST_CASE("checkpoint meta: format and parse round trip", "[host]") {
   CHECK(back.weight_row_bytes() == 38);
   CHECK(back.state_row_bytes() == 2 * 19 * 4);
   // An optimizer without a tag: the empty tag survives.
-  auto s = m;
-  s.optimizer = "sgd";
+  auto s          = m;
+  s.optimizer     = "sgd";
   s.optimizer_tag = "";
-  s.states = 0;
-  s.steps = false;
-  auto const b2 = wm::detail::parse_meta(wm::detail::format_meta(s), "x.meta");
+  s.states        = 0;
+  s.steps         = false;
+  auto const b2   = wm::detail::parse_meta(wm::detail::format_meta(s), "x.meta");
   CHECK(b2.optimizer_tag.empty());
   CHECK_NOTHROW(wm::detail::check_meta_fits(b2, s, "x"));
 }
 
 TEST_CASE("checkpoint meta: malformed texts are refused with io_error", "[host]") {
   auto const good = wm::detail::format_meta(sample());
-  auto refused = [](std::string const& text) {
+  auto refused    = [](std::string const& text) {
     try {
       (void)wm::detail::parse_meta(text, "x.meta");
     } catch (wm::io_error const& e) {
@@ -81,7 +81,7 @@ TEST_CASE("checkpoint meta: malformed texts are refused with io_error", "[host]"
   for (char const* key : {"rows", "dim", "world", "global_step", "dtype", "optimizer",
                           "optimizer_tag", "states", "steps"}) {
     INFO(key);
-    auto const at = good.find(std::string{"\n"} + key + " ");
+    auto const at  = good.find(std::string{"\n"} + key + " ");
     auto const end = good.find('\n', at + 1);
     CHECK(refused(std::string{good}.erase(at + 1, end - at)));  // the line removed
   }
@@ -95,9 +95,9 @@ TEST_CASE("checkpoint meta: malformed texts are refused with io_error", "[host]"
 }
 
 TEST_CASE("checkpoint meta: every field a table depends on must match", "[host]") {
-  auto const table = sample();
-  auto found = table;
-  found.world = 8;  // any rank count loads
+  auto const table  = sample();
+  auto found        = table;
+  found.world       = 8;  // any rank count loads
   found.global_step = 5;
   CHECK_NOTHROW(wm::detail::check_meta_fits(found, table, "ck"));
   auto mismatch = [&](auto change, char const* word) {

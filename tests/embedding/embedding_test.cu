@@ -4,10 +4,6 @@
 // reference of the same algorithm run on the concatenation of all ranks' batches (= what one
 // rank computes on the concatenated batch). A checkpoint round trip into another layout
 // continues training bit for bit. Bad indices are rejected on every rank with nothing updated.
-#include "catch.hpp"
-#include "rank_check.hpp"
-#include "ranks.hpp"
-
 #include <wm/wm.cuh>
 
 #include <cuda_bf16.h>
@@ -21,11 +17,14 @@
 #include <tuple>
 #include <vector>
 
+#include "catch.hpp"
+#include "rank_check.hpp"
+#include "ranks.hpp"
+
 namespace {
 
 template <class T>
-double to_double(T x)
-{
+double to_double(T x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else if constexpr (std::is_same_v<T, __half>) {
@@ -35,8 +34,7 @@ double to_double(T x)
   }
 }
 template <class T>
-T from_double(double x)
-{
+T from_double(double x) {
   if constexpr (std::is_same_v<T, float>) {
     return static_cast<float>(x);
   } else if constexpr (std::is_same_v<T, __half>) {
@@ -61,8 +59,7 @@ template <class T>
 struct device_array {
   T* ptr{};
   std::size_t n{};
-  explicit device_array(std::vector<T> const& h) : n{h.size()}
-  {
+  explicit device_array(std::vector<T> const& h) : n{h.size()} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
     if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
   }
@@ -72,8 +69,7 @@ struct device_array {
 
 // All rows of a tensor-like (gather with every index), as doubles.
 template <class T, class Table>
-std::vector<double> read_all(Table& t, std::size_t rows, std::size_t cols, cudaStream_t s)
-{
+std::vector<double> read_all(Table& t, std::size_t rows, std::size_t cols, cudaStream_t s) {
   std::vector<std::int64_t> idx(rows);
   for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
   device_array<std::int64_t> di{idx};
@@ -118,17 +114,20 @@ constexpr shape misaligned{300, 16, 200, 4, 8, 0.5, 0.1, 1};
 constexpr shape misaligned_float{300, 8, 200, 4, 8, 0.5, 0.1, 1};
 
 template <class T>
-step_data<T> draw_step(std::mt19937_64& rng, int world, shape sh, int step)
-{
+step_data<T> draw_step(std::mt19937_64& rng, int world, shape sh, int step) {
   std::size_t const rows = sh.rows;
   std::size_t const dim  = sh.dim;
   step_data<T> d;
   d.lr = 0.01f * static_cast<float>(step + 1);
   std::uniform_real_distribution<float> g{-1.0f, 1.0f};
   for (int r = 0; r < world; ++r) {
-    std::size_t const n = (step == 1 && r == world - 1) ? 0 : sh.batch + 37 * static_cast<std::size_t>(r);  // one empty batch
+    std::size_t const n = (step == 1 && r == world - 1)
+                              ? 0
+                              : sh.batch + 37 * static_cast<std::size_t>(r);  // one empty batch
     std::vector<std::int64_t> idx(n);
-    for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % sh.hot_every == 0 ? rng() % sh.hot_rows : rng() % rows); }
+    for (auto& k : idx) {
+      k = static_cast<std::int64_t>(rng() % sh.hot_every == 0 ? rng() % sh.hot_rows : rng() % rows);
+    }
     std::vector<T> gr(n * dim);
     for (auto& x : gr) { x = from_double<T>(g(rng)); }
     d.idx.push_back(std::move(idx));
@@ -146,8 +145,7 @@ struct reference_table {
   std::vector<long> row_steps;
   long global = 0;
 
-  void step(step_data<T> const& d)
-  {
+  void step(step_data<T> const& d) {
     ++global;
     std::map<std::size_t, std::vector<double>> sums;
     for (std::size_t r = 0; r < d.idx.size(); ++r) {
@@ -177,27 +175,28 @@ struct reference_table {
 // Passes this rank's gradients @p offset elements into their buffer (after values that must not
 // be read: a misaligned read of them would show in the weights).
 template <class E, class T>
-void apply(E& e, wm::communicator& comm, step_data<T> const& d, cudaStream_t s, std::size_t offset = 0)
-{
+void apply(E& e, wm::communicator& comm, step_data<T> const& d, cudaStream_t s,
+           std::size_t offset = 0) {
   auto const& idx = d.idx[static_cast<std::size_t>(comm.rank())];
   device_array<std::int64_t> di{idx};
   std::vector<T> grads(offset, from_double<T>(1000.0));
   auto const& mine = d.grads[static_cast<std::size_t>(comm.rank())];
   grads.insert(grads.end(), mine.begin(), mine.end());
   device_array<T> dg{grads};
-  e.apply_gradients(std::span<std::int64_t const>{di.ptr, idx.size()}, dg.ptr + offset, d.lr, cuda::stream_ref{s});
+  e.apply_gradients(std::span<std::int64_t const>{di.ptr, idx.size()}, dg.ptr + offset, d.lr,
+                    cuda::stream_ref{s});
 }
 
-bool close(double got, double want, double rel, double abs_floor)
-{
+bool close(double got, double want, double rel, double abs_floor) {
   return std::abs(got - want) <= rel * std::max(std::abs(want), abs_floor) && !std::isnan(got);
 }
 
 template <class T, class Opt, class L, class Y, class M>
-void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::string const& name, shape sh = small_odd)
-{
-  std::string const what = name + " T=" + std::to_string(sizeof(T)) + "B " + L::name + "." + Y::name + "." + M::name +
-                           " ranks=" + std::to_string(comm.size()) + " dim=" + std::to_string(sh.dim);
+void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::string const& name,
+                     shape sh = small_odd) {
+  std::string const what = name + " T=" + std::to_string(sizeof(T)) + "B " + L::name + "." +
+                           Y::name + "." + M::name + " ranks=" + std::to_string(comm.size()) +
+                           " dim=" + std::to_string(sh.dim);
   std::size_t const rows = sh.rows;
   std::size_t const dim  = sh.dim;
   cudaStream_t s{};
@@ -205,10 +204,15 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   using E = wm::embedding<T, wm::no_cache, Opt, L, Y, M>;
   E e{comm, rows, dim, opt, wm::embedding_init::uniform(-0.5f, 0.5f, seed)};
 
-  reference_table<T, Opt> ref{opt, rows, dim, read_all<T>(e.weights(), rows, dim, s),
+  reference_table<T, Opt> ref{opt,
+                              rows,
+                              dim,
+                              read_all<T>(e.weights(), rows, dim, s),
                               std::vector<double>(rows * dim * Opt::states, wm::initial_state(opt)),
                               std::vector<long>(rows, 0)};
-  for (double x : ref.w) { RANK_REQUIRE_MSG(x >= -0.5 && x <= 0.5 && x != 0.0, what << ": initial weight " << x); }
+  for (double x : ref.w) {
+    RANK_REQUIRE_MSG(x >= -0.5 && x <= 0.5 && x != 0.0, what << ": initial weight " << x);
+  }
 
   std::mt19937_64 rng{seed};
   int const steps = 4;
@@ -222,7 +226,8 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   for (std::size_t i = 0; i < w.size(); ++i) {
     // Relative to the weights' scale (init range 0.5): one rounding of T taken differently while
     // a weight was ~0.4 stays as an absolute difference after it shrinks (seen: 1 half ulp).
-    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), sh.weight_scale), what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
+    RANK_REQUIRE_MSG(close(w[i], ref.w[i], tolerance<T>(), sh.weight_scale),
+                     what << ": weight " << i << " is " << w[i] << ", reference " << ref.w[i]);
   }
   if constexpr (Opt::states > 0) {
     auto const st = read_all<float>(*e.states(), rows, dim * Opt::states, s);
@@ -230,7 +235,8 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
     // absolute rounding of ~1e-7 however small the sum. Half/bfloat16: states see rounded weights.
     double const rel = std::is_same_v<T, float> ? 1e-5 : 2e-2;
     for (std::size_t i = 0; i < st.size(); ++i) {
-      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, sh.state_scale), what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
+      RANK_REQUIRE_MSG(close(st[i], ref.st[i], rel, sh.state_scale),
+                       what << ": state " << i << " is " << st[i] << ", reference " << ref.st[i]);
     }
   }
 
@@ -243,7 +249,8 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   apply(e, comm, more1, s, sh.grad_offset);
   apply(e, comm, more2, s, sh.grad_offset);
   using Y2 = std::conditional_t<std::is_same_v<Y, wm::distributed>, wm::chunked, wm::distributed>;
-  wm::embedding<T, wm::no_cache, Opt, L, Y2, M> e2{comm, rows, dim, opt, wm::embedding_init::zeros()};
+  wm::embedding<T, wm::no_cache, Opt, L, Y2, M> e2{comm, rows, dim, opt,
+                                                   wm::embedding_init::zeros()};
   e2.load(dir / "ckpt");
   RANK_REQUIRE(e2.global_step() == steps);
   apply(e2, comm, more1, s, sh.grad_offset);
@@ -253,7 +260,7 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   RANK_REQUIRE_MSG(a == b, what << ": training after a checkpoint round trip differs");
   if constexpr (Opt::states > 0) {
     RANK_REQUIRE_MSG(read_all<float>(*e.states(), rows, dim * Opt::states, s) ==
-                       read_all<float>(*e2.states(), rows, dim * Opt::states, s),
+                         read_all<float>(*e2.states(), rows, dim * Opt::states, s),
                      what << ": optimizer state after a checkpoint round trip differs");
   }
   comm.barrier();
@@ -262,23 +269,22 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
   // A bad index on one rank: every rank gets the error; nothing changes.
   auto bad = draw_step<T>(rng, comm.size(), sh, 20);
   bad.idx[static_cast<std::size_t>(comm.size() - 1)].push_back(static_cast<std::int64_t>(rows));
-  bad.grads[static_cast<std::size_t>(comm.size() - 1)].resize(bad.idx[comm.size() - 1].size() * dim, from_double<T>(1.0));
+  bad.grads[static_cast<std::size_t>(comm.size() - 1)].resize(bad.idx[comm.size() - 1].size() * dim,
+                                                              from_double<T>(1.0));
   bool threw = false;
   try {
     apply(e, comm, bad, s, sh.grad_offset);
-  } catch (wm::logic_error const&) {
-    threw = true;
-  }
+  } catch (wm::logic_error const&) { threw = true; }
   RANK_REQUIRE_MSG(threw, what << ": an out-of-range gradient index was accepted");
   RANK_REQUIRE(e.global_step() == steps + 2);
-  RANK_REQUIRE_MSG(read_all<T>(e.weights(), rows, dim, s) == a, what << ": a rejected batch changed the table");
+  RANK_REQUIRE_MSG(read_all<T>(e.weights(), rows, dim, s) == a,
+                   what << ": a rejected batch changed the table");
   WM_CUDA_TRY(cudaStreamDestroy(s));
   comm.barrier();
 }
 
 template <class T, class L, class Y, class M>
-void every_optimizer(wm::communicator& comm, std::uint64_t& seed)
-{
+void every_optimizer(wm::communicator& comm, std::uint64_t& seed) {
   train_and_check<T, wm::sgd, L, Y, M>(comm, wm::sgd{0.01f}, ++seed, "sgd(wd)");
   train_and_check<T, wm::sgd, L, Y, M>(comm, wm::sgd{}, ++seed, "sgd");
   wm::adam lazy;
@@ -299,8 +305,7 @@ void every_optimizer(wm::communicator& comm, std::uint64_t& seed)
 }
 
 template <class T>
-void every_layout(wm::communicator& comm, std::uint64_t& seed)
-{
+void every_layout(wm::communicator& comm, std::uint64_t& seed) {
   every_optimizer<T, wm::device, wm::continuous, wm::block>(comm, seed);
   every_optimizer<T, wm::device, wm::chunked, wm::block>(comm, seed);
   every_optimizer<T, wm::device, wm::distributed, wm::block>(comm, seed);
@@ -308,8 +313,7 @@ void every_layout(wm::communicator& comm, std::uint64_t& seed)
   every_optimizer<T, wm::host, wm::distributed, wm::cyclic>(comm, seed);
 }
 
-void run_suite(int ranks)
-{
+void run_suite(int ranks) {
   std::uint64_t const seed0 = std::random_device{}();
   wm::launch(ranks, [&](wm::communicator& comm) {
     std::uint64_t seed = seed0;
@@ -317,32 +321,36 @@ void run_suite(int ranks)
     every_layout<__half>(comm, seed);
     every_layout<__nv_bfloat16>(comm, seed);
     // One very hot row (long runs summed in segments), vector-wide rows, all three types.
-    train_and_check<float, wm::adam, wm::device, wm::continuous, wm::block>(comm, wm::adam{}, ++seed, "adam(lazy) skewed", skewed);
-    train_and_check<float, wm::sgd, wm::device, wm::distributed, wm::cyclic>(comm, wm::sgd{0.01f}, ++seed, "sgd(wd) skewed", skewed);
-    train_and_check<__half, wm::adagrad, wm::host, wm::chunked, wm::block>(comm, wm::adagrad{}, ++seed, "adagrad skewed", skewed);
-    train_and_check<__nv_bfloat16, wm::rmsprop, wm::device, wm::distributed, wm::block>(comm, wm::rmsprop{}, ++seed,
-                                                                                        "rmsprop skewed", skewed);
+    train_and_check<float, wm::adam, wm::device, wm::continuous, wm::block>(
+        comm, wm::adam{}, ++seed, "adam(lazy) skewed", skewed);
+    train_and_check<float, wm::sgd, wm::device, wm::distributed, wm::cyclic>(
+        comm, wm::sgd{0.01f}, ++seed, "sgd(wd) skewed", skewed);
+    train_and_check<__half, wm::adagrad, wm::host, wm::chunked, wm::block>(
+        comm, wm::adagrad{}, ++seed, "adagrad skewed", skewed);
+    train_and_check<__nv_bfloat16, wm::rmsprop, wm::device, wm::distributed, wm::block>(
+        comm, wm::rmsprop{}, ++seed, "rmsprop skewed", skewed);
     // Gradients not aligned to 16 bytes (rows that are): packed for the owners with narrower
     // accesses, summed and applied as aligned ones would be.
-    train_and_check<__half, wm::sgd, wm::device, wm::distributed, wm::block>(comm, wm::sgd{0.01f}, ++seed,
-                                                                             "sgd(wd) misaligned grads", misaligned);
-    train_and_check<float, wm::adam, wm::device, wm::chunked, wm::cyclic>(comm, wm::adam{}, ++seed, "adam(lazy) misaligned grads",
-                                                                          misaligned_float);
+    train_and_check<__half, wm::sgd, wm::device, wm::distributed, wm::block>(
+        comm, wm::sgd{0.01f}, ++seed, "sgd(wd) misaligned grads", misaligned);
+    train_and_check<float, wm::adam, wm::device, wm::chunked, wm::cyclic>(
+        comm, wm::adam{}, ++seed, "adam(lazy) misaligned grads", misaligned_float);
     // More than 2^32 - 1 rows on one rank is refused on every rank before anything is allocated
     // (this table would need 16 TiB per rank: an allocation first fails with another error).
     bool refused = false;
     try {
-      wm::embedding<float> huge{comm, (std::size_t{1} << 32) * static_cast<std::size_t>(comm.size()) + 1, 1024};
-    } catch (wm::logic_error const&) {
-      refused = true;
-    }
-    RANK_REQUIRE_MSG(refused, "a table of more than 2^32 - 1 rows per rank was not refused with a logic_error");
+      wm::embedding<float> huge{
+          comm, (std::size_t{1} << 32) * static_cast<std::size_t>(comm.size()) + 1, 1024};
+    } catch (wm::logic_error const&) { refused = true; }
+    RANK_REQUIRE_MSG(
+        refused, "a table of more than 2^32 - 1 rows per rank was not refused with a logic_error");
     // An inference-only table gathers like any other.
-    wm::embedding<float, wm::no_cache, wm::no_optimizer> frozen{comm, 50, 8, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)};
+    wm::embedding<float, wm::no_cache, wm::no_optimizer> frozen{
+        comm, 50, 8, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)};
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreate(&s));
     auto const w = read_all<float>(frozen.weights(), 50, 8, s);
-    double mean = 0;
+    double mean  = 0;
     for (double x : w) { mean += x / static_cast<double>(w.size()); }
     RANK_REQUIRE_MSG(std::abs(mean) < 0.3, "normal init mean " << mean);
     WM_CUDA_TRY(cudaStreamDestroy(s));
@@ -350,16 +358,19 @@ void run_suite(int ranks)
 }
 
 template <class E>
-concept trainable = requires(E& e, std::span<std::int64_t const> i, float const* g) { e.apply_gradients(i, g, 0.1f, cuda::stream_ref{cudaStream_t{}}); };
+concept trainable = requires(E& e, std::span<std::int64_t const> i, float const* g) {
+  e.apply_gradients(i, g, 0.1f, cuda::stream_ref{cudaStream_t{}});
+};
 static_assert(trainable<wm::embedding<float, wm::no_cache, wm::adam>>);
 static_assert(!trainable<wm::embedding<float, wm::no_cache, wm::no_optimizer>>);
 
 }  // namespace
 
-TEST_CASE("one rank: every optimizer, element type and layout against float64", "[gpu]") { run_suite(1); }
+TEST_CASE("one rank: every optimizer, element type and layout against float64", "[gpu]") {
+  run_suite(1);
+}
 
-TEST_CASE("ranks: every optimizer, element type and layout against float64", "[multi_gpu]")
-{
+TEST_CASE("ranks: every optimizer, element type and layout against float64", "[multi_gpu]") {
   run_suite(wm::local_device_count());
 }
 
@@ -372,7 +383,7 @@ namespace {
 // starts at 0.01 (so the initial state matters).
 struct user_momentum {
   static constexpr char const* name = "user_momentum";
-  static constexpr int states = 1;
+  static constexpr int states       = 1;
   float momentum{0.9f};
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return true; }
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.01f; }
@@ -389,9 +400,7 @@ static_assert(wm::sparse_optimizer<user_momentum>);
 template <class T, class Table>
 std::vector<T> all_rows(Table& t, std::size_t rows, std::size_t cols, cudaStream_t s, T poison) {
   std::vector<std::int64_t> idx(rows);
-  for (std::size_t k = 0; k < rows; ++k) {
-    idx[k] = static_cast<std::int64_t>(k);
-  }
+  for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
   device_array<std::int64_t> di{idx};
   device_array<T> out{std::vector<T>(rows * cols, poison)};
   t.gather(std::span<std::int64_t const>{di.ptr, rows}, out.ptr, cuda::stream_ref{s});
@@ -415,9 +424,7 @@ user_batch draw_batch(std::mt19937_64& rng, std::size_t rows, std::size_t dim, i
     k = static_cast<std::int64_t>(rng() % 4 == 0 ? rng() % 5 : rng() % rows);
   }
   b.grads.resize(b.keys.size() * dim);
-  for (auto& x : b.grads) {
-    x = g(rng);
-  }
+  for (auto& x : b.grads) { x = g(rng); }
   return b;
 }
 
@@ -444,9 +451,7 @@ table_state snapshot(E& e, cudaStream_t s) {
     t.st =
         all_rows<float>(*e.states(), e.rows(), e.dim() * E::optimizer_type::states, s, -12345.0f);
   }
-  if (e.steps() != nullptr) {
-    t.steps = all_rows<std::int64_t>(*e.steps(), e.rows(), 1, s, -7);
-  }
+  if (e.steps() != nullptr) { t.steps = all_rows<std::int64_t>(*e.steps(), e.rows(), 1, s, -7); }
   t.global = e.global_step();
   return t;
 }
@@ -473,16 +478,15 @@ std::filesystem::path fresh_dir(char const* what) {
 
 bool has_temporaries(std::filesystem::path const& dir) {
   for (auto const& f : std::filesystem::directory_iterator{dir}) {
-    if (f.path().string().ends_with(".tmp")) {
-      return true;
-    }
+    if (f.path().string().ends_with(".tmp")) { return true; }
   }
   return false;
 }
 
 }  // namespace
 
-// ---- failures every rank sees (issue 16) ---------------------------------------------------------
+// ---- failures every rank sees (issue 16)
+// ---------------------------------------------------------
 
 namespace {
 
@@ -490,8 +494,7 @@ using clock_type = std::chrono::steady_clock;
 
 // Runs @p call, which must throw wm::logic_error on this rank within 5 s; returns the message.
 template <class F>
-std::string logic_error_soon(F&& call, std::string const& what)
-{
+std::string logic_error_soon(F&& call, std::string const& what) {
   auto const start = clock_type::now();
   std::string msg;
   bool threw = false;
@@ -511,12 +514,12 @@ std::string logic_error_soon(F&& call, std::string const& what)
 // apply_gradients throws at once with nothing updated, and the next step is exact (SGD against a
 // float64 reference of every rank's batch).
 template <class Y, class M>
-void null_gradients_everywhere(wm::communicator& comm, int bad, std::uint64_t seed)
-{
+void null_gradients_everywhere(wm::communicator& comm, int bad, std::uint64_t seed) {
   std::size_t const rows = 5003, dim = 8;
-  std::string const what = std::string{"null pointer on rank "} + std::to_string(bad) + " (" + Y::name + "." + M::name + ")";
-  wm::embedding<float, wm::no_cache, wm::sgd, wm::device, Y, M> e{comm, rows, dim, wm::sgd{},
-                                                                  wm::embedding_init::uniform(-1.0f, 1.0f, seed)};
+  std::string const what = std::string{"null pointer on rank "} + std::to_string(bad) + " (" +
+                           Y::name + "." + M::name + ")";
+  wm::embedding<float, wm::no_cache, wm::sgd, wm::device, Y, M> e{
+      comm, rows, dim, wm::sgd{}, wm::embedding_init::uniform(-1.0f, 1.0f, seed)};
   cudaStream_t const s = nullptr;
   auto const before    = read_all<float>(e, rows, dim, s);
   std::mt19937_64 shared{seed};  // every rank's batch, on every rank
@@ -537,19 +540,23 @@ void null_gradients_everywhere(wm::communicator& comm, int bad, std::uint64_t se
   for (int round = 0; round < 2; ++round) {
     std::string const step = what + (round == 0 ? ", gradients" : ", indices");
     auto const msg         = logic_error_soon(
-      [&] {
-        if (round == 0) {
-          e.apply_gradients(keys, me_bad ? nullptr : dg.ptr, 0.5f, cuda::stream_ref{s});
-        } else {
-          e.apply_gradients(me_bad ? std::span<std::int64_t const>{static_cast<std::int64_t const*>(nullptr), keys.size()} : keys,
-                            dg.ptr, 0.5f, cuda::stream_ref{s});
-        }
-      },
-      step);
+        [&] {
+          if (round == 0) {
+            e.apply_gradients(keys, me_bad ? nullptr : dg.ptr, 0.5f, cuda::stream_ref{s});
+          } else {
+            e.apply_gradients(
+                        me_bad ? std::span<std::int64_t const>{static_cast<std::int64_t const*>(nullptr),
+                                                       keys.size()}
+                               : keys,
+                dg.ptr, 0.5f, cuda::stream_ref{s});
+          }
+        },
+        step);
     // (One rank checks its arguments itself; several name the rank that failed.)
-    RANK_REQUIRE_MSG((comm.size() == 1 || msg.find("rank " + std::to_string(bad)) != std::string::npos) &&
-                       msg.find("null") != std::string::npos,
-                     step << ": " << msg);
+    RANK_REQUIRE_MSG(
+        (comm.size() == 1 || msg.find("rank " + std::to_string(bad)) != std::string::npos) &&
+            msg.find("null") != std::string::npos,
+        step << ": " << msg);
     RANK_REQUIRE_MSG(e.global_step() == 0, step << ": the step was counted");
     RANK_REQUIRE_MSG(read_all<float>(e, rows, dim, s) == before, step << ": rows changed");
   }
@@ -559,23 +566,26 @@ void null_gradients_everywhere(wm::communicator& comm, int bad, std::uint64_t se
   for (std::size_t r = 0; r < idx.size(); ++r) {
     for (std::size_t j = 0; j < idx[r].size(); ++j) {
       for (std::size_t c = 0; c < dim; ++c) {
-        want[static_cast<std::size_t>(idx[r][j]) * dim + c] -= 0.5 * static_cast<double>(grads[r][j * dim + c]);
+        want[static_cast<std::size_t>(idx[r][j]) * dim + c] -=
+            0.5 * static_cast<double>(grads[r][j * dim + c]);
       }
     }
   }
   auto const got    = read_all<float>(e, rows, dim, s);
   std::size_t wrong = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) { wrong += std::abs(got[i] - want[i]) > 1e-4 * (1.0 + std::abs(want[i])); }
-  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " values differ from the reference after the failed calls");
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    wrong += std::abs(got[i] - want[i]) > 1e-4 * (1.0 + std::abs(want[i]));
+  }
+  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong
+                                    << " values differ from the reference after the failed calls");
   comm.barrier();
 }
 
 // apply_gradients on one rank while another gathers from the table: every rank throws.
-void apply_here_gather_there(wm::communicator& comm, std::uint64_t seed)
-{
+void apply_here_gather_there(wm::communicator& comm, std::uint64_t seed) {
   std::size_t const rows = 3001, dim = 16;
   wm::embedding<float, wm::no_cache, wm::adam, wm::device, wm::distributed> e{
-    comm, rows, dim, wm::adam{}, wm::embedding_init::uniform(-1.0f, 1.0f, seed)};
+      comm, rows, dim, wm::adam{}, wm::embedding_init::uniform(-1.0f, 1.0f, seed)};
   cudaStream_t const s = nullptr;
   std::vector<std::int64_t> idx(500);
   std::mt19937_64 rng{seed + static_cast<std::uint64_t>(comm.rank())};
@@ -585,15 +595,17 @@ void apply_here_gather_there(wm::communicator& comm, std::uint64_t seed)
   std::span<std::int64_t const> const keys{di.ptr, idx.size()};
   auto const before = read_all<float>(e, rows, dim, s);
   auto const msg    = logic_error_soon(
-    [&] {
-      if (comm.rank() == 0) {
-        e.apply_gradients(keys, buf.ptr, 0.1f, cuda::stream_ref{s});
-      } else {
-        e.gather(keys, buf.ptr, cuda::stream_ref{s});
-      }
-    },
-    "apply_gradients on rank 0, gather on the others");
-  RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos && msg.find("apply_gradients") != std::string::npos, msg);
+      [&] {
+        if (comm.rank() == 0) {
+          e.apply_gradients(keys, buf.ptr, 0.1f, cuda::stream_ref{s});
+        } else {
+          e.gather(keys, buf.ptr, cuda::stream_ref{s});
+        }
+      },
+      "apply_gradients on rank 0, gather on the others");
+  RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos &&
+                       msg.find("apply_gradients") != std::string::npos,
+                   msg);
   RANK_REQUIRE(e.global_step() == 0);
   RANK_REQUIRE(read_all<float>(e, rows, dim, s) == before);
   comm.barrier();
@@ -616,9 +628,7 @@ TEST_CASE("one rank: a user-written optimizer trains through wm::embedding again
     for (float x : start.st) {
       RANK_REQUIRE_MSG(x == 0.01f, "initial state " << x << ", 0.01 expected");
     }
-    for (auto t : start.steps) {
-      RANK_REQUIRE(t == 0);
-    }
+    for (auto t : start.steps) { RANK_REQUIRE(t == 0); }
 
     // The float64 reference, written from the rule above: duplicates summed, then per touched
     // row k: t = ++count[k]; s = momentum s + g; w -= lr / sqrt(t) s.
@@ -633,9 +643,7 @@ TEST_CASE("one rank: a user-written optimizer trains through wm::embedding again
       for (std::size_t i = 0; i < b.keys.size(); ++i) {
         auto& g = sums[static_cast<std::size_t>(b.keys[i])];
         g.resize(dim, 0.0);
-        for (std::size_t j = 0; j < dim; ++j) {
-          g[j] += b.grads[i * dim + j];
-        }
+        for (std::size_t j = 0; j < dim; ++j) { g[j] += b.grads[i * dim + j]; }
       }
       for (auto const& [row, g] : sums) {
         double const t = static_cast<double>(++count[row]);
@@ -680,13 +688,11 @@ TEST_CASE("one rank: a checkpoint round trip is exact, and store leaves no tempo
     auto const dir = fresh_dir("ckpt-roundtrip");
     std::mt19937_64 rng{seed};
     auto round_trip = [&](auto opt, char const* what) {
-      using O = decltype(opt);
+      using O                = decltype(opt);
       std::size_t const rows = 301, dim = 7;
       wm::embedding<float, wm::no_cache, O, wm::device, wm::chunked> a{
           comm, rows, dim, opt, wm::embedding_init::uniform(-0.5f, 0.5f, rng())};
-      for (int k = 0; k < 3; ++k) {
-        apply_batch(a, draw_batch(rng, rows, dim, k), s);
-      }
+      for (int k = 0; k < 3; ++k) { apply_batch(a, draw_batch(rng, rows, dim, k), s); }
       auto const prefix = dir / what;
       a.store(prefix);  // a first checkpoint, then more training and a second over it
       apply_batch(a, draw_batch(rng, rows, dim, 3), s);
@@ -711,7 +717,7 @@ TEST_CASE("one rank: a checkpoint round trip is exact, and store leaves no tempo
     round_trip(lazy, "adam-lazy");
     wm::adam global;
     global.bias_correction = wm::adam_bias_correction::global_step;
-    global.epsilon = wm::adam_epsilon::sparse_adam;
+    global.epsilon         = wm::adam_epsilon::sparse_adam;
     round_trip(global, "adam-global");
     round_trip(wm::sgd{0.01f}, "sgd");
     round_trip(wm::adagrad{1e-10f, 0.1f, 0.0f}, "adagrad");
@@ -739,13 +745,11 @@ TEST_CASE(
     auto trained = [&](auto opt, std::size_t d) {
       wm::embedding<float, wm::no_cache, decltype(opt)> e{
           comm, rows, d, opt, wm::embedding_init::uniform(-0.5f, 0.5f, rng())};
-      for (int k = 0; k < 2; ++k) {
-        apply_batch(e, draw_batch(rng, rows, d, k), s);
-      }
+      for (int k = 0; k < 2; ++k) { apply_batch(e, draw_batch(rng, rows, d, k), s); }
       return e;
     };
     // The table that refuses: lazy Adam, trained, with a known state.
-    auto target = trained(wm::adam{}, dim);
+    auto target       = trained(wm::adam{}, dim);
     auto const before = snapshot(target, s);
     auto refused = [&](std::filesystem::path const& prefix, char const* what, char const* word) {
       std::string msg;
@@ -811,25 +815,24 @@ TEST_CASE(
 namespace {
 
 // A seed drawn on rank 0, the same on every rank.
-std::uint64_t shared_seed(wm::communicator& comm)
-{
+std::uint64_t shared_seed(wm::communicator& comm) {
   return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
 }
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("ranked: null gradients or indices make every rank throw within 5 s; the next step is exact",
-                   "[ranked]", (std::tuple<wm::distributed, wm::block>), (std::tuple<wm::distributed, wm::cyclic>),
-                   (std::tuple<wm::chunked, wm::block>))
-{
+TEMPLATE_TEST_CASE(
+    "ranked: null gradients or indices make every rank throw within 5 s; the next step is exact",
+    "[ranked]", (std::tuple<wm::distributed, wm::block>), (std::tuple<wm::distributed, wm::cyclic>),
+    (std::tuple<wm::chunked, wm::block>)) {
   using Y    = std::tuple_element_t<0, TestType>;
   using M    = std::tuple_element_t<1, TestType>;
   auto& comm = wm_test::comm();
   null_gradients_everywhere<Y, M>(comm, comm.size() - 1, shared_seed(comm));
 }
 
-TEST_CASE("ranked: apply_gradients on one rank and gather on another throw on every rank", "[ranked][multi]")
-{
+TEST_CASE("ranked: apply_gradients on one rank and gather on another throw on every rank",
+          "[ranked][multi]") {
   auto& comm = wm_test::comm();
   apply_here_gather_there(comm, shared_seed(comm));
 }

@@ -18,9 +18,7 @@ namespace {
 struct reference {
   // torch.optim.SGD (momentum 0, dampening 0): g <- g + lambda theta; theta <- theta - gamma g.
   static void sgd(double& w, double g, double lr, double wd) {
-    if (wd != 0) {
-      g = g + wd * w;
-    }
+    if (wd != 0) { g = g + wd * w; }
     w = w - lr * g;
   }
   // torch.optim.Adam (amsgrad off, maximize off):
@@ -35,11 +33,11 @@ struct reference {
     } else if (wd != 0) {
       g = g + wd * w;
     }
-    m = b1 * m + (1 - b1) * g;
-    v = b2 * v + (1 - b2) * g * g;
+    m               = b1 * m + (1 - b1) * g;
+    v               = b2 * v + (1 - b2) * g * g;
     double const mh = m / (1 - std::pow(b1, static_cast<double>(t)));
     double const vh = v / (1 - std::pow(b2, static_cast<double>(t)));
-    w = w - lr * mh / (std::sqrt(vh) + eps);
+    w               = w - lr * mh / (std::sqrt(vh) + eps);
   }
   // torch.optim.SparseAdam (per present row; t counts the optimizer's steps):
   //   m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
@@ -53,8 +51,8 @@ struct reference {
     } else if (wd != 0) {
       g = g + wd * w;
     }
-    m = b1 * m + (1 - b1) * g;
-    v = b2 * v + (1 - b2) * g * g;
+    m                      = b1 * m + (1 - b1) * g;
+    v                      = b2 * v + (1 - b2) * g * g;
     double const step_size = lr * std::sqrt(1 - std::pow(b2, static_cast<double>(t))) /
                              (1 - std::pow(b1, static_cast<double>(t)));
     w = w - step_size * m / (std::sqrt(v) + eps);
@@ -70,18 +68,14 @@ struct reference {
   // torch.optim.RMSprop (centered off, momentum 0): g <- g + lambda theta;
   // v <- alpha v + (1 - alpha) g^2; theta <- theta - gamma g / (sqrt(v) + eps).
   static void rmsprop(double& w, double g, double& v, double lr, wm::rmsprop const& o) {
-    if (o.weight_decay != 0) {
-      g = g + o.weight_decay * w;
-    }
+    if (o.weight_decay != 0) { g = g + o.weight_decay * w; }
     v = o.alpha * v + (1 - o.alpha) * g * g;
     w = w - lr * g / (std::sqrt(v) + o.eps);
   }
   // torch.optim.Adagrad (lr_decay 0): g <- g + lambda theta; state_sum <- state_sum + g^2;
   // theta <- theta - gamma g / (sqrt(state_sum) + eps); state_sum starts at the initial value.
   static void adagrad(double& w, double g, double& s, double lr, wm::adagrad const& o) {
-    if (o.weight_decay != 0) {
-      g = g + o.weight_decay * w;
-    }
+    if (o.weight_decay != 0) { g = g + o.weight_decay * w; }
     s = s + g * g;
     w = w - lr * g / (std::sqrt(s) + o.eps);
   }
@@ -101,8 +95,8 @@ void check(Opt const& opt, Ref&& ref, std::vector<long> const& ts) {
   constexpr int states = Opt::states;
   for (int trial = 0; trial < 30; ++trial) {
     double const scale = trial % 3 == 0 ? 1e-6 : trial % 3 == 1 ? 1e-3 : 1.0;
-    double const w0 = d(rng);
-    double const s0 = opt.initial_state();
+    double const w0    = d(rng);
+    double const s0    = opt.initial_state();
     double wr = w0, wd = w0;
     auto wf = static_cast<float>(w0);
     std::vector<double> sr(2, s0), sd(2, s0);
@@ -110,7 +104,7 @@ void check(Opt const& opt, Ref&& ref, std::vector<long> const& ts) {
     std::vector<double> peak(2, std::abs(s0));  // a state's largest size so far: the floor under
                                                 // its relative tolerance (m can cancel to ~0)
     for (std::size_t k = 0; k < ts.size(); ++k) {
-      double const g = static_cast<float>(d(rng) * scale);  // exactly representable in float
+      double const g  = static_cast<float>(d(rng) * scale);  // exactly representable in float
       double const lr = 0.01 * static_cast<double>(k + 1);
       ref(wr, g, sr.data(), lr, ts[k]);
       opt.update(wd, g, sd.data(), wm::update_step<double>{lr, ts[k]});
@@ -147,9 +141,9 @@ TEST_CASE(
       for (float wd : {0.0f, 0.02f}) {
         wm::adam o;
         o.weight_decay = wd;
-        o.decoupled = decoupled;
-        o.epsilon = eps_form;
-        auto ref = [&](double& w, double g, double* s, double lr, long t) {
+        o.decoupled    = decoupled;
+        o.epsilon      = eps_form;
+        auto ref       = [&](double& w, double g, double* s, double lr, long t) {
           reference::adam(w, g, s, lr, t, o);
         };
         check(o, ref, {1, 2, 3, 4, 5, 6});  // lazy: the row's own count
@@ -215,7 +209,7 @@ TEST_CASE("RMSProp and AdaGrad match torch's algorithms", "[host]") {
           },
           {1, 2, 3, 4});
     wm::adagrad a;
-    a.weight_decay = wd;
+    a.weight_decay        = wd;
     a.initial_accumulator = 0.1f;
     check(a,
           [&](double& w, double g, double* s, double lr, long) {
@@ -232,7 +226,7 @@ namespace {
 // only through the concept.
 struct signum {
   static constexpr char const* name = "signum";
-  static constexpr int states = 1;
+  static constexpr int states       = 1;
   float momentum{0.5f};
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.25f; }
@@ -244,7 +238,7 @@ struct signum {
 };
 struct not_an_optimizer {  // no needs_steps / initial_state
   static constexpr char const* name = "x";
-  static constexpr int states = 0;
+  static constexpr int states       = 0;
   template <class F>
   void update(F&, F, F*, wm::update_step<F>) const noexcept {}
 };

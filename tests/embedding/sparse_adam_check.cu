@@ -17,9 +17,7 @@
 template <class T>
 std::vector<T> read_file(std::filesystem::path const& p) {
   std::ifstream in{p, std::ios::binary};
-  if (!in) {
-    throw std::runtime_error{"cannot read " + p.string()};
-  }
+  if (!in) { throw std::runtime_error{"cannot read " + p.string()}; }
   auto const bytes = std::filesystem::file_size(p);
   std::vector<T> v(bytes / sizeof(T));
   in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(bytes));
@@ -43,24 +41,20 @@ int main(int argc, char** argv) {
       int steps = 0;
       float lr = 0, b1 = 0, b2 = 0, eps = 0;
       meta >> rows >> dim >> steps >> lr >> b1 >> b2 >> eps;
-      if (!meta) {
-        throw std::runtime_error{"bad meta.txt"};
-      }
+      if (!meta) { throw std::runtime_error{"bad meta.txt"}; }
       std::string mode = "sparse_adam", bias = "global_step";
       float wd = 0;
-      if (meta >> mode) {
-        meta >> wd >> bias;
-      }
+      if (meta >> mode) { meta >> wd >> bias; }
       if (!(mode == "sparse_adam" || mode == "adam" || mode == "adamw") ||
           !(bias == "per_row" || bias == "global_step")) {
         throw std::runtime_error{"bad mode in meta.txt"};
       }
       wm::adam opt;
-      opt.beta1 = b1;
-      opt.beta2 = b2;
-      opt.eps = eps;
-      opt.weight_decay = wd;
-      opt.decoupled = mode == "adamw";
+      opt.beta1           = b1;
+      opt.beta2           = b2;
+      opt.eps             = eps;
+      opt.weight_decay    = wd;
+      opt.decoupled       = mode == "adamw";
       opt.bias_correction = bias == "per_row" ? wm::adam_bias_correction::per_row
                                               : wm::adam_bias_correction::global_step;
       // SparseAdam: one step count for the table and eps added to sqrt(v) before the correction.
@@ -74,10 +68,10 @@ int main(int argc, char** argv) {
       cudaStream_t s{};
       WM_CUDA_TRY(cudaStreamCreate(&s));
       for (int k = 0; k < steps; ++k) {
-        auto const keys = read_file<std::int64_t>(dir / ("keys" + std::to_string(k) + ".bin"));
+        auto const keys  = read_file<std::int64_t>(dir / ("keys" + std::to_string(k) + ".bin"));
         auto const grads = read_file<float>(dir / ("grads" + std::to_string(k) + ".bin"));
         std::int64_t* dk = nullptr;
-        float* dg = nullptr;
+        float* dg        = nullptr;
         WM_CUDA_TRY(cudaMalloc(&dk, std::max<std::size_t>(keys.size(), 1) * sizeof(std::int64_t)));
         WM_CUDA_TRY(cudaMalloc(&dg, std::max<std::size_t>(grads.size(), 1) * sizeof(float)));
         WM_CUDA_TRY(cudaMemcpy(dk, keys.data(), keys.size() * sizeof(std::int64_t),

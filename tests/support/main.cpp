@@ -43,16 +43,12 @@ using listener_base = Catch::TestEventListenerBase;
 struct rank_agreement : listener_base {
   using listener_base::listener_base;
   void testCaseEnded(Catch::TestCaseStats const& stats) override {
-    if (this_rank_comm == nullptr) {
-      return;
-    }
-    int const mine = stats.totals.assertions.failed > 0 ? 1 : 0;
+    if (this_rank_comm == nullptr) { return; }
+    int const mine    = stats.totals.assertions.failed > 0 ? 1 : 0;
     auto const failed = this_rank_comm->all_gather(mine);
     std::string ranks;
     for (std::size_t r = 0; r < failed.size(); ++r) {
-      if (failed[r] != 0) {
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      }
+      if (failed[r] != 0) { ranks += (ranks.empty() ? "" : ", ") + std::to_string(r); }
     }
     if (!ranks.empty()) {
       any_failed = true;
@@ -78,7 +74,7 @@ wm::communicator& wm_test::comm() {
 
 int main(int argc, char** argv) {
   std::vector<char*> args;
-  int need = 0;
+  int need  = 0;
   int ranks = 0;  // 0: not ranked; -1: one per GPU
   for (int i = 0; i < argc; ++i) {
     if (std::strcmp(argv[i], "--gpus") == 0 && i + 1 < argc) {
@@ -100,14 +96,10 @@ int main(int argc, char** argv) {
     bool const filtered =
         std::any_of(args.begin() + 1, args.end(), [](char const* a) { return a[0] != '-'; });
     std::string const not_ranked = "~[ranked]";
-    if (!filtered) {
-      args.push_back(const_cast<char*>(not_ranked.c_str()));
-    }
+    if (!filtered) { args.push_back(const_cast<char*>(not_ranked.c_str())); }
     return Catch::Session().run(static_cast<int>(args.size()), args.data());
   }
-  if (ranks < 0) {
-    ranks = have;
-  }
+  if (ranks < 0) { ranks = have; }
   std::string const order = "--order", decl = "decl";
   args.push_back(const_cast<char*>(order.c_str()));  // the same cases in the same order everywhere
   args.push_back(const_cast<char*>(decl.c_str()));
@@ -116,16 +108,14 @@ int main(int argc, char** argv) {
       this_rank_comm = &comm;
       // Ranks other than 0 write to a file, shown only if that rank failed.
       std::string const log = "/tmp/wm-test-rank-" + std::to_string(::getpid()) + ".log";
-      int saved = -1;
+      int saved             = -1;
       if (comm.rank() != 0) {
         std::fflush(nullptr);
         saved = ::dup(1);
-        if (std::FILE* f = std::freopen(log.c_str(), "w", stdout); f == nullptr) {
-          saved = -1;
-        }
+        if (std::FILE* f = std::freopen(log.c_str(), "w", stdout); f == nullptr) { saved = -1; }
       }
       int const failed = Catch::Session().run(static_cast<int>(args.size()), args.data());
-      bool const bad = failed != 0 || rank_agreement::any_failed;
+      bool const bad   = failed != 0 || rank_agreement::any_failed;
       if (saved >= 0) {
         std::fflush(nullptr);
         std::cout.flush();

@@ -22,7 +22,7 @@
 namespace {
 
 using namespace std::chrono_literals;
-using clock_type = std::chrono::steady_clock;
+using clock_type          = std::chrono::steady_clock;
 constexpr std::size_t mib = std::size_t{1} << 20;
 
 auto deadline(std::chrono::milliseconds ms = 5000ms) {
@@ -34,9 +34,7 @@ template <class P>
 bool eventually(P pred) {
   auto const end = clock_type::now() + 5s;
   while (clock_type::now() < end) {
-    if (pred()) {
-      return true;
-    }
+    if (pred()) { return true; }
     std::this_thread::sleep_for(1ms);
   }
   return pred();
@@ -85,9 +83,7 @@ struct fake_copier {
         started.push_back({t.id, t.bytes, t.passive});
       }
     }
-    if (started.empty()) {
-      return std::nullopt;
-    }
+    if (started.empty()) { return std::nullopt; }
     batches.push_back(started);
     return next++;
   }
@@ -97,9 +93,7 @@ struct fake_copier {
   }
   void complete(ticket_type const& t) {
     std::lock_guard lock{m};
-    for (auto const& x : batches.at(t)) {
-      completed.push_back(x.id);
-    }
+    for (auto const& x : batches.at(t)) { completed.push_back(x.id); }
   }
 
   // helpers for the test thread
@@ -122,9 +116,7 @@ struct fake_copier {
     std::lock_guard lock{m};
     std::vector<std::uint64_t> ids;
     for (auto const& b : batches) {
-      for (auto const& t : b) {
-        ids.push_back(t.id);
-      }
+      for (auto const& t : b) { ids.push_back(t.id); }
     }
     return ids;
   }
@@ -140,7 +132,7 @@ wm::transfer_task task(std::uint64_t id, std::size_t bytes) {
 
 wm::transfer_queue_options no_coalescing(int in_flight = 4) {
   wm::transfer_queue_options o;
-  o.max_in_flight = in_flight;
+  o.max_in_flight  = in_flight;
   o.coalesce_below = 0;
   return o;
 }
@@ -154,9 +146,7 @@ TEST_CASE("transfer_queue: passive tasks at the front go first, back tasks in or
   fake_copier c;
   wm::transfer_queue q{c, no_coalescing(1)};
   // Back tasks wait until start().
-  for (std::uint64_t id = 1; id <= 3; ++id) {
-    REQUIRE(q.enqueue(task(id, 8 * mib)));
-  }
+  for (std::uint64_t id = 1; id <= 3; ++id) { REQUIRE(q.enqueue(task(id, 8 * mib))); }
   std::this_thread::sleep_for(20ms);
   CHECK(c.batch_count() == 0);
   CHECK(q.waiting() == 3);
@@ -195,9 +185,7 @@ TEST_CASE("transfer_queue: dequeue pops the task the worker would take next", "[
 TEST_CASE("transfer_queue: erase takes back a waiting task only", "[host][swap]") {
   fake_copier c;
   wm::transfer_queue q{c, no_coalescing()};
-  for (std::uint64_t id = 1; id <= 5; ++id) {
-    REQUIRE(q.enqueue(task(id, mib)));
-  }
+  for (std::uint64_t id = 1; id <= 5; ++id) { REQUIRE(q.enqueue(task(id, mib))); }
   CHECK(q.erase(2));
   CHECK_FALSE(q.erase(2));
   CHECK(q.erase(5));
@@ -273,12 +261,12 @@ TEST_CASE("transfer_queue: drains drain unstarted queues and give up at the dead
 TEST_CASE("transfer_queue: many producer threads, every task once", "[host][swap]") {
   fake_copier c;
   wm::transfer_queue_options o;
-  o.max_in_flight = 3;
+  o.max_in_flight  = 3;
   o.coalesce_below = 4 * mib;
   wm::transfer_queue q{c, o};
   q.start();
   constexpr int threads = 8;
-  constexpr int per = 2000;
+  constexpr int per     = 2000;
   std::atomic<std::size_t> bytes{0};
   std::atomic<int> refused{0};
   std::vector<std::thread> producers;
@@ -287,31 +275,23 @@ TEST_CASE("transfer_queue: many producer threads, every task once", "[host][swap
       std::mt19937_64 rng{std::random_device{}()};
       for (int i = 0; i < per; ++i) {
         std::uint64_t const id = static_cast<std::uint64_t>(p) * per + i;
-        std::size_t const b = rng() % (6 * mib) + 1;
+        std::size_t const b    = rng() % (6 * mib) + 1;
         bytes += b;
         bool const ok = rng() % 3 == 0 ? q.enqueue_front(task(id, b)) : q.enqueue(task(id, b));
-        if (!ok) {
-          ++refused;
-        }  // Catch's assertions are not thread-safe
+        if (!ok) { ++refused; }  // Catch's assertions are not thread-safe
       }
     });
   }
-  for (auto& t : producers) {
-    t.join();
-  }
+  for (auto& t : producers) { t.join(); }
   CHECK(refused.load() == 0);
   REQUIRE(q.wait(deadline(20000ms)));
   auto ids = c.submitted_ids();
   std::sort(ids.begin(), ids.end());
   REQUIRE(ids.size() == threads * per);
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    REQUIRE(ids[i] == i);
-  }
+  for (std::size_t i = 0; i < ids.size(); ++i) { REQUIRE(ids[i] == i); }
   std::size_t seen = 0;
   for (auto const& b : c.batches) {
-    for (auto const& t : b) {
-      seen += t.bytes;
-    }
+    for (auto const& t : b) { seen += t.bytes; }
   }
   CHECK(seen == bytes.load());
   CHECK(c.completed.size() == ids.size());
@@ -320,14 +300,12 @@ TEST_CASE("transfer_queue: many producer threads, every task once", "[host][swap
 TEST_CASE("transfer_queue: small tasks travel together, large ones alone", "[host][swap]") {
   fake_copier c;
   wm::transfer_queue_options o;
-  o.max_in_flight = 1;
+  o.max_in_flight  = 1;
   o.coalesce_below = 4 * mib;
   o.coalesce_limit = 4 * mib;
   wm::transfer_queue q{c, o};
   std::uint64_t id = 0;
-  for (int i = 0; i < 10; ++i) {
-    REQUIRE(q.enqueue(task(id++, mib)));
-  }
+  for (int i = 0; i < 10; ++i) { REQUIRE(q.enqueue(task(id++, mib))); }
   REQUIRE(q.enqueue(task(id++, 8 * mib)));
   REQUIRE(q.enqueue(task(id++, 4 * mib)));  // not small: alone
   REQUIRE(q.enqueue(task(id++, mib)));
@@ -336,15 +314,11 @@ TEST_CASE("transfer_queue: small tasks travel together, large ones alone", "[hos
   q.start();
   REQUIRE(q.wait(deadline()));
   std::vector<std::size_t> sizes;
-  for (auto const& b : c.batches) {
-    sizes.push_back(b.size());
-  }
+  for (auto const& b : c.batches) { sizes.push_back(b.size()); }
   CHECK(sizes == std::vector<std::size_t>{4, 4, 2, 1, 1, 2, 1});
   CHECK(c.submitted_ids().size() == id);
   std::vector<std::uint64_t> in_order(id);
-  for (std::uint64_t i = 0; i < id; ++i) {
-    in_order[i] = i;
-  }
+  for (std::uint64_t i = 0; i < id; ++i) { in_order[i] = i; }
   CHECK(c.submitted_ids() == in_order);
 }
 
@@ -352,9 +326,7 @@ TEST_CASE("transfer_queue: at most max_in_flight batches in flight", "[host][swa
   fake_copier c;
   c.auto_finish = false;
   wm::transfer_queue q{c, no_coalescing(2)};
-  for (std::uint64_t id = 0; id < 5; ++id) {
-    REQUIRE(q.enqueue(task(id, 8 * mib)));
-  }
+  for (std::uint64_t id = 0; id < 5; ++id) { REQUIRE(q.enqueue(task(id, 8 * mib))); }
   q.start();
   REQUIRE(eventually([&] { return c.batch_count() == 2; }));
   std::this_thread::sleep_for(20ms);
@@ -370,12 +342,10 @@ TEST_CASE("transfer_queue: at most max_in_flight batches in flight", "[host][swa
 TEST_CASE("transfer_queue: prefetch stays within the byte lookahead", "[host][swap]") {
   fake_copier c;
   wm::transfer_queue_options o = no_coalescing(8);
-  o.lookahead_bytes = 3 * mib;
-  o.release_on_completion = false;
+  o.lookahead_bytes            = 3 * mib;
+  o.release_on_completion      = false;
   wm::transfer_queue q{c, o};
-  for (std::uint64_t id = 0; id < 10; ++id) {
-    REQUIRE(q.enqueue(task(id, mib)));
-  }
+  for (std::uint64_t id = 0; id < 10; ++id) { REQUIRE(q.enqueue(task(id, mib))); }
   q.start();
   REQUIRE(eventually([&] { return c.batch_count() == 3; }));
   std::this_thread::sleep_for(20ms);
@@ -400,9 +370,7 @@ TEST_CASE("transfer_queue: deferred tasks keep their place and go when there is 
   fake_copier c;
   c.budget = 2 * mib;
   wm::transfer_queue q{c, no_coalescing(8)};
-  for (std::uint64_t id = 0; id < 4; ++id) {
-    REQUIRE(q.enqueue(task(id, mib)));
-  }
+  for (std::uint64_t id = 0; id < 4; ++id) { REQUIRE(q.enqueue(task(id, mib))); }
   q.start();
   REQUIRE(eventually([&] { return c.batch_count() == 2; }));
   std::this_thread::sleep_for(20ms);
@@ -418,9 +386,7 @@ TEST_CASE("transfer_queue: dropped tasks are forgotten", "[host][swap]") {
   fake_copier c;
   c.drop = {1, 3};
   wm::transfer_queue q{c, no_coalescing()};
-  for (std::uint64_t id = 0; id < 5; ++id) {
-    REQUIRE(q.enqueue(task(id, mib)));
-  }
+  for (std::uint64_t id = 0; id < 5; ++id) { REQUIRE(q.enqueue(task(id, mib))); }
   q.start();
   REQUIRE(q.wait(deadline()));
   CHECK(c.submitted_ids() == std::vector<std::uint64_t>{0, 2, 4});
@@ -434,9 +400,7 @@ TEST_CASE("transfer_queue: close waits for the copies in flight and drops waitin
   std::thread finisher;
   {
     wm::transfer_queue q{c, no_coalescing(2)};
-    for (std::uint64_t id = 0; id < 6; ++id) {
-      REQUIRE(q.enqueue(task(id, 8 * mib)));
-    }
+    for (std::uint64_t id = 0; id < 6; ++id) { REQUIRE(q.enqueue(task(id, 8 * mib))); }
     q.start();
     REQUIRE(eventually([&] { return c.batch_count() == 2; }));
     finisher = std::thread{[&] {
@@ -484,20 +448,14 @@ TEST_CASE("range_allocator: random allocations never overlap and free space is w
   for (int i = 0; i < 20000; ++i) {
     if (live.empty() || rng() % 2 == 0) {
       std::size_t const b = rng() % 100'000;
-      auto const o = a.allocate(b);
-      if (o == wm::detail::range_allocator::npos) {
-        continue;
-      }
+      auto const o        = a.allocate(b);
+      if (o == wm::detail::range_allocator::npos) { continue; }
       REQUIRE(o % 256 == 0);
       auto const s = a.round(b);
       REQUIRE(o + s <= a.capacity());
       auto const next = live.lower_bound(o);
-      if (next != live.end()) {
-        REQUIRE(o + s <= next->first);
-      }
-      if (next != live.begin()) {
-        REQUIRE(std::prev(next)->first + std::prev(next)->second <= o);
-      }
+      if (next != live.end()) { REQUIRE(o + s <= next->first); }
+      if (next != live.begin()) { REQUIRE(std::prev(next)->first + std::prev(next)->second <= o); }
       live.emplace(o, s);
     } else {
       auto it = live.begin();
@@ -506,9 +464,7 @@ TEST_CASE("range_allocator: random allocations never overlap and free space is w
       live.erase(it);
     }
   }
-  for (auto const& [o, s] : live) {
-    a.free(o);
-  }
+  for (auto const& [o, s] : live) { a.free(o); }
   CHECK(a.in_use() == 0);
   CHECK(a.largest_free() == a.capacity());
 }

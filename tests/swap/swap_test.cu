@@ -44,15 +44,13 @@ __global__ void check_kernel(std::uint32_t const* p, std::size_t n, std::uint64_
        i += std::size_t{gridDim.x} * blockDim.x) {
     wrong += p[i] != pattern(i, seed) ? 1 : 0;
   }
-  if (wrong != 0) {
-    atomicAdd(bad, wrong);
-  }
+  if (wrong != 0) { atomicAdd(bad, wrong); }
 }
 
 // Keeps @p stream busy for about @p ns nanoseconds (so that a page-out waits on it).
 __global__ void spin_kernel(std::uint64_t ns) {
   std::uint64_t start = 0;
-  std::uint64_t now = 0;
+  std::uint64_t now   = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do {
     __nanosleep(1000);
@@ -99,9 +97,7 @@ struct checker {
 struct streams {
   std::vector<cudaStream_t> s;
   explicit streams(int n) : s(n) {
-    for (auto& x : s) {
-      WM_CUDA_TRY(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
-    }
+    for (auto& x : s) { WM_CUDA_TRY(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking)); }
   }
   ~streams() {
     for (auto x : s) {
@@ -113,9 +109,7 @@ struct streams {
 
 // Orders @p to after the work queued so far on @p from (what a user does between streams).
 void order(cudaStream_t from, cudaStream_t to) {
-  if (from == to) {
-    return;
-  }
+  if (from == to) { return; }
   cudaEvent_t ev{};
   WM_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   WM_CUDA_TRY(cudaEventRecord(ev, from));
@@ -130,17 +124,15 @@ std::size_t wrong_on_host(std::uint32_t const* d, std::size_t n, std::uint64_t s
   WM_CUDA_TRY(cudaMemcpyAsync(h.data(), d, n * 4, cudaMemcpyDeviceToHost, s));
   WM_CUDA_TRY(cudaStreamSynchronize(s));
   std::size_t wrong = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    wrong += h[i] != pattern(i, seed) ? 1 : 0;
-  }
+  for (std::size_t i = 0; i < n; ++i) { wrong += h[i] != pattern(i, seed) ? 1 : 0; }
   return wrong;
 }
 
 wm::swap_options small_scope(std::size_t budget) {
   wm::swap_options o;
   o.device_budget = budget;
-  o.host_bytes = std::size_t{1} << 30;
-  o.timeout = std::chrono::milliseconds{30'000};
+  o.host_bytes    = std::size_t{1} << 30;
+  o.timeout       = std::chrono::milliseconds{30'000};
   return o;
 }
 
@@ -170,9 +162,7 @@ TEST_CASE("swap: random writes, page-outs, prefetches and reads from several str
         std::size_t const k = held.front();
         held.pop_front();
         auto& x = bufs[k];
-        if (!x.held) {
-          continue;
-        }
+        if (!x.held) { continue; }
         x.held = false;
         held_bytes -= x.b.bytes();
         x.b.pageout(x.last);
@@ -200,8 +190,8 @@ TEST_CASE("swap: random writes, page-outs, prefetches and reads from several str
     REQUIRE(total > budget);
     int writes = 0, reads = 0, pageouts = 0, prefetches = 0;
     for (int op = 0; op < 3000; ++op) {
-      std::size_t const k = rng() % bufs.size();
-      auto& x = bufs[k];
+      std::size_t const k  = rng() % bufs.size();
+      auto& x              = bufs[k];
       cudaStream_t const s = st.s[rng() % 3];
       switch (rng() % 8) {
         case 0:
@@ -209,7 +199,7 @@ TEST_CASE("swap: random writes, page-outs, prefetches and reads from several str
           make_room(x.b.bytes());
           order(x.last, s);
           std::uint32_t* p = x.b.data(cuda::stream_ref{s});
-          x.seed = rng();
+          x.seed           = rng();
           fill(p, x.b.size(), x.seed, s);
           x.last = s;
           hold(k);
@@ -288,8 +278,8 @@ TEST_CASE("swap: an access while the page-out is in flight waits for it and keep
   checker chk{16};
   wm::swap_scope scope{small_scope(512 * mib)};
   std::size_t const words = 64 * mib;  // 256 MiB: ~5 ms each way
-  auto b = scope.allocate<std::uint32_t>(words, cuda::stream_ref{st.s[0]});
-  std::uint64_t const s1 = rng();
+  auto b                  = scope.allocate<std::uint32_t>(words, cuda::stream_ref{st.s[0]});
+  std::uint64_t const s1  = rng();
   fill(b.data(cuda::stream_ref{st.s[0]}), words, s1, st.s[0]);
   spin(100, st.s[0]);  // the page-out is issued at once but waits for this
   REQUIRE(b.pageout(cuda::stream_ref{st.s[0]}));
@@ -321,9 +311,9 @@ TEST_CASE("swap: pinned buffers stay resident under pressure", "[gpu][swap]") {
   checker chk{64};
   std::size_t const budget = 64 * mib;
   wm::swap_scope scope{small_scope(budget)};
-  auto a = scope.allocate<std::uint32_t>(4 * mib, sr);  // 16 MiB
+  auto a                 = scope.allocate<std::uint32_t>(4 * mib, sr);  // 16 MiB
   std::uint64_t const sa = rng();
-  std::uint32_t* pa = a.pin(sr);
+  std::uint32_t* pa      = a.pin(sr);
   fill(pa, a.size(), sa, s);
   CHECK(a.pins() == 1);
   CHECK_FALSE(a.pageout(sr));
@@ -370,9 +360,7 @@ TEST_CASE("swap: small buffers are prefetched together, in order, within the loo
     seeds.push_back(rng());
     fill(bufs.back().data(sr), bufs.back().size(), seeds.back(), s);
   }
-  for (auto& b : bufs) {
-    REQUIRE(b.pageout(sr));
-  }
+  for (auto& b : bufs) { REQUIRE(b.pageout(sr)); }
   scope.wait_pageouts();
   scope.prefetch_init();
   for (auto& b : bufs) {
@@ -410,17 +398,11 @@ TEST_CASE("swap: destroying the scope with transfers in flight", "[gpu][swap]") 
     }
     if (kind == 0) {  // page-outs waiting for a busy producer
       spin(50, st.s[0]);
-      for (auto& b : bufs) {
-        b.pageout(cuda::stream_ref{st.s[0]});
-      }
+      for (auto& b : bufs) { b.pageout(cuda::stream_ref{st.s[0]}); }
     } else if (kind == 1) {  // prefetches in flight
-      for (auto& b : bufs) {
-        b.pageout(cuda::stream_ref{st.s[0]});
-      }
+      for (auto& b : bufs) { b.pageout(cuda::stream_ref{st.s[0]}); }
       scope.wait_pageouts();
-      for (auto& b : bufs) {
-        b.need_prefetch();
-      }
+      for (auto& b : bufs) { b.need_prefetch(); }
       scope.prefetch_all();
     } else {  // both directions, and a passive page-in, while the producer is busy
       for (std::size_t i = 0; i < bufs.size() / 2; ++i) {
@@ -431,9 +413,7 @@ TEST_CASE("swap: destroying the scope with transfers in flight", "[gpu][swap]") 
       for (std::size_t i = bufs.size() / 2; i < bufs.size(); ++i) {
         bufs[i].pageout(cuda::stream_ref{st.s[1]});
       }
-      for (std::size_t i = 0; i < 4; ++i) {
-        bufs[i].need_prefetch();
-      }
+      for (std::size_t i = 0; i < 4; ++i) { bufs[i].need_prefetch(); }
       scope.prefetch_all();
       (void)bufs[5].data(cuda::stream_ref{st.s[0]});
     }

@@ -14,14 +14,12 @@ using wm::detail::exchange_fault;
 using wm::detail::exchange_header;
 using wm::detail::exchange_op;
 
-std::vector<std::uint64_t> words_of(exchange_header const& h)
-{
+std::vector<std::uint64_t> words_of(exchange_header const& h) {
   return {wm::detail::header_tag(h), h.row_bytes, h.batch, h.invalid};
 }
 }  // namespace
 
-TEST_CASE("exchange headers survive their words", "[host]")
-{
+TEST_CASE("exchange headers survive their words", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   for (int i = 0; i < 1000; ++i) {
     exchange_header h;
@@ -45,8 +43,7 @@ TEST_CASE("exchange headers survive their words", "[host]")
   REQUIRE(wm::detail::read_header(garbage).fault != exchange_fault::none);
 }
 
-TEST_CASE("every rank's check of the headers finds faults and calls that differ", "[host]")
-{
+TEST_CASE("every rank's check of the headers finds faults and calls that differ", "[host]") {
   exchange_header const fine{exchange_op::gather, exchange_fault::none, 8, 512, 1000, 0};
   for (std::size_t world : {1u, 2u, 5u}) {
     std::vector<exchange_header> all(world, fine);

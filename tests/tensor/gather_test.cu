@@ -2,10 +2,6 @@
 // (block mapping), every kind with the cyclic mapping, with 1 rank ([gpu]) and one rank per GPU
 // ([multi_gpu]). Tables hold fresh random bytes; results are compared byte for byte with a host
 // reference; outputs are poisoned first; batches have duplicates, empty batches, bad indices.
-#include "catch.hpp"
-#include "rank_check.hpp"
-#include "ranks.hpp"
-
 #include <wm/tensor.cuh>
 #include <wm/wm.cuh>
 
@@ -13,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -24,8 +21,11 @@
 #include <string_view>
 #include <thread>
 #include <tuple>
-#include <chrono>
 #include <vector>
+
+#include "catch.hpp"
+#include "rank_check.hpp"
+#include "ranks.hpp"
 
 namespace {
 
@@ -33,15 +33,13 @@ namespace {
 struct device_bytes {
   std::byte* ptr{};
   std::size_t n{};
-  explicit device_bytes(std::size_t bytes) : n{bytes}
-  {
+  explicit device_bytes(std::size_t bytes) : n{bytes} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
     WM_CUDA_TRY(cudaMemset(ptr, 0xA5, std::max<std::size_t>(bytes, 1)));
   }
   ~device_bytes() { (void)cudaFree(ptr); }
   device_bytes(device_bytes const&) = delete;
-  std::vector<std::byte> to_host() const
-  {
+  std::vector<std::byte> to_host() const {
     std::vector<std::byte> h(n);
     WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n, cudaMemcpyDeviceToHost));
     return h;
@@ -52,15 +50,14 @@ template <class Index>
 struct device_indices {
   device_bytes buf;
   std::size_t count;
-  explicit device_indices(std::vector<Index> const& h) : buf{h.size() * sizeof(Index)}, count{h.size()}
-  {
+  explicit device_indices(std::vector<Index> const& h)
+      : buf{h.size() * sizeof(Index)}, count{h.size()} {
     WM_CUDA_TRY(cudaMemcpy(buf.ptr, h.data(), h.size() * sizeof(Index), cudaMemcpyHostToDevice));
   }
   std::span<Index const> span() const { return {reinterpret_cast<Index const*>(buf.ptr), count}; }
 };
 
-std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n)
-{
+std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n) {
   std::vector<std::byte> v(n);
   for (auto& b : v) { b = static_cast<std::byte>(rng()); }
   return v;
@@ -68,8 +65,7 @@ std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n)
 
 // Global row of local row l on rank r.
 template <class M>
-std::size_t global_row(wm::block_partition const& p, int world, int r, std::size_t l)
-{
+std::size_t global_row(wm::block_partition const& p, int world, int r, std::size_t l) {
   if constexpr (std::is_same_v<M, wm::block>) {
     return p.begin(r) + l;
   } else {
@@ -78,14 +74,15 @@ std::size_t global_row(wm::block_partition const& p, int world, int r, std::size
 }
 
 template <class T, class L, class Y, class M, class Index>
-void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols, std::size_t stride)
-{
-  std::string const what = std::string{L::name} + "." + Y::name + "." + M::name + " T=" + std::to_string(sizeof(T)) +
-                           "B index=" + std::to_string(sizeof(Index)) + "B rows=" + std::to_string(rows) +
-                           " cols=" + std::to_string(cols) + " stride=" + std::to_string(stride) +
-                           " ranks=" + std::to_string(comm.size());
-  int const me    = comm.rank();
-  int const world = comm.size();
+void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols,
+              std::size_t stride) {
+  std::string const what =
+      std::string{L::name} + "." + Y::name + "." + M::name + " T=" + std::to_string(sizeof(T)) +
+      "B index=" + std::to_string(sizeof(Index)) + "B rows=" + std::to_string(rows) +
+      " cols=" + std::to_string(cols) + " stride=" + std::to_string(stride) +
+      " ranks=" + std::to_string(comm.size());
+  int const me         = comm.rank();
+  int const world      = comm.size();
   std::size_t const rb = cols * sizeof(T);
   std::mt19937_64 shared{seed};  // the same on every rank: table and every rank's batches
   auto table = random_bytes(shared, rows * rb);
@@ -105,13 +102,15 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   }
   {
     std::vector<std::byte> const& h = mine;
-    std::byte* d = nullptr;
-    Index* di    = nullptr;
+    std::byte* d                    = nullptr;
+    Index* di                       = nullptr;
     WM_CUDA_TRY(cudaMalloc(&d, std::max<std::size_t>(h.size(), 1)));
     WM_CUDA_TRY(cudaMalloc(&di, std::max<std::size_t>(mine_rows.size(), 1) * sizeof(Index)));
     WM_CUDA_TRY(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaMemcpy(di, mine_rows.data(), mine_rows.size() * sizeof(Index), cudaMemcpyHostToDevice));
-    t.scatter(std::span<Index const>{di, mine_rows.size()}, reinterpret_cast<T const*>(d), cuda::stream_ref{cudaStream_t{}});
+    WM_CUDA_TRY(
+        cudaMemcpy(di, mine_rows.data(), mine_rows.size() * sizeof(Index), cudaMemcpyHostToDevice));
+    t.scatter(std::span<Index const>{di, mine_rows.size()}, reinterpret_cast<T const*>(d),
+              cuda::stream_ref{cudaStream_t{}});
     WM_CUDA_TRY(cudaFree(d));
     WM_CUDA_TRY(cudaFree(di));
   }
@@ -135,11 +134,14 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     device_indices<Index> di{batch};
     device_bytes out{batch.size() * rb};
     t.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
-    auto const got = out.to_host();
+    auto const got  = out.to_host();
     auto wrong_rows = [&](std::vector<std::byte> const& g) {
       std::vector<std::size_t> w;
       for (std::size_t i = 0; i < batch.size(); ++i) {
-        if (std::memcmp(g.data() + i * rb, table.data() + static_cast<std::size_t>(batch[i]) * rb, rb) != 0) { w.push_back(i); }
+        if (std::memcmp(g.data() + i * rb, table.data() + static_cast<std::size_t>(batch[i]) * rb,
+                        rb) != 0) {
+          w.push_back(i);
+        }
       }
       return w;
     };
@@ -148,26 +150,29 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     // Say enough to tell a wrong write from a late one: which rows, whose, what bytes, and
     // whether a second gather after a device sync and a barrier-free pause still differs.
     std::ostringstream os;
-    os << what << " " << step << ": " << wrong.size() << " of " << batch.size() << " output rows differ;";
+    os << what << " " << step << ": " << wrong.size() << " of " << batch.size()
+       << " output rows differ;";
     auto hex = [&](std::byte const* p) {
       std::ostringstream h;
       for (std::size_t b = 0; b < std::min<std::size_t>(rb, 8); ++b) {
-        h << std::hex << static_cast<unsigned>(p[b]) << (b + 1 < std::min<std::size_t>(rb, 8) ? "." : "");
+        h << std::hex << static_cast<unsigned>(p[b])
+          << (b + 1 < std::min<std::size_t>(rb, 8) ? "." : "");
       }
       return h.str();
     };
     for (std::size_t q = 0; q < std::min<std::size_t>(wrong.size(), 4); ++q) {
       auto const i = wrong[q];
       auto const k = static_cast<std::size_t>(batch[i]);
-      os << " [row " << i << " index " << k << " owner " << t.locate(k).rank << " got " << hex(got.data() + i * rb)
-         << " want " << hex(table.data() + k * rb) << "]";
+      os << " [row " << i << " index " << k << " owner " << t.locate(k).rank << " got "
+         << hex(got.data() + i * rb) << " want " << hex(table.data() + k * rb) << "]";
     }
     if constexpr (Y::mapped) {  // a distributed gather is collective: a lone rank cannot repeat it
       WM_CUDA_TRY(cudaDeviceSynchronize());
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       device_bytes again{batch.size() * rb};
       t.gather(di.span(), reinterpret_cast<T*>(again.ptr), s);
-      os << "; a second gather 200 ms later: " << wrong_rows(again.to_host()).size() << " rows differ";
+      os << "; a second gather 200 ms later: " << wrong_rows(again.to_host()).size()
+         << " rows differ";
     }
     RANK_REQUIRE_MSG(wrong.empty(), os.str());
   };
@@ -176,17 +181,21 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   //    crosses in its first gather), then a random batch with duplicates (sizes differ by
   //    rank), and an empty one.
   {
-    std::mt19937_64 own{seed + 77 + static_cast<std::uint64_t>(me)};  // not `shared`: lengths differ by rank
-    check_gather(t.local_rows() > 0 ? batch_of(own, 200 + 31 * static_cast<std::size_t>(me), me) : std::vector<Index>{},
+    std::mt19937_64 own{seed + 77 +
+                        static_cast<std::uint64_t>(me)};  // not `shared`: lengths differ by rank
+    check_gather(t.local_rows() > 0 ? batch_of(own, 200 + 31 * static_cast<std::size_t>(me), me)
+                                    : std::vector<Index>{},
                  "gather of own rows first");
   }
   std::vector<std::vector<Index>> batches(static_cast<std::size_t>(world));
-  for (int r = 0; r < world; ++r) { batches[r] = batch_of(shared, rows == 0 ? 0 : 700 + 131 * r, -1); }
+  for (int r = 0; r < world; ++r) {
+    batches[r] = batch_of(shared, rows == 0 ? 0 : 700 + 131 * r, -1);
+  }
   check_gather(batches[me], "gather");
   check_gather({}, "empty gather");
   // Long batches of host tables, and of chunked device tables over several ranks, are read in
   // sorted order, starting at the next rank's rows (block mapping).
-  if ((L::is_host || std::is_same_v<Y, wm::chunked>) && Y::mapped && rows > 0) {
+  if ((L::is_host || std::is_same_v<Y, wm::chunked>)&&Y::mapped && rows > 0) {
     // The same length on every rank: `shared` must stay in step across ranks (it draws every
     // rank's batches below); a rank-dependent length here once made the scatter references differ.
     check_gather(batch_of(shared, 70000, -1), "long gather (sorted)");
@@ -217,7 +226,8 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   }
   for (int r = 0; r < world; ++r) {
     for (std::size_t i = 0; i < targets[r].size(); ++i) {  // in order: the last occurrence wins
-      std::memcpy(table.data() + static_cast<std::size_t>(targets[r][i]) * rb, values[r].data() + i * rb, rb);
+      std::memcpy(table.data() + static_cast<std::size_t>(targets[r][i]) * rb,
+                  values[r].data() + i * rb, rb);
     }
   }
   comm.barrier();
@@ -228,10 +238,11 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   // 3. Files: store in global row order, load into another kind (other location, layout and
   //    mapping) with a different stride; every row must come back. A short file fails everywhere.
   if constexpr (sizeof(Index) == 8) {
-    auto const dir = std::filesystem::temp_directory_path() / ("wm-tensor-test-" + std::to_string(seed));
+    auto const dir =
+        std::filesystem::temp_directory_path() / ("wm-tensor-test-" + std::to_string(seed));
     std::filesystem::create_directories(dir);
     auto const files = t.store(dir / "t");
-    using L2 = std::conditional_t<L::is_host, wm::device, wm::host>;
+    using L2         = std::conditional_t<L::is_host, wm::device, wm::host>;
     using Y2 = std::conditional_t<std::is_same_v<Y, wm::distributed>, wm::chunked, wm::distributed>;
     using M2 = std::conditional_t<std::is_same_v<M, wm::block>, wm::cyclic, wm::block>;
     wm::tensor<T, L2, Y2, M2> copy{comm, rows, cols, cols + 1};
@@ -242,17 +253,18 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     device_bytes out{rows * rb};
     copy.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
     auto const got = out.to_host();
-    RANK_REQUIRE_MSG(std::memcmp(got.data(), table.data(), rows * rb) == 0, what << ": store/load round trip differs");
+    RANK_REQUIRE_MSG(std::memcmp(got.data(), table.data(), rows * rb) == 0,
+                     what << ": store/load round trip differs");
     if (rows > 0) {
       comm.barrier();
-      if (me == 0) { std::filesystem::resize_file(files.back(), std::filesystem::file_size(files.back()) + 1); }
+      if (me == 0) {
+        std::filesystem::resize_file(files.back(), std::filesystem::file_size(files.back()) + 1);
+      }
       comm.barrier();
       bool threw = false;
       try {
         copy.load(files);
-      } catch (wm::io_error const&) {
-        threw = true;
-      }
+      } catch (wm::io_error const&) { threw = true; }
       RANK_REQUIRE_MSG(threw, what << ": a file one byte too long was accepted");
     }
     comm.barrier();
@@ -269,25 +281,22 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     bool threw = false;
     try {
       t.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
-    } catch (wm::logic_error const&) {
-      threw = true;
-    }
+    } catch (wm::logic_error const&) { threw = true; }
     RANK_REQUIRE_MSG(threw, what << ": no error for an out-of-range gather index");
     auto const got = out.to_host();
     for (std::size_t i = 0; i < bad.size(); ++i) {
       if (i == 7 || i == 20) {
         for (std::size_t b = 0; b < rb; ++b) { RANK_REQUIRE(got[i * rb + b] == std::byte{0}); }
       } else {
-        RANK_REQUIRE(std::memcmp(got.data() + i * rb, table.data() + static_cast<std::size_t>(bad[i]) * rb, rb) == 0);
+        RANK_REQUIRE(std::memcmp(got.data() + i * rb,
+                                 table.data() + static_cast<std::size_t>(bad[i]) * rb, rb) == 0);
       }
     }
     t.gather_async(di.span(), reinterpret_cast<T*>(out.ptr), s);
     threw = false;
     try {
       t.check_errors(s);
-    } catch (wm::logic_error const&) {
-      threw = true;
-    }
+    } catch (wm::logic_error const&) { threw = true; }
     RANK_REQUIRE_MSG(threw, what << ": check_errors missed an out-of-range index");
     t.check_errors(s);  // cleared
     std::vector<Index> const bad_scatter{static_cast<Index>(rows + 5)};
@@ -296,9 +305,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     threw = false;
     try {
       t.scatter(ds.span(), reinterpret_cast<T const*>(vals.ptr), s);
-    } catch (wm::logic_error const&) {
-      threw = true;
-    }
+    } catch (wm::logic_error const&) { threw = true; }
     RANK_REQUIRE_MSG(threw, what << ": no error for an out-of-range scatter index");
     comm.barrier();
     check_gather(all, "gather after a rejected scatter");  // nothing was written
@@ -312,11 +319,13 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
 // scatters the rows k with k % world == r (in a shuffled order, so writes cross ranks) from
 // values + 1, then every rank gathers every row into out + 1; both against a host reference.
 template <class L, class Y, class M>
-void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols)
-{
-  using T                 = __half;
-  std::string const what  = std::string{L::name} + "." + Y::name + "." + M::name + " misaligned halves rows=" +
-                           std::to_string(rows) + " cols=" + std::to_string(cols) + " ranks=" + std::to_string(comm.size());
+void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t rows,
+                       std::size_t cols) {
+  using T                = __half;
+  std::string const what = std::string{L::name} + "." + Y::name + "." + M::name +
+                           " misaligned halves rows=" + std::to_string(rows) +
+                           " cols=" + std::to_string(cols) +
+                           " ranks=" + std::to_string(comm.size());
   int const me            = comm.rank();
   int const world         = comm.size();
   std::size_t const rb    = cols * sizeof(T);
@@ -324,7 +333,8 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
   std::mt19937_64 shared{seed};
   auto const table = random_bytes(shared, rows * rb);  // every row is written once, by one rank
   std::vector<std::int64_t> mine;
-  for (std::size_t k = static_cast<std::size_t>(me); k < rows; k += static_cast<std::size_t>(world)) {
+  for (std::size_t k = static_cast<std::size_t>(me); k < rows;
+       k += static_cast<std::size_t>(world)) {
     mine.push_back(static_cast<std::int64_t>(k));
   }
   std::mt19937_64 local{seed + 1 + static_cast<std::uint64_t>(me)};
@@ -350,21 +360,23 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
   device_indices<std::int64_t> di{all};
   device_bytes out{rows * rb + shift};  // poisoned
   t.gather(di.span(), reinterpret_cast<T*>(out.ptr + shift), s);
-  auto const got = out.to_host();
+  auto const got    = out.to_host();
   std::size_t wrong = 0;
   for (std::size_t k = 0; k < rows; ++k) {
     wrong += std::memcmp(got.data() + shift + k * rb, table.data() + k * rb, rb) != 0 ? 1 : 0;
   }
-  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows << " rows differ after scatter and gather");
-  for (std::size_t b = 0; b < shift; ++b) { RANK_REQUIRE_MSG(got[b] == std::byte{0xA5}, what << ": wrote before out"); }
+  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows
+                                    << " rows differ after scatter and gather");
+  for (std::size_t b = 0; b < shift; ++b) {
+    RANK_REQUIRE_MSG(got[b] == std::byte{0xA5}, what << ": wrote before out");
+  }
   WM_CUDA_TRY(cudaStreamDestroy(stream));
   comm.barrier();
 }
 
 // Calls run.template operator()<Location, Layout>() for every location and layout.
 template <class Run>
-void for_every_kind(Run&& run)
-{
+void for_every_kind(Run&& run) {
   run.template operator()<wm::device, wm::continuous>();
   run.template operator()<wm::device, wm::chunked>();
   run.template operator()<wm::device, wm::distributed>();
@@ -374,8 +386,7 @@ void for_every_kind(Run&& run)
 }
 
 template <class M>
-void misaligned_all_kinds(wm::communicator& comm, std::uint64_t seed)
-{
+void misaligned_all_kinds(wm::communicator& comm, std::uint64_t seed) {
   for_every_kind([&]<class L, class Y>() {
     misaligned_values<L, Y, M>(comm, ++seed, 1003, 16);  // 32-byte rows
     misaligned_values<L, Y, M>(comm, ++seed, 517, 9);    // 18-byte rows
@@ -383,8 +394,7 @@ void misaligned_all_kinds(wm::communicator& comm, std::uint64_t seed)
 }
 
 template <class L, class Y, class M, class Index>
-void all_types(wm::communicator& comm, std::uint64_t& seed)
-{
+void all_types(wm::communicator& comm, std::uint64_t& seed) {
   // 16-byte rows, odd rows, padded rows, 1D; row counts not divisible by the rank count.
   exercise<float, L, Y, M, Index>(comm, ++seed, 1001, 128, 0);
   exercise<float, L, Y, M, Index>(comm, ++seed, 777, 33, 36);
@@ -396,8 +406,7 @@ void all_types(wm::communicator& comm, std::uint64_t& seed)
 }
 
 template <class M, bool all_element_types>
-void all_kinds(wm::communicator& comm, std::uint64_t seed)
-{
+void all_kinds(wm::communicator& comm, std::uint64_t seed) {
   for_every_kind([&]<class L, class Y>() {
     if constexpr (all_element_types) {
       all_types<L, Y, M, std::int32_t>(comm, seed);
@@ -409,8 +418,7 @@ void all_kinds(wm::communicator& comm, std::uint64_t seed)
   });
 }
 
-void run_suite(int ranks)
-{
+void run_suite(int ranks) {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(ranks, [&](wm::communicator& comm) {
     all_kinds<wm::block, true>(comm, seed);
@@ -421,8 +429,7 @@ void run_suite(int ranks)
 static_assert(wm::mapping<wm::block> && wm::mapping<wm::cyclic>);
 
 // Whether every pair of this node's GPUs has peer access (the mailboxes need it).
-bool peers_reach_each_other()
-{
+bool peers_reach_each_other() {
   int n = 0;
   WM_CUDA_TRY(cudaGetDeviceCount(&n));
   for (int i = 0; i < n; ++i) {
@@ -437,8 +444,7 @@ bool peers_reach_each_other()
 
 // The path a fresh distributed tensor takes under this process's WM_DISPATCH_ROWS: undecided
 // until its first gather (here of every row, so rows cross), then what every rank agreed on.
-wm::row_path path_of_fresh_tensor(wm::communicator& comm)
-{
+wm::row_path path_of_fresh_tensor(wm::communicator& comm) {
   std::size_t const rows = 1000;
   wm::tensor<float, wm::device, wm::distributed> t{comm, rows, 4};
   RANK_REQUIRE(t.gather_path() == wm::row_path::undecided);
@@ -451,8 +457,7 @@ wm::row_path path_of_fresh_tensor(wm::communicator& comm)
 }
 
 // Every rank's first distributed gather throws when some rank's WM_DISPATCH_ROWS is unknown.
-void bad_path_setting_throws_everywhere(wm::communicator& comm, int bad_rank)
-{
+void bad_path_setting_throws_everywhere(wm::communicator& comm, int bad_rank) {
   if (comm.rank() == bad_rank) { RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", "Copy", 1) == 0); }
   bool threw = false;
   try {
@@ -470,28 +475,29 @@ void bad_path_setting_throws_everywhere(wm::communicator& comm, int bad_rank)
 // synchronized once at the end, on a fresh tensor each time: first each call on its own stream
 // with nothing ordering them but the tensor itself, then all on one stream.
 template <class L, class Y, class M>
-void back_to_back(wm::communicator& comm, std::uint64_t seed)
-{
-  using Index             = std::int64_t;
-  int const me            = comm.rank();
-  int const world         = comm.size();
-  std::size_t const rows  = 100'003;
-  std::size_t const cols  = 64;
-  std::size_t const rb    = cols * sizeof(float);
-  std::string const what  = std::string{"back to back "} + L::name + "." + Y::name + "." + M::name;
+void back_to_back(wm::communicator& comm, std::uint64_t seed) {
+  using Index            = std::int64_t;
+  int const me           = comm.rank();
+  int const world        = comm.size();
+  std::size_t const rows = 100'003;
+  std::size_t const cols = 64;
+  std::size_t const rb   = cols * sizeof(float);
+  std::string const what = std::string{"back to back "} + L::name + "." + Y::name + "." + M::name;
   std::mt19937_64 shared{seed};  // the table, the same on every rank
   auto const table = random_bytes(shared, rows * rb);
   std::mt19937_64 rng{seed + 1 + static_cast<std::uint64_t>(me)};  // batches differ by rank
   std::size_t const sizes[3] = {1000 + 37 * static_cast<std::size_t>(me),
-                                me == world - 1 ? 0 : 60'000 + 1001 * static_cast<std::size_t>(me), 200'000};
+                                me == world - 1 ? 0 : 60'000 + 1001 * static_cast<std::size_t>(me),
+                                200'000};
   for (bool const own_streams : {true, false}) {
     wm::tensor<float, L, Y, M> t{comm, rows, cols};
     auto const lv = t.local_view();
     if (lv.rows > 0) {  // this rank's rows of the table: every world-th (cyclic) or a range (block)
-      auto const first            = global_row<M>(t.storage().partition(), world, me, 0);
-      std::size_t const src_pitch = std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(world) * rb;
-      WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(float), table.data() + first * rb, src_pitch, rb, lv.rows,
-                               cudaMemcpyDefault));
+      auto const first = global_row<M>(t.storage().partition(), world, me, 0);
+      std::size_t const src_pitch =
+          std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(world) * rb;
+      WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(float), table.data() + first * rb,
+                               src_pitch, rb, lv.rows, cudaMemcpyDefault));
     }
     WM_CUDA_TRY(cudaDeviceSynchronize());
     comm.barrier();
@@ -502,7 +508,9 @@ void back_to_back(wm::communicator& comm, std::uint64_t seed)
     for (int i = 0; i < 3; ++i) {
       WM_CUDA_TRY(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
       std::vector<Index> b(sizes[i]);
-      for (auto& k : b) { k = static_cast<Index>(rng() % (rows / 2)); }  // duplicates: half the rows
+      for (auto& k : b) {
+        k = static_cast<Index>(rng() % (rows / 2));
+      }  // duplicates: half the rows
       batches.push_back(b);
       keys.push_back(std::make_unique<device_indices<Index>>(b));
       outs.push_back(std::make_unique<device_bytes>(b.size() * rb));
@@ -510,17 +518,20 @@ void back_to_back(wm::communicator& comm, std::uint64_t seed)
     WM_CUDA_TRY(cudaDeviceSynchronize());  // the inputs are in place before the gathers
     for (int i = 0; i < 3; ++i) {
       cuda::stream_ref const s{streams[own_streams ? i : 0]};
-      t.gather_async(keys[static_cast<std::size_t>(i)]->span(), reinterpret_cast<float*>(outs[static_cast<std::size_t>(i)]->ptr), s);
+      t.gather_async(keys[static_cast<std::size_t>(i)]->span(),
+                     reinterpret_cast<float*>(outs[static_cast<std::size_t>(i)]->ptr), s);
     }
     for (auto st : streams) { t.check_errors(cuda::stream_ref{st}); }
     for (std::size_t i = 0; i < 3; ++i) {
       auto const got    = outs[i]->to_host();
       std::size_t wrong = 0;
       for (std::size_t j = 0; j < batches[i].size(); ++j) {
-        wrong += std::memcmp(got.data() + j * rb, table.data() + static_cast<std::size_t>(batches[i][j]) * rb, rb) != 0;
+        wrong += std::memcmp(got.data() + j * rb,
+                             table.data() + static_cast<std::size_t>(batches[i][j]) * rb, rb) != 0;
       }
-      RANK_REQUIRE_MSG(wrong == 0, what << (own_streams ? " (a stream each)" : " (one stream)") << " call " << i << ": "
-                                         << wrong << " of " << batches[i].size() << " rows differ");
+      RANK_REQUIRE_MSG(wrong == 0, what << (own_streams ? " (a stream each)" : " (one stream)")
+                                        << " call " << i << ": " << wrong << " of "
+                                        << batches[i].size() << " rows differ");
     }
     for (auto st : streams) { WM_CUDA_TRY(cudaStreamDestroy(st)); }
     comm.barrier();  // every rank has checked before the tensor goes
@@ -529,15 +540,15 @@ void back_to_back(wm::communicator& comm, std::uint64_t seed)
 
 }  // namespace
 
-TEST_CASE("one rank: gather/scatter on every kind, type and index type", "[gpu]") { run_suite(1); }
+TEST_CASE("one rank: gather/scatter on every kind, type and index type", "[gpu]") {
+  run_suite(1);
+}
 
-TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gpu]")
-{
+TEST_CASE("ranks: gather/scatter on every kind, type and index type", "[multi_gpu]") {
   run_suite(wm::local_device_count());
 }
 
-TEST_CASE("one rank: the gather path is reported and its setting checked", "[gpu]")
-{
+TEST_CASE("one rank: the gather path is reported and its setting checked", "[gpu]") {
   wm::launch(1, [&](wm::communicator& comm) {
     RANK_REQUIRE(::unsetenv("WM_DISPATCH_ROWS") == 0);
     RANK_REQUIRE(path_of_fresh_tensor(comm) == wm::row_path::nccl);  // one rank: no mailbox
@@ -550,48 +561,63 @@ TEST_CASE("one rank: the gather path is reported and its setting checked", "[gpu
   });
 }
 
-TEST_CASE("one rank: grouping by owner without a sort puts each index in its owner's group once", "[gpu]")
-{
+TEST_CASE("one rank: grouping by owner without a sort puts each index in its owner's group once",
+          "[gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(1, [&](wm::communicator&) {
     std::mt19937_64 rng{seed};
     for (int const world : {1, 2, 3, 7, wm::detail::place_shared_ranks - 1}) {
-      for (std::size_t const n : {std::size_t{0}, std::size_t{1}, std::size_t{31}, std::size_t{2048}, std::size_t{2049},
-                                  std::size_t{100'003}}) {
-        for (int const max_blocks : {1, 3, 1000}) {  // one block taking every tile, a few, one per tile
-          // Owners in [0, world], world meaning invalid; some owners get nothing when world is large.
+      for (std::size_t const n : {std::size_t{0}, std::size_t{1}, std::size_t{31},
+                                  std::size_t{2048}, std::size_t{2049}, std::size_t{100'003}}) {
+        for (int const max_blocks :
+             {1, 3, 1000}) {  // one block taking every tile, a few, one per tile
+          // Owners in [0, world], world meaning invalid; some owners get nothing when world is
+          // large.
           std::vector<int> owner(n);
           std::vector<std::int64_t> local(n);
-          for (auto& o : owner) { o = static_cast<int>(rng() % (static_cast<std::uint64_t>(world) + 1)); }
-          for (auto& l : local) { l = static_cast<std::int64_t>(rng() >> 1); }  // huge values travel intact
+          for (auto& o : owner) {
+            o = static_cast<int>(rng() % (static_cast<std::uint64_t>(world) + 1));
+          }
+          for (auto& l : local) {
+            l = static_cast<std::int64_t>(rng() >> 1);
+          }  // huge values travel intact
           std::vector<unsigned long long> starts(static_cast<std::size_t>(world) + 2, 0);
           for (int o : owner) { ++starts[static_cast<std::size_t>(o) + 1]; }
           std::partial_sum(starts.begin(), starts.end(), starts.begin());
           std::vector<unsigned long long> next(starts.begin(), starts.end() - 1);
           device_bytes d_owner{n * sizeof(int)}, d_local{n * sizeof(std::int64_t)};
           device_bytes d_next{next.size() * sizeof(unsigned long long)};
-          device_bytes d_order{n * sizeof(std::size_t)}, d_keys{n * sizeof(std::int64_t)};  // poisoned
-          WM_CUDA_TRY(cudaMemcpy(d_owner.ptr, owner.data(), n * sizeof(int), cudaMemcpyHostToDevice));
-          WM_CUDA_TRY(cudaMemcpy(d_local.ptr, local.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
-          WM_CUDA_TRY(cudaMemcpy(d_next.ptr, next.data(), next.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
-          wm::detail::launch_place_by_owner(reinterpret_cast<int const*>(d_owner.ptr),
-                                            reinterpret_cast<std::int64_t const*>(d_local.ptr), n, world,
-                                            reinterpret_cast<unsigned long long*>(d_next.ptr),
-                                            reinterpret_cast<std::size_t*>(d_order.ptr),
-                                            reinterpret_cast<std::int64_t*>(d_keys.ptr), nullptr, max_blocks);
+          device_bytes d_order{n * sizeof(std::size_t)},
+              d_keys{n * sizeof(std::int64_t)};  // poisoned
+          WM_CUDA_TRY(
+              cudaMemcpy(d_owner.ptr, owner.data(), n * sizeof(int), cudaMemcpyHostToDevice));
+          WM_CUDA_TRY(cudaMemcpy(d_local.ptr, local.data(), n * sizeof(std::int64_t),
+                                 cudaMemcpyHostToDevice));
+          WM_CUDA_TRY(cudaMemcpy(d_next.ptr, next.data(), next.size() * sizeof(unsigned long long),
+                                 cudaMemcpyHostToDevice));
+          wm::detail::launch_place_by_owner(
+              reinterpret_cast<int const*>(d_owner.ptr),
+              reinterpret_cast<std::int64_t const*>(d_local.ptr), n, world,
+              reinterpret_cast<unsigned long long*>(d_next.ptr),
+              reinterpret_cast<std::size_t*>(d_order.ptr),
+              reinterpret_cast<std::int64_t*>(d_keys.ptr), nullptr, max_blocks);
           WM_CUDA_TRY(cudaDeviceSynchronize());
           std::vector<std::size_t> order(n);
           std::vector<std::int64_t> keys(n);
-          WM_CUDA_TRY(cudaMemcpy(order.data(), d_order.ptr, n * sizeof(std::size_t), cudaMemcpyDeviceToHost));
-          WM_CUDA_TRY(cudaMemcpy(keys.data(), d_keys.ptr, n * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
-          WM_CUDA_TRY(cudaMemcpy(next.data(), d_next.ptr, next.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+          WM_CUDA_TRY(cudaMemcpy(order.data(), d_order.ptr, n * sizeof(std::size_t),
+                                 cudaMemcpyDeviceToHost));
+          WM_CUDA_TRY(cudaMemcpy(keys.data(), d_keys.ptr, n * sizeof(std::int64_t),
+                                 cudaMemcpyDeviceToHost));
+          WM_CUDA_TRY(cudaMemcpy(next.data(), d_next.ptr, next.size() * sizeof(unsigned long long),
+                                 cudaMemcpyDeviceToHost));
           std::vector<char> seen(n, 0);
           std::size_t wrong = 0;
           for (std::size_t r = 0; r <= static_cast<std::size_t>(world); ++r) {
             wrong += next[r] != starts[r + 1];  // every counter moved exactly past its group
             for (auto slot = starts[r]; slot < starts[r + 1]; ++slot) {
               std::size_t const i = order[slot];
-              if (i >= n || seen[i] != 0 || static_cast<std::size_t>(owner[i]) != r || keys[slot] != local[i]) {
+              if (i >= n || seen[i] != 0 || static_cast<std::size_t>(owner[i]) != r ||
+                  keys[slot] != local[i]) {
                 ++wrong;
                 continue;
               }
@@ -600,16 +626,16 @@ TEST_CASE("one rank: grouping by owner without a sort puts each index in its own
           }
           auto const placed = std::count(seen.begin(), seen.end(), 1);
           RANK_REQUIRE_MSG(wrong == 0 && placed == static_cast<std::ptrdiff_t>(n),
-                           wrong << " wrong slots, " << placed << " of " << n << " placed; world " << world
-                                 << ", at most " << max_blocks << " blocks, seed " << seed);
+                           wrong << " wrong slots, " << placed << " of " << n << " placed; world "
+                                 << world << ", at most " << max_blocks << " blocks, seed "
+                                 << seed);
         }
       }
     }
   });
 }
 
-TEST_CASE("one rank: scatter from and gather to half values not aligned to 16 bytes", "[gpu]")
-{
+TEST_CASE("one rank: scatter from and gather to half values not aligned to 16 bytes", "[gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(1, [&](wm::communicator& comm) {
     misaligned_all_kinds<wm::block>(comm, seed);
@@ -617,8 +643,7 @@ TEST_CASE("one rank: scatter from and gather to half values not aligned to 16 by
   });
 }
 
-TEST_CASE("ranks: scatter from and gather to half values not aligned to 16 bytes", "[multi_gpu]")
-{
+TEST_CASE("ranks: scatter from and gather to half values not aligned to 16 bytes", "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     misaligned_all_kinds<wm::block>(comm, seed);
@@ -626,8 +651,7 @@ TEST_CASE("ranks: scatter from and gather to half values not aligned to 16 bytes
   });
 }
 
-TEST_CASE("one rank: async gathers back to back, on one stream and on several", "[gpu]")
-{
+TEST_CASE("one rank: async gathers back to back, on one stream and on several", "[gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(1, [&](wm::communicator& comm) {
     back_to_back<wm::device, wm::distributed, wm::block>(comm, seed);
@@ -636,8 +660,8 @@ TEST_CASE("one rank: async gathers back to back, on one stream and on several", 
   });
 }
 
-TEST_CASE("ranks: async gathers back to back, on one stream and on several, on every path", "[multi_gpu]")
-{
+TEST_CASE("ranks: async gathers back to back, on one stream and on several, on every path",
+          "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     for (char const* how : {"put", "copy", "nccl"}) {
@@ -661,14 +685,16 @@ TEST_CASE("ranks: async gathers back to back, on one stream and on several, on e
 // row of a 140 MB table moves 70 MB per peer on 2 ranks (three pieces) and 35 MB on 4 (two),
 // with row counts that do not divide evenly.
 // From 5 ranks on each peer's share fits one piece and this test no longer pipelines.
-TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
-{
+TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
-    exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256,
+                                                                          0);
+    exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003,
+                                                                           512, 520);
     // ... with the rows copied into the mailboxes (the default on one node with peer access).
-    RANK_REQUIRE(path_of_fresh_tensor(comm) == (peers_reach_each_other() ? wm::row_path::copy : wm::row_path::nccl));
+    RANK_REQUIRE(path_of_fresh_tensor(comm) ==
+                 (peers_reach_each_other() ? wm::row_path::copy : wm::row_path::nccl));
   });
 }
 
@@ -676,18 +702,20 @@ TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]")
 // into the asking rank's mailbox (the cases above). With WM_DISPATCH_ROWS=put their gather
 // kernels store the rows into the mailbox; across nodes, without peer access, or with
 // WM_DISPATCH_ROWS=nccl the rows cross through NCCL instead: the same gathers, on each path.
-TEST_CASE("ranks: distributed gathers with rows put by kernels or through NCCL", "[multi_gpu]")
-{
+TEST_CASE("ranks: distributed gathers with rows put by kernels or through NCCL", "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
     bool const peers = peers_reach_each_other();
     for (char const* how : {"put", "nccl"}) {
       RANK_REQUIRE(::setenv("WM_DISPATCH_ROWS", how, 1) == 0);  // this rank's process only
-      auto const want = peers && std::string_view{how} == "put" ? wm::row_path::put : wm::row_path::nccl;
+      auto const want =
+          peers && std::string_view{how} == "put" ? wm::row_path::put : wm::row_path::nccl;
       RANK_REQUIRE(path_of_fresh_tensor(comm) == want);  // the cases below run on that path
       try {
-        exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256, 0);
-        exercise<float, wm::host, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003, 512, 520);
+        exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001,
+                                                                              256, 0);
+        exercise<float, wm::host, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003,
+                                                                             512, 520);
         std::uint64_t more = seed + 2;
         all_types<wm::device, wm::distributed, wm::block, std::int32_t>(comm, more);
       } catch (std::exception const& e) {
@@ -713,14 +741,15 @@ namespace {
 
 // Writes this rank's rows of @p table (rows of rb bytes, global order) into @p t's local rows.
 template <class M, class Tensor>
-void fill_local_rows(wm::communicator& comm, Tensor& t, std::vector<std::byte> const& table, std::size_t rb)
-{
+void fill_local_rows(wm::communicator& comm, Tensor& t, std::vector<std::byte> const& table,
+                     std::size_t rb) {
   auto const lv = t.local_view();
   if (lv.rows > 0) {
-    auto const first            = global_row<M>(t.storage().partition(), comm.size(), comm.rank(), 0);
-    std::size_t const src_pitch = std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(comm.size()) * rb;
-    WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(*lv.data), table.data() + first * rb, src_pitch, rb, lv.rows,
-                             cudaMemcpyDefault));
+    auto const first = global_row<M>(t.storage().partition(), comm.size(), comm.rank(), 0);
+    std::size_t const src_pitch =
+        std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(comm.size()) * rb;
+    WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(*lv.data), table.data() + first * rb,
+                             src_pitch, rb, lv.rows, cudaMemcpyDefault));
   }
   WM_CUDA_TRY(cudaDeviceSynchronize());
   comm.barrier();
@@ -728,18 +757,20 @@ void fill_local_rows(wm::communicator& comm, Tensor& t, std::vector<std::byte> c
 
 // A gather of fresh random rows on every rank, checked against @p table.
 template <class Tensor>
-void gather_checks(Tensor& t, std::vector<std::byte> const& table, std::size_t rb, std::uint64_t seed, std::string const& what)
-{
+void gather_checks(Tensor& t, std::vector<std::byte> const& table, std::size_t rb,
+                   std::uint64_t seed, std::string const& what) {
   std::mt19937_64 rng{seed};
   std::vector<std::int64_t> batch(5000);
   for (auto& k : batch) { k = static_cast<std::int64_t>(rng() % t.rows()); }
   device_indices<std::int64_t> di{batch};
   device_bytes out{batch.size() * rb};
-  t.gather(di.span(), reinterpret_cast<typename Tensor::value_type*>(out.ptr), cuda::stream_ref{cudaStream_t{}});
+  t.gather(di.span(), reinterpret_cast<typename Tensor::value_type*>(out.ptr),
+           cuda::stream_ref{cudaStream_t{}});
   auto const got    = out.to_host();
   std::size_t wrong = 0;
   for (std::size_t j = 0; j < batch.size(); ++j) {
-    wrong += std::memcmp(got.data() + j * rb, table.data() + static_cast<std::size_t>(batch[j]) * rb, rb) != 0;
+    wrong += std::memcmp(got.data() + j * rb,
+                         table.data() + static_cast<std::size_t>(batch[j]) * rb, rb) != 0;
   }
   RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << batch.size() << " rows differ");
 }
@@ -748,8 +779,7 @@ using clock_type = std::chrono::steady_clock;
 
 // Runs @p call, which must throw E on this rank within 5 s; returns the message.
 template <class E, class F>
-std::string throws_soon(F&& call, std::string const& what)
-{
+std::string throws_soon(F&& call, std::string const& what) {
   auto const start = clock_type::now();
   std::string msg;
   bool threw = false;
@@ -768,8 +798,7 @@ std::string throws_soon(F&& call, std::string const& what)
 // Rank @p bad passes a null pointer with a nonzero count (indices, then rows) to a distributed
 // gather and scatter; every rank throws the same logic_error at once, and the next calls work.
 template <class M>
-void null_pointer_everywhere(wm::communicator& comm, int bad, std::uint64_t seed)
-{
+void null_pointer_everywhere(wm::communicator& comm, int bad, std::uint64_t seed) {
   std::size_t const rows = 10'007, cols = 16, rb = cols * sizeof(float);
   std::mt19937_64 shared{seed};
   auto const table = random_bytes(shared, rows * rb);
@@ -779,36 +808,43 @@ void null_pointer_everywhere(wm::communicator& comm, int bad, std::uint64_t seed
   for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
   device_indices<std::int64_t> di{batch};
   device_bytes out{batch.size() * rb};
-  auto* const out_rows     = reinterpret_cast<float*>(out.ptr);
-  bool const me_bad        = comm.rank() == bad;
-  std::string const what   = std::string{"null pointer on rank "} + std::to_string(bad) + " (" + M::name + ")";
+  auto* const out_rows = reinterpret_cast<float*>(out.ptr);
+  bool const me_bad    = comm.rank() == bad;
+  std::string const what =
+      std::string{"null pointer on rank "} + std::to_string(bad) + " (" + M::name + ")";
   cuda::stream_ref const s = cudaStream_t{};
   for (int round = 0; round < 3; ++round) {
-    std::string const step = what + (round == 0 ? ", indices in gather" : round == 1 ? ", output of gather" : ", scatter");
+    std::string const step = what + (round == 0   ? ", indices in gather"
+                                     : round == 1 ? ", output of gather"
+                                                  : ", scatter");
     auto const msg         = throws_soon<wm::logic_error>(
-      [&] {
-        if (round == 0) {
-          t.gather(me_bad ? std::span<std::int64_t const>{static_cast<std::int64_t const*>(nullptr), batch.size()} : di.span(),
-                   out_rows, s);
-        } else if (round == 1) {
-          t.gather(di.span(), me_bad ? nullptr : out_rows, s);
-        } else {
-          // The scatter writes the rows the table already holds (those gathered just before).
-          t.scatter(di.span(), me_bad ? nullptr : out_rows, s);
-        }
-      },
-      step);
-    RANK_REQUIRE_MSG(msg.find("rank " + std::to_string(bad)) != std::string::npos && msg.find("null") != std::string::npos,
+        [&] {
+          if (round == 0) {
+            t.gather(me_bad
+                                 ? std::span<std::int64_t const>{static_cast<std::int64_t const*>(nullptr),
+                                                         batch.size()}
+                                 : di.span(),
+                     out_rows, s);
+          } else if (round == 1) {
+            t.gather(di.span(), me_bad ? nullptr : out_rows, s);
+          } else {
+            // The scatter writes the rows the table already holds (those gathered just before).
+            t.scatter(di.span(), me_bad ? nullptr : out_rows, s);
+          }
+        },
+        step);
+    RANK_REQUIRE_MSG(msg.find("rank " + std::to_string(bad)) != std::string::npos &&
+                         msg.find("null") != std::string::npos,
                      step << ": " << msg);
-    gather_checks(t, table, rb, seed + 10 + static_cast<std::uint64_t>(round), step + ", the gather after it");
+    gather_checks(t, table, rb, seed + 10 + static_cast<std::uint64_t>(round),
+                  step + ", the gather after it");
   }
   comm.barrier();
 }
 
 // Ranks that make different calls on one tensor (gather / scatter), or on tensors whose rows or
 // indices differ: every rank throws, and the communicator stays usable.
-void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed)
-{
+void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed) {
   std::size_t const rows = 4099, rb = 8 * sizeof(float);
   std::mt19937_64 shared{seed};
   auto const table = random_bytes(shared, rows * rb);
@@ -827,30 +863,33 @@ void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed)
   // Gather here, scatter there (the scatter writes back rows gathered from the table).
   t.gather(di.span(), rows_out, s);
   auto msg = throws_soon<wm::logic_error>(
-    [&] {
-      if (first) {
-        t.gather(di.span(), rows_out, s);
-      } else {
-        t.scatter(di.span(), rows_out, s);
-      }
-    },
-    "gather on rank 0, scatter on the others");
-  RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos && msg.find("scatter") != std::string::npos, msg);
+      [&] {
+        if (first) {
+          t.gather(di.span(), rows_out, s);
+        } else {
+          t.scatter(di.span(), rows_out, s);
+        }
+      },
+      "gather on rank 0, scatter on the others");
+  RANK_REQUIRE_MSG(
+      msg.find("different calls") != std::string::npos && msg.find("scatter") != std::string::npos,
+      msg);
   gather_checks(t, table, rb, seed + 1, "gather after gather/scatter");
   // Rows of 8 floats here, 12 there.
-  msg = throws_soon<wm::logic_error>([&] { (first ? t : wide).gather(di.span(), rows_out, s); }, "cols differ");
+  msg = throws_soon<wm::logic_error>([&] { (first ? t : wide).gather(di.span(), rows_out, s); },
+                                     "cols differ");
   RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos, msg);
   gather_checks(t, table, rb, seed + 2, "gather after cols differ");
   // 64-bit indices here, 32-bit there.
   msg = throws_soon<wm::logic_error>(
-    [&] {
-      if (first) {
-        t.gather(di.span(), rows_out, s);
-      } else {
-        t.gather(di32.span(), rows_out, s);
-      }
-    },
-    "index types differ");
+      [&] {
+        if (first) {
+          t.gather(di.span(), rows_out, s);
+        } else {
+          t.gather(di32.span(), rows_out, s);
+        }
+      },
+      "index types differ");
   RANK_REQUIRE_MSG(msg.find("different calls") != std::string::npos, msg);
   gather_checks(t, table, rb, seed + 3, "gather after index types differ");
   comm.barrier();
@@ -859,8 +898,7 @@ void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed)
 // 0-row tensors: gathers of 70,000 indices (all out of range: zero rows and an error) and
 // scatters (an error, nothing written), on every kind and both mappings.
 template <class L, class Y, class M>
-void zero_rows(wm::communicator& comm)
-{
+void zero_rows(wm::communicator& comm) {
   std::string const what = std::string{"0 rows, "} + L::name + "." + Y::name + "." + M::name;
   wm::tensor<float, L, Y, M> t{comm, 0, 4};
   RANK_REQUIRE(t.rows() == 0 && t.local_rows() == 0);
@@ -874,42 +912,37 @@ void zero_rows(wm::communicator& comm)
   bool threw               = false;
   try {
     t.gather(di.span(), reinterpret_cast<float*>(out.ptr), s);
-  } catch (wm::logic_error const&) {
-    threw = true;
-  }
+  } catch (wm::logic_error const&) { threw = true; }
   RANK_REQUIRE_MSG(threw, what << ": a gather of 70,000 indices into 0 rows did not throw");
   auto const got = out.to_host();
-  RANK_REQUIRE_MSG(std::all_of(got.begin(), got.end(), [](std::byte b) { return b == std::byte{0}; }),
-                   what << ": rows gathered for bad indices are not zero");
+  RANK_REQUIRE_MSG(
+      std::all_of(got.begin(), got.end(), [](std::byte b) { return b == std::byte{0}; }),
+      what << ": rows gathered for bad indices are not zero");
   threw = false;
   try {
     t.gather(di32.span(), reinterpret_cast<float*>(out.ptr), s);
-  } catch (wm::logic_error const&) {
-    threw = true;
-  }
+  } catch (wm::logic_error const&) { threw = true; }
   RANK_REQUIRE_MSG(threw, what << ": a gather of 70,000 int32 indices into 0 rows did not throw");
   threw = false;
   try {
     t.scatter(di.span(), reinterpret_cast<float const*>(out.ptr), s);
-  } catch (wm::logic_error const&) {
-    threw = true;
-  }
+  } catch (wm::logic_error const&) { threw = true; }
   RANK_REQUIRE_MSG(threw, what << ": a scatter of 70,000 indices into 0 rows did not throw");
   t.gather(std::span<std::int64_t const>{}, reinterpret_cast<float*>(out.ptr), s);  // empty: fine
   comm.barrier();
 }
 
 template <class M>
-void zero_rows_all_kinds(wm::communicator& comm)
-{
+void zero_rows_all_kinds(wm::communicator& comm) {
   for_every_kind([&]<class L, class Y>() { zero_rows<L, Y, M>(comm); });
 }
 
 // scatter_async on a stream of the caller's, then store() at once: the files hold the new rows.
 template <class L, class Y, class M>
-void scatter_then_store(wm::communicator& comm, std::uint64_t seed, std::filesystem::path const& dir)
-{
-  std::string const what = std::string{"scatter_async then store, "} + L::name + "." + Y::name + "." + M::name;
+void scatter_then_store(wm::communicator& comm, std::uint64_t seed,
+                        std::filesystem::path const& dir) {
+  std::string const what =
+      std::string{"scatter_async then store, "} + L::name + "." + Y::name + "." + M::name;
   std::size_t const rows = 200'003, cols = 32, rb = cols * sizeof(float);
   std::mt19937_64 shared{seed};
   auto const old_rows = random_bytes(shared, rows * rb);
@@ -924,7 +957,8 @@ void scatter_then_store(wm::communicator& comm, std::uint64_t seed, std::filesys
   std::shuffle(idx.begin(), idx.end(), shared);
   std::vector<std::byte> values(n * rb);
   for (std::size_t j = 0; j < n; ++j) {
-    std::memcpy(values.data() + j * rb, new_rows.data() + static_cast<std::size_t>(idx[j]) * rb, rb);
+    std::memcpy(values.data() + j * rb, new_rows.data() + static_cast<std::size_t>(idx[j]) * rb,
+                rb);
   }
   device_indices<std::int64_t> di{idx};
   device_bytes dv{values.size()};
@@ -932,7 +966,8 @@ void scatter_then_store(wm::communicator& comm, std::uint64_t seed, std::filesys
   cudaStream_t stream{};
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   t.scatter_async(di.span(), reinterpret_cast<float const*>(dv.ptr), cuda::stream_ref{stream});
-  auto const files = t.store(dir / (std::string{L::name} + Y::name + M::name));  // no sync in between
+  auto const files =
+      t.store(dir / (std::string{L::name} + Y::name + M::name));  // no sync in between
   t.check_errors(cuda::stream_ref{stream});
   WM_CUDA_TRY(cudaStreamDestroy(stream));
   comm.barrier();
@@ -943,19 +978,23 @@ void scatter_then_store(wm::communicator& comm, std::uint64_t seed, std::filesys
     in.read(reinterpret_cast<char*>(part.data()), static_cast<std::streamsize>(part.size()));
     stored.insert(stored.end(), part.begin(), part.end());
   }
-  RANK_REQUIRE_MSG(stored.size() == new_rows.size(), what << ": " << stored.size() << " bytes stored");
+  RANK_REQUIRE_MSG(stored.size() == new_rows.size(),
+                   what << ": " << stored.size() << " bytes stored");
   std::size_t wrong = 0;
-  for (std::size_t k = 0; k < rows; ++k) { wrong += std::memcmp(stored.data() + k * rb, new_rows.data() + k * rb, rb) != 0; }
-  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows << " stored rows are not the scattered ones");
+  for (std::size_t k = 0; k < rows; ++k) {
+    wrong += std::memcmp(stored.data() + k * rb, new_rows.data() + k * rb, rb) != 0;
+  }
+  RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows
+                                    << " stored rows are not the scattered ones");
   comm.barrier();
 }
 
 // A tensor moved onto while its own gathers are still running (and onto one whose gathers run):
 // the old memory goes only after its work, and the moved-in tensor serves its rows.
 template <class L, class Y, class M>
-void move_during_async(wm::communicator& comm, std::uint64_t seed)
-{
-  std::string const what = std::string{"move-assignment during async work, "} + L::name + "." + Y::name + "." + M::name;
+void move_during_async(wm::communicator& comm, std::uint64_t seed) {
+  std::string const what =
+      std::string{"move-assignment during async work, "} + L::name + "." + Y::name + "." + M::name;
   std::size_t const rows = 100'003, cols = 64, rb = cols * sizeof(float);
   std::mt19937_64 shared{seed};
   auto const table_a = random_bytes(shared, rows * rb);
@@ -975,13 +1014,16 @@ void move_during_async(wm::communicator& comm, std::uint64_t seed)
   b.gather_async(di.span(), reinterpret_cast<float*>(out_b.ptr), cuda::stream_ref{streams[1]});
   a = std::move(b);  // a's gather may still run; b's goes on under a's name
   for (auto st : streams) { WM_CUDA_TRY(cudaStreamSynchronize(st)); }
-  auto check = [&](device_bytes const& out, std::vector<std::byte> const& table, char const* which) {
+  auto check = [&](device_bytes const& out, std::vector<std::byte> const& table,
+                   char const* which) {
     auto const got    = out.to_host();
     std::size_t wrong = 0;
     for (std::size_t j = 0; j < batch.size(); ++j) {
-      wrong += std::memcmp(got.data() + j * rb, table.data() + static_cast<std::size_t>(batch[j]) * rb, rb) != 0;
+      wrong += std::memcmp(got.data() + j * rb,
+                           table.data() + static_cast<std::size_t>(batch[j]) * rb, rb) != 0;
     }
-    RANK_REQUIRE_MSG(wrong == 0, what << ", " << which << ": " << wrong << " of " << batch.size() << " rows differ");
+    RANK_REQUIRE_MSG(wrong == 0, what << ", " << which << ": " << wrong << " of " << batch.size()
+                                      << " rows differ");
   };
   check(out_a, table_a, "the gather from the old tensor");
   check(out_b, table_b, "the gather from the moved tensor");
@@ -998,62 +1040,68 @@ void move_during_async(wm::communicator& comm, std::uint64_t seed)
 namespace {
 
 // A seed drawn on rank 0, the same on every rank.
-std::uint64_t shared_seed(wm::communicator& comm)
-{
+std::uint64_t shared_seed(wm::communicator& comm) {
   return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
 }
 
 }  // namespace
 
-#define WM_EVERY_KIND                                                                                        \
-  (std::tuple<wm::device, wm::continuous, wm::block>), (std::tuple<wm::device, wm::chunked, wm::block>),     \
-    (std::tuple<wm::device, wm::distributed, wm::block>), (std::tuple<wm::host, wm::continuous, wm::block>), \
-    (std::tuple<wm::host, wm::chunked, wm::block>), (std::tuple<wm::host, wm::distributed, wm::block>),      \
-    (std::tuple<wm::device, wm::continuous, wm::cyclic>), (std::tuple<wm::device, wm::chunked, wm::cyclic>), \
-    (std::tuple<wm::device, wm::distributed, wm::cyclic>), (std::tuple<wm::host, wm::continuous, wm::cyclic>), \
-    (std::tuple<wm::host, wm::chunked, wm::cyclic>), (std::tuple<wm::host, wm::distributed, wm::cyclic>)
+#define WM_EVERY_KIND                                        \
+  (std::tuple<wm::device, wm::continuous, wm::block>),       \
+      (std::tuple<wm::device, wm::chunked, wm::block>),      \
+      (std::tuple<wm::device, wm::distributed, wm::block>),  \
+      (std::tuple<wm::host, wm::continuous, wm::block>),     \
+      (std::tuple<wm::host, wm::chunked, wm::block>),        \
+      (std::tuple<wm::host, wm::distributed, wm::block>),    \
+      (std::tuple<wm::device, wm::continuous, wm::cyclic>),  \
+      (std::tuple<wm::device, wm::chunked, wm::cyclic>),     \
+      (std::tuple<wm::device, wm::distributed, wm::cyclic>), \
+      (std::tuple<wm::host, wm::continuous, wm::cyclic>),    \
+      (std::tuple<wm::host, wm::chunked, wm::cyclic>),       \
+      (std::tuple<wm::host, wm::distributed, wm::cyclic>)
 
-TEST_CASE("ranked: a null pointer in a distributed call makes every rank throw within 5 s; the next call works",
-          "[ranked]")
-{
+TEST_CASE(
+    "ranked: a null pointer in a distributed call makes every rank throw within 5 s; the next call "
+    "works",
+    "[ranked]") {
   auto& comm               = wm_test::comm();
   std::uint64_t const seed = shared_seed(comm);
   null_pointer_everywhere<wm::block>(comm, 0, seed);
   null_pointer_everywhere<wm::cyclic>(comm, comm.size() - 1, seed + 100);
 }
 
-TEST_CASE("ranked: gather on one rank and scatter on another, or other rows or indices, throw on every rank",
-          "[ranked][multi]")
-{
+TEST_CASE(
+    "ranked: gather on one rank and scatter on another, or other rows or indices, throw on every "
+    "rank",
+    "[ranked][multi]") {
   auto& comm = wm_test::comm();
   different_calls_everywhere(comm, shared_seed(comm));
 }
 
-TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters", "[ranked]", WM_EVERY_KIND)
-{
+TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters", "[ranked]",
+                   WM_EVERY_KIND) {
   using L = std::tuple_element_t<0, TestType>;
   using Y = std::tuple_element_t<1, TestType>;
   using M = std::tuple_element_t<2, TestType>;
   zero_rows<L, Y, M>(wm_test::comm());
 }
 
-TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, stores the new rows", "[ranked]",
-                   WM_EVERY_KIND)
-{
+TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, stores the new rows",
+                   "[ranked]", WM_EVERY_KIND) {
   using L                  = std::tuple_element_t<0, TestType>;
   using Y                  = std::tuple_element_t<1, TestType>;
   using M                  = std::tuple_element_t<2, TestType>;
   auto& comm               = wm_test::comm();
   std::uint64_t const seed = shared_seed(comm);
-  auto const dir = std::filesystem::temp_directory_path() / ("wm_scatter_store_" + std::to_string(seed));
+  auto const dir =
+      std::filesystem::temp_directory_path() / ("wm_scatter_store_" + std::to_string(seed));
   std::filesystem::create_directories(dir);
   scatter_then_store<L, Y, M>(comm, seed, dir);
   comm.barrier();
   if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
 }
 
-TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_EVERY_KIND)
-{
+TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_EVERY_KIND) {
   using L    = std::tuple_element_t<0, TestType>;
   using Y    = std::tuple_element_t<1, TestType>;
   using M    = std::tuple_element_t<2, TestType>;

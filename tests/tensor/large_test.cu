@@ -47,17 +47,13 @@ struct device_buffer {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
   }
   explicit device_buffer(std::vector<T> const& h) : device_buffer{h.size()} {
-    if (n > 0) {
-      WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-    }
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
   }
   ~device_buffer() { (void)cudaFree(ptr); }
   device_buffer(device_buffer const&) = delete;
   [[nodiscard]] std::vector<T> to_host() const {
     std::vector<T> h(n);
-    if (n > 0) {
-      WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    }
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost)); }
     return h;
   }
 };
@@ -76,13 +72,9 @@ std::vector<std::int64_t> keys_for(std::size_t rows, std::size_t random, std::mt
   std::vector<std::int64_t> k;
   for (std::size_t r :
        {std::size_t{0}, two31 - 1, two31, two31 + 1, two32 - 1, two32, two32 + 1, rows - 1}) {
-    if (r < rows) {
-      k.push_back(static_cast<std::int64_t>(r));
-    }
+    if (r < rows) { k.push_back(static_cast<std::int64_t>(r)); }
   }
-  for (std::size_t i = 0; i < random; ++i) {
-    k.push_back(static_cast<std::int64_t>(rng() % rows));
-  }
+  for (std::size_t i = 0; i < random; ++i) { k.push_back(static_cast<std::int64_t>(rng() % rows)); }
   return k;
 }
 
@@ -162,7 +154,7 @@ TEST_CASE("a device table of 2^32 + 4,097 byte rows: gather, scatter above 2^32,
       std::vector<std::int64_t> many(100'000);
       std::vector<std::uint8_t> many_values(many.size());
       for (std::size_t i = 0; i < many.size(); ++i) {
-        many[i] = static_cast<std::int64_t>(two32 + rng() % 4097);
+        many[i]        = static_cast<std::int64_t>(two32 + rng() % 4097);
         many_values[i] = static_cast<std::uint8_t>(rng());
         written[static_cast<std::uint64_t>(many[i])] = many_values[i];
       }
@@ -191,11 +183,9 @@ TEST_CASE("a device table of 2^32 + 4,097 byte rows: gather, scatter above 2^32,
            {std::uint64_t{0}, std::uint64_t{two31 + 1}, std::uint64_t{two32 - 1},
             std::uint64_t{two32}, std::uint64_t{two32 + 5}, std::uint64_t{two32 + 7},
             std::uint64_t{rows - 1}}) {
-        std::uint8_t b = 0;
+        std::uint8_t b     = 0;
         bool const read_ok = ::pread(fd, &b, 1, static_cast<off_t>(row)) == 1;
-        if (!read_ok || b != want(row)) {
-          ::close(fd);
-        }
+        if (!read_ok || b != want(row)) { ::close(fd); }
         RANK_REQUIRE_MSG(read_ok && b == want(row), "file byte " << row << " is " << int{b} << ", "
                                                                  << int{want(row)} << " expected");
       }
@@ -231,9 +221,7 @@ TEST_CASE("a host chunked table of 2^31 + 4,097 byte rows: 64- and 32-bit keys, 
     // 32-bit keys up to the largest one, 2^31 - 1.
     std::vector<std::int32_t> k32{0, static_cast<std::int32_t>(two31 - 1),
                                   static_cast<std::int32_t>(two31 - 2)};
-    for (int i = 0; i < 100'000; ++i) {
-      k32.push_back(static_cast<std::int32_t>(rng() % two31));
-    }
+    for (int i = 0; i < 100'000; ++i) { k32.push_back(static_cast<std::int32_t>(rng() % two31)); }
     check_gather(t, k32, want, s, "host.chunked, 32-bit keys");
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
@@ -250,9 +238,7 @@ TEST_CASE("an embedding of 2^32 - 1 rows x 1: a row near the top hit 301 times; 
       bool refused = false;
       try {
         wm::embedding<float, wm::no_cache, wm::sgd> e{comm, two32, 1};
-      } catch (wm::logic_error const&) {
-        refused = true;
-      }
+      } catch (wm::logic_error const&) { refused = true; }
       RANK_REQUIRE_MSG(refused,
                        "an embedding of 2^32 rows on one rank was not refused with a logic_error");
     }
@@ -300,9 +286,7 @@ TEST_CASE("an embedding of 2^32 - 1 rows x 1: a row near the top hit 301 times; 
     add(watched[4], 2, true);
     add(watched[5], 1, true);
     std::vector<std::size_t> order(keys.size());
-    for (std::size_t i = 0; i < order.size(); ++i) {
-      order[i] = i;
-    }
+    for (std::size_t i = 0; i < order.size(); ++i) { order[i] = i; }
     std::shuffle(order.begin(), order.end(), rng);
     std::vector<std::int64_t> k2(keys.size());
     std::vector<float> g2(keys.size());

@@ -44,7 +44,7 @@ ref_result reference(double w, double m, double v, double g, z::cpu_adam_options
   double const v_new = b2 * v + (1.0 - b2) * g * g;
   double const m_hat = m_new / (1.0 - std::pow(b1, static_cast<double>(t)));
   double const v_hat = v_new / (1.0 - std::pow(b2, static_cast<double>(t)));
-  double const upd = lr * m_hat / (std::sqrt(v_hat) + eps);
+  double const upd   = lr * m_hat / (std::sqrt(v_hat) + eps);
   return {w - upd, m_new, v_new, std::abs(w0) + std::abs(upd),
           b1 * std::abs(m) + (1.0 - b1) * std::abs(g)};
 }
@@ -53,36 +53,28 @@ ref_result reference(double w, double m, double v, double g, z::cpu_adam_options
 // x (its bits truncated, and the next one away from zero), the nearer in double, ties to the
 // one with an even last bit.
 std::uint16_t bf16_rne(float x) {
-  if (std::isnan(x)) {
-    return 0x7fc0;
-  }
+  if (std::isnan(x)) { return 0x7fc0; }
   std::uint32_t b;
   std::memcpy(&b, &x, 4);
   auto const lo_bits = static_cast<std::uint16_t>(b >> 16);
   auto const hi_bits = static_cast<std::uint16_t>(lo_bits + 1);
-  auto value = [](std::uint16_t h) {
+  auto value         = [](std::uint16_t h) {
     std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
     float f;
     std::memcpy(&f, &u, 4);
     return static_cast<double>(f);
   };
-  if ((b & 0xffffu) == 0) {
-    return lo_bits;
-  }
+  if ((b & 0xffffu) == 0) { return lo_bits; }
   if ((hi_bits & 0x7f80u) == 0x7f80u) {  // the upper neighbour is infinity
     double const max_b = value(lo_bits);
-    double const ulp = max_b - value(static_cast<std::uint16_t>(lo_bits - 1));
+    double const ulp   = max_b - value(static_cast<std::uint16_t>(lo_bits - 1));
     return std::abs(static_cast<double>(x)) - std::abs(max_b) < std::abs(ulp) / 2 ? lo_bits
                                                                                   : hi_bits;
   }
   double const d_lo = std::abs(static_cast<double>(x) - value(lo_bits));
   double const d_hi = std::abs(value(hi_bits) - static_cast<double>(x));
-  if (d_lo < d_hi) {
-    return lo_bits;
-  }
-  if (d_hi < d_lo) {
-    return hi_bits;
-  }
+  if (d_lo < d_hi) { return lo_bits; }
+  if (d_hi < d_lo) { return hi_bits; }
   return (lo_bits & 1u) == 0 ? lo_bits : hi_bits;
 }
 
@@ -96,16 +88,14 @@ float from_bf16(std::uint16_t h) {
 std::vector<z::cpu_isa> supported_isas() {
   std::vector<z::cpu_isa> out;
   for (auto isa : {z::cpu_isa::scalar, z::cpu_isa::avx2, z::cpu_isa::avx512}) {
-    if (z::cpu_supports(isa)) {
-      out.push_back(isa);
-    }
+    if (z::cpu_supports(isa)) { out.push_back(isa); }
   }
   return out;
 }
 
 struct errors {
   double w = 0, m = 0, v = 0;
-  double raw_w = 0;  // without the sensitivity allowance
+  double raw_w              = 0;  // without the sensitivity allowance
   std::size_t bf16_mismatch = 0;
 };
 
@@ -128,12 +118,12 @@ errors run_steps(z::cpu_isa isa, z::thread_pool& pool, std::size_t n, z::cpu_ada
     long const t = t0 + s;
     for (std::size_t i = 0; i < n; ++i) {  // |g| from 1e-6 to 1, either sign
       float const mag = static_cast<float>(std::pow(10.0, expo(rng)));
-      float const x = (rng() & 1) ? mag : -mag;
+      float const x   = (rng() & 1) ? mag : -mag;
       if constexpr (std::is_same_v<Grad, float>) {
-        g[i] = x;
+        g[i]  = x;
         gf[i] = x;
       } else {
-        g[i] = bf16_rne(x);
+        g[i]  = bf16_rne(x);
         gf[i] = from_bf16(g[i]);
       }
       out[i] = 0xffff;  // poison
@@ -151,18 +141,18 @@ errors run_steps(z::cpu_isa isa, z::thread_pool& pool, std::size_t n, z::cpu_ada
       double const wd_term =
           o.decoupled ? 0.0 : std::abs(static_cast<double>(o.weight_decay) * w0[i]);
       double const ulp = std::ldexp(std::abs(gi) + wd_term, -23);
-      auto const r = reference(w0[i], m0[i], v0[i], gi, o, lr, t);
-      auto const rp = reference(w0[i], m0[i], v0[i], gi + ulp, o, lr, t);
-      auto const rm = reference(w0[i], m0[i], v0[i], gi - ulp, o, lr, t);
-      auto excess = [](double got, double want, double a, double b, double scale) {
+      auto const r     = reference(w0[i], m0[i], v0[i], gi, o, lr, t);
+      auto const rp    = reference(w0[i], m0[i], v0[i], gi + ulp, o, lr, t);
+      auto const rm    = reference(w0[i], m0[i], v0[i], gi - ulp, o, lr, t);
+      auto excess      = [](double got, double want, double a, double b, double scale) {
         double const sens = std::max(std::abs(a - want), std::abs(b - want));
         return std::max(0.0, std::abs(got - want) - 2.0 * sens) / std::max(scale, 1e-30);
       };
       double const m_scale = r.m_scale + (1.0 - o.beta1) * wd_term;
-      e.w = std::max(e.w, excess(w[i], r.w, rp.w, rm.w, r.w_scale));
-      e.m = std::max(e.m, excess(m[i], r.m, rp.m, rm.m, m_scale));
-      e.v = std::max(e.v, excess(v[i], r.v, rp.v, rm.v, r.v));
-      e.raw_w = std::max(e.raw_w, std::abs(w[i] - r.w) / r.w_scale);
+      e.w                  = std::max(e.w, excess(w[i], r.w, rp.w, rm.w, r.w_scale));
+      e.m                  = std::max(e.m, excess(m[i], r.m, rp.m, rm.m, m_scale));
+      e.v                  = std::max(e.v, excess(v[i], r.v, rp.v, rm.v, r.v));
+      e.raw_w              = std::max(e.raw_w, std::abs(w[i] - r.w) / r.w_scale);
       e.bf16_mismatch += out[i] != bf16_rne(w[i]);
     }
   }
@@ -182,17 +172,17 @@ TEST_CASE("cpu adam: every ISA against the float64 torch AdamW / Adam reference"
         bool const decoupled = (variant & 1) == 0;
         bool const bf16_grad = (variant & 2) != 0;
         z::cpu_adam_options o;
-        o.decoupled = decoupled;
-        o.beta1 = (rng() & 1) ? 0.9f : 0.8f;
-        o.beta2 = (rng() & 1) ? 0.999f : 0.95f;
-        o.eps = (rng() & 1) ? 1e-8f : 1e-6f;
-        o.weight_decay = std::array<float, 3>{0.0f, 1e-2f, 0.1f}[rng() % 3];
-        float const lr = std::array<float, 3>{1e-3f, 1e-2f, 0.1f}[rng() % 3];
+        o.decoupled            = decoupled;
+        o.beta1                = (rng() & 1) ? 0.9f : 0.8f;
+        o.beta2                = (rng() & 1) ? 0.999f : 0.95f;
+        o.eps                  = (rng() & 1) ? 1e-8f : 1e-6f;
+        o.weight_decay         = std::array<float, 3>{0.0f, 1e-2f, 0.1f}[rng() % 3];
+        float const lr         = std::array<float, 3>{1e-3f, 1e-2f, 0.1f}[rng() % 3];
         float const grad_scale = (rng() & 1) ? 1.0f : 0.37f;
-        bool const zero_start = (rng() & 1) != 0;
-        long const t0 = zero_start ? 1 : 1 + static_cast<long>(rng() % 5000);
-        int const steps = n > 100000 ? 4 : 25;
-        auto& pool = (rng() & 1) ? pool2 : pool3;
+        bool const zero_start  = (rng() & 1) != 0;
+        long const t0          = zero_start ? 1 : 1 + static_cast<long>(rng() % 5000);
+        int const steps        = n > 100000 ? 4 : 25;
+        auto& pool             = (rng() & 1) ? pool2 : pool3;
         INFO(z::name_of(isa) << ", n " << n << (decoupled ? ", AdamW" : ", Adam")
                              << (bf16_grad ? ", bf16" : ", fp32") << " gradients, b1 " << o.beta1
                              << ", b2 " << o.beta2 << ", eps " << o.eps << ", wd " << o.weight_decay
@@ -225,17 +215,13 @@ TEST_CASE("cpu adam: bf16 copy rounds to nearest even on every ISA", "[host]") {
                                   0xffffffffu, 0x00000001u, 0x00018000u, 0x80000000u, 0x00000000u,
                                   0x7f7f8000u, 0xbf808000u};
   std::mt19937_64 rng{std::random_device{}()};
-  while (bits.size() < 1000) {
-    bits.push_back(static_cast<std::uint32_t>(rng()));
-  }
+  while (bits.size() < 1000) { bits.push_back(static_cast<std::uint32_t>(rng())); }
   std::size_t const n = bits.size();
   z::thread_pool pool{2};
   for (auto isa : supported_isas()) {
     std::vector<float> w(n), m(n, 0.0f), v(n, 0.0f), g(n, 0.5f);
     std::vector<std::uint16_t> out(n, 0x1234);
-    for (std::size_t i = 0; i < n; ++i) {
-      std::memcpy(&w[i], &bits[i], 4);
-    }
+    for (std::size_t i = 0; i < n; ++i) { std::memcpy(&w[i], &bits[i], 4); }
     z::cpu_adam_options o;
     o.weight_decay = 0.0f;
     z::cpu_adam_update(
@@ -249,9 +235,7 @@ TEST_CASE("cpu adam: bf16 copy rounds to nearest even on every ISA", "[host]") {
       bool const same_w = std::isnan(f) ? std::isnan(w[i]) : std::memcmp(&w[i], &f, 4) == 0;
       if (!same_w || out[i] != bf16_rne(f)) {
         ++wrong;
-        if (wrong < 5) {
-          UNSCOPED_INFO(std::hex << "bits " << bits[i] << " -> " << out[i]);
-        }
+        if (wrong < 5) { UNSCOPED_INFO(std::hex << "bits " << bits[i] << " -> " << out[i]); }
       }
     }
     INFO(z::name_of(isa));
@@ -289,15 +273,11 @@ TEST_CASE("thread pool runs every task once and passes exceptions on", "[host]")
     for (int round = 0; round < 50; ++round) {
       pool.run(tasks, [&](std::size_t t) { hits[t].fetch_add(1); });
     }
-    for (auto const& h : hits) {
-      CHECK(h.load() == 50);
-    }
+    for (auto const& h : hits) { CHECK(h.load() == 50); }
   }
   CHECK_THROWS_AS(pool.run(5,
                            [](std::size_t t) {
-                             if (t == 3) {
-                               throw std::runtime_error{"task 3"};
-                             }
+                             if (t == 3) { throw std::runtime_error{"task 3"}; }
                            }),
                   std::runtime_error);
   int after = 0;

@@ -24,9 +24,7 @@ std::vector<z::param_spec> random_params(std::mt19937_64& rng, std::size_t max_c
   auto type = z::element_type::bf16;
   for (std::size_t i = 0; i < n; ++i) {
     int const k = kind(rng);
-    if (k == 0) {
-      type = static_cast<z::element_type>(rng() % 3);
-    }
+    if (k == 0) { type = static_cast<z::element_type>(rng() % 3); }
     std::size_t elements = 0;
     if (k <= 1) {
       elements = 0;  // empty
@@ -55,7 +53,7 @@ void check_plan(z::plan const& pl, std::span<z::param_spec const> ps, std::size_
   std::size_t arena = 0, state = 0;
   std::size_t prev_last_param = ps.size();  // parameter indices fall along the arena
   for (std::size_t b = 0; b < pl.buckets.size(); ++b) {
-    auto const& bk = pl.buckets[b];
+    auto const& bk       = pl.buckets[b];
     std::size_t const es = z::size_of(bk.type);
     INFO("bucket " << b);
     CHECK(bk.byte_offset == arena);
@@ -82,9 +80,7 @@ void check_plan(z::plan const& pl, std::span<z::param_spec const> ps, std::size_
     }
     CHECK(end == bk.used_elements);
     // Bucket size: within the request unless a single parameter is larger.
-    if (bk.params.size() > 1) {
-      CHECK(bk.used_elements * es <= bucket_bytes);
-    }
+    if (bk.params.size() > 1) { CHECK(bk.used_elements * es <= bucket_bytes); }
     // Greedy: the next bucket's first parameter would not have fitted in this one.
     if (b + 1 < pl.buckets.size()) {
       std::size_t const next = pl.buckets[b + 1].params.front();
@@ -104,9 +100,7 @@ void check_plan(z::plan const& pl, std::span<z::param_spec const> ps, std::size_
   // Fragments: inside their shard, each parameter element exactly once over all ranks, shard
   // offsets consistent with the arena.
   std::vector<std::vector<int>> seen(ps.size());
-  for (std::size_t p = 0; p < ps.size(); ++p) {
-    seen[p].assign(ps[p].elements, 0);
-  }
+  for (std::size_t p = 0; p < ps.size(); ++p) { seen[p].assign(ps[p].elements, 0); }
   for (int r = 0; r < world; ++r) {
     std::size_t prev_state_end = 0;
     for (auto const& f : pl.fragments(r)) {
@@ -121,9 +115,7 @@ void check_plan(z::plan const& pl, std::span<z::param_spec const> ps, std::size_
       CHECK(static_cast<std::size_t>(r) * bk.shard_elements + f.shard_offset ==
             pl.places[f.param].offset + f.param_offset);
       REQUIRE(f.param_offset + f.elements <= ps[f.param].elements);
-      for (std::size_t e = 0; e < f.elements; ++e) {
-        ++seen[f.param][f.param_offset + e];
-      }
+      for (std::size_t e = 0; e < f.elements; ++e) { ++seen[f.param][f.param_offset + e]; }
     }
   }
   for (std::size_t p = 0; p < ps.size(); ++p) {
@@ -230,9 +222,9 @@ TEST_CASE("zero plan: edge cases", "[host]") {
 TEST_CASE("zero plan: random parameter lists, 1 to 9 ranks", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
   for (int trial = 0; trial < 300; ++trial) {
-    auto const ps = random_params(rng, trial < 20 ? 3 : 60);
-    int const world = 1 + static_cast<int>(rng() % 9);
-    std::size_t const alignment = std::size_t{4} << (rng() % 7);  // 4 .. 256 bytes
+    auto const ps                  = random_params(rng, trial < 20 ? 3 : 60);
+    int const world                = 1 + static_cast<int>(rng() % 9);
+    std::size_t const alignment    = std::size_t{4} << (rng() % 7);  // 4 .. 256 bytes
     std::size_t const bucket_bytes = 1 + rng() % 60000;
     INFO("trial " << trial << ": " << ps.size() << " parameters, world " << world << ", alignment "
                   << alignment << ", bucket " << bucket_bytes);

@@ -27,7 +27,7 @@ std::vector<z::param_spec> random_params(std::mt19937_64& rng) {
   std::vector<z::param_spec> ps;
   std::size_t const n = rng() % 25;
   for (std::size_t i = 0; i < n; ++i) {
-    std::size_t const k = rng() % 10;
+    std::size_t const k        = rng() % 10;
     std::size_t const elements = k == 0  ? 0
                                  : k < 5 ? 1 + rng() % 50
                                  : k < 9 ? 1 + rng() % 2000
@@ -56,9 +56,7 @@ std::vector<std::vector<std::uint64_t>> write_files(z::plan const& pl) {
 void check_load(z::plan const& from, z::plan const& to, int rank) {
   auto const files = write_files(from);
   std::vector<z::fragment_table> tables;
-  for (int r = 0; r < from.world; ++r) {
-    tables.push_back(z::fragment_table_of(from, r));
-  }
+  for (int r = 0; r < from.world; ++r) { tables.push_back(z::fragment_table_of(from, r)); }
   auto const reads = z::plan_shard_reads(tables, to, rank);
 
   std::vector<std::uint64_t> dest(to.state_elements, dest_poison);
@@ -111,16 +109,14 @@ TEST_CASE("zero checkpoint: reshard W to W' ranks for W, W' in 1..9", "[host]") 
   for (int w_old = 1; w_old <= 9; ++w_old) {
     for (int w_new = 1; w_new <= 9; ++w_new) {
       for (int trial = 0; trial < 3; ++trial) {
-        auto const ps = random_params(rng);
+        auto const ps       = random_params(rng);
         std::size_t const a = std::size_t{4} << (rng() % 7);
         std::size_t const b = std::size_t{4} << (rng() % 7);
-        auto const from = z::make_plan(ps, 1 + rng() % 30000, w_old, a);
-        auto const to = z::make_plan(ps, 1 + rng() % 30000, w_new, b);
+        auto const from     = z::make_plan(ps, 1 + rng() % 30000, w_old, a);
+        auto const to       = z::make_plan(ps, 1 + rng() % 30000, w_new, b);
         INFO(w_old << " -> " << w_new << " ranks, " << ps.size() << " parameters, buckets "
                    << from.bucket_bytes << " -> " << to.bucket_bytes);
-        for (int r = 0; r < w_new; ++r) {
-          check_load(from, to, r);
-        }
+        for (int r = 0; r < w_new; ++r) { check_load(from, to, r); }
       }
     }
   }
@@ -131,9 +127,7 @@ TEST_CASE("zero checkpoint: a round trip to the same plan reads each shard whole
                                 {"b", 5000, z::element_type::bf16}};
   auto const pl = z::make_plan(ps, 1 << 20, 4);
   std::vector<z::fragment_table> tables;
-  for (int r = 0; r < 4; ++r) {
-    tables.push_back(z::fragment_table_of(pl, r));
-  }
+  for (int r = 0; r < 4; ++r) { tables.push_back(z::fragment_table_of(pl, r)); }
   for (int r = 0; r < 4; ++r) {
     auto const reads = z::plan_shard_reads(tables, pl, r);
     for (auto const& rd : reads) {
@@ -166,13 +160,11 @@ TEST_CASE("zero checkpoint: missing, resized and doubly stored parameters are er
                                     {"b", 500, z::element_type::f32},
                                     {"c", 7, z::element_type::f32}};
     auto const target = z::make_plan(more, 4096, 2);
-    bool threw = false;
+    bool threw        = false;
     for (int r = 0; r < 2; ++r) {  // whichever rank holds c throws
       try {
         (void)z::plan_shard_reads(tables, target, r);
-      } catch (wm::io_error const&) {
-        threw = true;
-      }
+      } catch (wm::io_error const&) { threw = true; }
     }
     CHECK(threw);
   }
@@ -183,8 +175,6 @@ TEST_CASE("zero checkpoint: missing, resized and doubly stored parameters are er
   SECTION("a parameter the model dropped is left out") {
     std::vector<z::param_spec> fewer{{"b", 500, z::element_type::f32}};
     auto const target = z::make_plan(fewer, 4096, 3);
-    for (int r = 0; r < 3; ++r) {
-      check_load(pl, target, r);
-    }
+    for (int r = 0; r < 3; ++r) { check_load(pl, target, r); }
   }
 }

@@ -4,12 +4,11 @@
 #include <wm/comm.hpp>
 
 #include <algorithm>
-#include <exception>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <future>
 #include <thread>
-
 #include <unistd.h>
 
 namespace wm {
@@ -28,8 +27,7 @@ static_assert(sizeof(collective_descriptor) == 64);
 inline constexpr std::uint64_t descriptor_magic = 0x31637365642d6d77ull;  // "wm-desc1"
 
 /// Identity of this host: hostname and boot id (containers on one host share the boot id).
-[[nodiscard]] inline std::uint64_t node_key()
-{
+[[nodiscard]] inline std::uint64_t node_key() {
   char host[256]{};
   ::gethostname(host, sizeof(host) - 1);
   std::string boot;
@@ -37,8 +35,7 @@ inline constexpr std::uint64_t descriptor_magic = 0x31637365642d6d77ull;  // "wm
   return fnv1a(boot, fnv1a(host));
 }
 
-[[nodiscard]] inline std::string describe(collective_descriptor const& d)
-{
+[[nodiscard]] inline std::string describe(collective_descriptor const& d) {
   if (d.magic != descriptor_magic) { return "<garbage>"; }
   std::string name{d.name, strnlen(d.name, sizeof(d.name))};
   char args[32];
@@ -48,8 +45,7 @@ inline constexpr std::uint64_t descriptor_magic = 0x31637365642d6d77ull;  // "wm
 
 }  // namespace detail
 
-inline communicator::state::~state()
-{
+inline communicator::state::~state() {
   int previous{};
   bool const restore = cudaGetDevice(&previous) == cudaSuccess;
   (void)cudaSetDevice(device);
@@ -79,10 +75,11 @@ inline communicator::state::~state()
       } catch (...) {  // no thread: abort, as after an error
       }
       // No limit: wait for the finalize (wait_for would overflow the clock's arithmetic).
-      bool const finished = started && (detail::unlimited(timeout)
-                                          ? (finalized.wait(), true)
-                                          : finalized.wait_until(detail::deadline_after(timeout)) ==
-                                              std::future_status::ready);
+      bool const finished =
+          started &&
+          (detail::unlimited(timeout) ? (finalized.wait(), true)
+                                      : finalized.wait_until(detail::deadline_after(timeout)) ==
+                                            std::future_status::ready);
       if (started && !finished) {
         hung  = true;
         clean = false;
@@ -133,15 +130,11 @@ inline communicator::state::~state()
   if (restore) { (void)cudaSetDevice(previous); }
 }
 
-inline communicator::communicator(unique_id const& id,
-                                  int rank,
-                                  int size,
-                                  communicator_options options)
-{
-  WM_EXPECTS(size >= 1, "a communicator needs at least one rank, got size " +
-                          std::to_string(size));
-  WM_EXPECTS(rank >= 0 && rank < size, "rank must be in [0, " + std::to_string(size) +
-                                         "), got " + std::to_string(rank));
+inline communicator::communicator(unique_id const& id, int rank, int size,
+                                  communicator_options options) {
+  WM_EXPECTS(size >= 1, "a communicator needs at least one rank, got size " + std::to_string(size));
+  WM_EXPECTS(rank >= 0 && rank < size,
+             "rank must be in [0, " + std::to_string(size) + "), got " + std::to_string(rank));
   WM_EXPECTS(id.valid(), "the unique id is invalid (default-constructed or corrupted)");
   WM_EXPECTS(options.timeout.count() > 0, "the timeout must be positive");
   auto s     = std::make_unique<state>();
@@ -160,8 +153,7 @@ inline communicator::communicator(unique_id const& id,
   finish_setup();
 }
 
-inline void communicator::finish_setup()
-{
+inline void communicator::finish_setup() {
   expect_same("communicator", static_cast<std::uint64_t>(s_->size));
   struct about {
     std::uint64_t node;
@@ -198,7 +190,8 @@ inline void communicator::finish_setup()
   wait_nccl("communicator construction");
   if (s_->p2p == nullptr) {
     abort();
-    throw comm_error{"wm: rank " + std::to_string(s_->rank) + ": NCCL made no communicator for the device exchanges"};
+    throw comm_error{"wm: rank " + std::to_string(s_->rank) +
+                     ": NCCL made no communicator for the device exchanges"};
   }
   wait_nccl("communicator construction", s_->p2p);
   auto const n = static_cast<std::size_t>(s_->size);
@@ -213,17 +206,16 @@ inline void communicator::finish_setup()
   wait_stream("communicator construction", s_->stream);
 }
 
-inline void communicator::check_usable() const
-{
+inline void communicator::check_usable() const {
   WM_EXPECTS(s_ != nullptr, "this communicator is empty (moved from, or not part of a split)");
   if (s_->failed) {
-    throw comm_error{"wm: the communicator failed earlier (a peer died, timed out or an NCCL "
-                     "error occurred) and was aborted; create a new one"};
+    throw comm_error{
+        "wm: the communicator failed earlier (a peer died, timed out or an NCCL "
+        "error occurred) and was aborted; create a new one"};
   }
 }
 
-inline void communicator::abort() noexcept
-{
+inline void communicator::abort() noexcept {
   if (s_ != nullptr && s_->comm != nullptr && !s_->failed) {
     s_->failed = true;
     // The parent first: that ends a split still making the twin, which then exists or not.
@@ -234,8 +226,7 @@ inline void communicator::abort() noexcept
   }
 }
 
-inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) const
-{
+inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) const {
   auto const deadline = detail::deadline_after(s_->timeout);
   detail::backoff wait{std::chrono::microseconds{50}};
   while (true) {
@@ -259,8 +250,7 @@ inline void communicator::wait_nccl(std::string_view what, ncclComm_t which) con
   }
 }
 
-inline void communicator::wait_stream(std::string_view what, cudaStream_t stream) const
-{
+inline void communicator::wait_stream(std::string_view what, cudaStream_t stream) const {
   auto const deadline = detail::deadline_after(s_->timeout);
   detail::backoff wait{std::chrono::microseconds{20}};
   while (true) {
@@ -270,7 +260,9 @@ inline void communicator::wait_stream(std::string_view what, cudaStream_t stream
     ncclResult_t r{};
     for (ncclComm_t c : {s_->comm, s_->p2p}) {
       ncclResult_t e{};
-      if (c != nullptr && r == ncclSuccess) { r = ncclCommGetAsyncError(c, &e) != ncclSuccess ? ncclSystemError : e; }
+      if (c != nullptr && r == ncclSuccess) {
+        r = ncclCommGetAsyncError(c, &e) != ncclSuccess ? ncclSystemError : e;
+      }
     }
     bool const late = detail::clock_type::now() >= deadline;
     if ((r != ncclSuccess && r != ncclInProgress) || late) {
@@ -281,7 +273,7 @@ inline void communicator::wait_stream(std::string_view what, cudaStream_t stream
       if (stream == s_->stream) { (void)cudaStreamSynchronize(stream); }
       throw comm_error{"wm: rank " + std::to_string(s_->rank) +
                        (late ? " timed out after " + std::to_string(s_->timeout.count()) +
-                                 " ms waiting for peers in "
+                                   " ms waiting for peers in "
                              : " saw an NCCL error in ") +
                        std::string{what} +
                        "; a peer may have died or called a different collective. The "
@@ -291,8 +283,7 @@ inline void communicator::wait_stream(std::string_view what, cudaStream_t stream
   }
 }
 
-inline void communicator::ensure_scratch(std::size_t bytes)
-{
+inline void communicator::ensure_scratch(std::size_t bytes) {
   if (bytes <= s_->scratch_bytes) { return; }
   bytes = std::max<std::size_t>(bytes, 4096);
   if (s_->scratch != nullptr) { WM_CUDA_TRY(cudaFree(s_->scratch)); }
@@ -307,8 +298,7 @@ inline void communicator::ensure_scratch(std::size_t bytes)
 
 inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_view what,
                                                                   std::uint64_t args,
-                                                                  std::span<std::byte const> mine)
-{
+                                                                  std::span<std::byte const> mine) {
   check_usable();
   if (s_->size == 1) {  // nothing to agree on or wait for: no NCCL round trip, no stream sync
     ++s_->seq;
@@ -324,11 +314,11 @@ inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_vi
   std::memcpy(s_->staging + me * desc, &d, desc);
   WM_CUDA_TRY(cudaMemcpyAsync(s_->scratch + me * desc, s_->staging + me * desc, desc,
                               cudaMemcpyHostToDevice, s_->stream));
-  WM_NCCL_TRY(ncclAllGather(s_->scratch + me * desc, s_->scratch, desc, ncclUint8, s_->comm,
-                            s_->stream));
+  WM_NCCL_TRY(
+      ncclAllGather(s_->scratch + me * desc, s_->scratch, desc, ncclUint8, s_->comm, s_->stream));
   wait_nccl(what);
-  WM_CUDA_TRY(cudaMemcpyAsync(s_->staging, s_->scratch, n * desc, cudaMemcpyDeviceToHost,
-                              s_->stream));
+  WM_CUDA_TRY(
+      cudaMemcpyAsync(s_->staging, s_->scratch, n * desc, cudaMemcpyDeviceToHost, s_->stream));
   wait_stream(what, s_->stream);
 
   std::vector<detail::collective_descriptor> all(n);
@@ -355,11 +345,11 @@ inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_vi
   std::memcpy(s_->staging + me * longest, mine.data(), mine.size());
   WM_CUDA_TRY(cudaMemcpyAsync(s_->scratch + me * longest, s_->staging + me * longest, longest,
                               cudaMemcpyHostToDevice, s_->stream));
-  WM_NCCL_TRY(ncclAllGather(s_->scratch + me * longest, s_->scratch, longest, ncclUint8,
-                            s_->comm, s_->stream));
+  WM_NCCL_TRY(ncclAllGather(s_->scratch + me * longest, s_->scratch, longest, ncclUint8, s_->comm,
+                            s_->stream));
   wait_nccl(what);
-  WM_CUDA_TRY(cudaMemcpyAsync(s_->staging, s_->scratch, n * longest, cudaMemcpyDeviceToHost,
-                              s_->stream));
+  WM_CUDA_TRY(
+      cudaMemcpyAsync(s_->staging, s_->scratch, n * longest, cudaMemcpyDeviceToHost, s_->stream));
   wait_stream(what, s_->stream);
   for (std::size_t r = 0; r < n; ++r) {
     auto const* p = s_->staging + r * longest;
@@ -369,32 +359,40 @@ inline std::vector<std::vector<std::byte>> communicator::exchange(std::string_vi
 }
 
 inline void communicator::send_recv(std::span<send_part const> sends,
-                                     std::span<recv_part const> recvs,
-                                     cuda::stream_ref stream) const
-{
+                                    std::span<recv_part const> recvs,
+                                    cuda::stream_ref stream) const {
   check_usable();
   auto known = [&](int peer) { return peer >= 0 && peer < s_->size; };
   for (auto const& x : sends) {
-    WM_EXPECTS(known(x.peer), "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
+    WM_EXPECTS(known(x.peer),
+               "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
     WM_EXPECTS(x.bytes == 0 || x.data != nullptr, "send_recv: send buffer is null");
   }
   for (auto const& x : recvs) {
-    WM_EXPECTS(known(x.peer), "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
+    WM_EXPECTS(known(x.peer),
+               "send_recv: peer " + std::to_string(x.peer) + " is not a rank of this communicator");
     WM_EXPECTS(x.bytes == 0 || x.data != nullptr, "send_recv: receive buffer is null");
   }
   // Nothing to move: no NCCL group and no wait. Point-to-point calls carry no synchronization
   // between ranks, so no peer waits on this rank's empty call (a peer that expects bytes from it
   // has sizes that disagree with this rank's, which hangs with or without a group here).
   auto const moves = [](auto const& x) { return x.bytes > 0; };
-  if (std::none_of(sends.begin(), sends.end(), moves) && std::none_of(recvs.begin(), recvs.end(), moves)) { return; }
+  if (std::none_of(sends.begin(), sends.end(), moves) &&
+      std::none_of(recvs.begin(), recvs.end(), moves)) {
+    return;
+  }
   ncclComm_t const via = s_->p2p != nullptr ? s_->p2p : s_->comm;
   WM_NCCL_TRY(ncclGroupStart());
   try {
     for (auto const& x : sends) {
-      if (x.bytes > 0) { WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, via, stream.get())); }
+      if (x.bytes > 0) {
+        WM_NCCL_TRY(ncclSend(x.data, x.bytes, ncclUint8, x.peer, via, stream.get()));
+      }
     }
     for (auto const& x : recvs) {
-      if (x.bytes > 0) { WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, via, stream.get())); }
+      if (x.bytes > 0) {
+        WM_NCCL_TRY(ncclRecv(x.data, x.bytes, ncclUint8, x.peer, via, stream.get()));
+      }
     }
   } catch (...) {
     // Close the group this thread opened (NCCL cancels a group in which a call failed), so that
@@ -424,18 +422,15 @@ inline void communicator::send_recv(std::span<send_part const> sends,
 }
 
 template <class T>
-void communicator::all_to_all_v(T const* send,
-                                std::span<std::size_t const> send_counts,
-                                T* recv,
+void communicator::all_to_all_v(T const* send, std::span<std::size_t const> send_counts, T* recv,
                                 std::span<std::size_t const> recv_counts,
-                                cuda::stream_ref stream) const
-{
+                                cuda::stream_ref stream) const {
   check_usable();
   auto const n = static_cast<std::size_t>(s_->size);
   WM_EXPECTS(send_counts.size() == n && recv_counts.size() == n,
              "all_to_all_v needs one send and one receive count per rank (" + std::to_string(n) +
-               "), got " + std::to_string(send_counts.size()) + " and " +
-               std::to_string(recv_counts.size()));
+                 "), got " + std::to_string(send_counts.size()) + " and " +
+                 std::to_string(recv_counts.size()));
   std::vector<send_part> sends(n);
   std::vector<recv_part> recvs(n);
   std::size_t send_offset = 0;
@@ -450,8 +445,8 @@ void communicator::all_to_all_v(T const* send,
 }
 
 template <class T>
-void communicator::all_to_all(T const* send, T* recv, std::size_t count, cuda::stream_ref stream) const
-{
+void communicator::all_to_all(T const* send, T* recv, std::size_t count,
+                              cuda::stream_ref stream) const {
   check_usable();
   if (count == 0) { return; }
   WM_EXPECTS(send != nullptr && recv != nullptr, "all_to_all: null buffer");
@@ -466,23 +461,23 @@ void communicator::all_to_all(T const* send, T* recv, std::size_t count, cuda::s
   if (r != ncclSuccess) {
     // As in send_recv: the peers cannot know what this rank's call did; fail the communicator.
     const_cast<communicator*>(this)->abort();
-    throw comm_error{"wm: NCCL failed during all_to_all on rank " + std::to_string(s_->rank) + ": " + ncclGetErrorString(r) +
-                     "; the communicator was aborted"};
+    throw comm_error{"wm: NCCL failed during all_to_all on rank " + std::to_string(s_->rank) +
+                     ": " + ncclGetErrorString(r) + "; the communicator was aborted"};
   }
 #else
   std::vector<std::size_t> const counts(static_cast<std::size_t>(s_->size), count);
-  all_to_all_v(send, std::span<std::size_t const>{counts}, recv, std::span<std::size_t const>{counts}, stream);
+  all_to_all_v(send, std::span<std::size_t const>{counts}, recv,
+               std::span<std::size_t const>{counts}, stream);
 #endif
 }
 
-inline communicator communicator::split(int color, int key)
-{
+inline communicator communicator::split(int color, int key) {
   check_usable();
   struct choice {
     int color;
     int key;
   };
-  auto const choices = all_gather(choice{color, key});
+  auto const choices  = all_gather(choice{color, key});
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking     = 0;
   ncclComm_t sub      = nullptr;
@@ -503,10 +498,10 @@ inline communicator communicator::split(int color, int key)
   std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
     return choices[static_cast<std::size_t>(a)].key < choices[static_cast<std::size_t>(b)].key;
   });
-  auto s     = std::make_unique<state>();
-  s->comm    = sub;
-  s->size    = static_cast<int>(members.size());
-  s->rank    = static_cast<int>(std::find(members.begin(), members.end(), s_->rank) - members.begin());
+  auto s  = std::make_unique<state>();
+  s->comm = sub;
+  s->size = static_cast<int>(members.size());
+  s->rank = static_cast<int>(std::find(members.begin(), members.end(), s_->rank) - members.begin());
   s->device  = s_->device;
   s->timeout = s_->timeout;
   s->twin    = s_->twin;

@@ -16,8 +16,7 @@ class unique_stream {
  public:
   unique_stream() = default;
   /// A non-blocking stream; @p highest_priority: the device's highest stream priority.
-  [[nodiscard]] static unique_stream make(bool highest_priority = false)
-  {
+  [[nodiscard]] static unique_stream make(bool highest_priority = false) {
     unique_stream s;
     if (highest_priority) {
       int least = 0, greatest = 0;
@@ -29,8 +28,7 @@ class unique_stream {
     return s;
   }
   unique_stream(unique_stream&& o) noexcept : s_{std::exchange(o.s_, nullptr)} {}
-  unique_stream& operator=(unique_stream&& o) noexcept
-  {
+  unique_stream& operator=(unique_stream&& o) noexcept {
     if (this != &o) {
       reset();
       s_ = std::exchange(o.s_, nullptr);
@@ -42,8 +40,7 @@ class unique_stream {
   ~unique_stream() { reset(); }
   [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
   [[nodiscard]] explicit operator bool() const noexcept { return s_ != nullptr; }
-  void reset() noexcept
-  {
+  void reset() noexcept {
     if (s_ != nullptr) { (void)cudaStreamDestroy(s_); }
     s_ = nullptr;
   }
@@ -56,15 +53,13 @@ class unique_stream {
 class unique_event {
  public:
   unique_event() = default;
-  [[nodiscard]] static unique_event make()
-  {
+  [[nodiscard]] static unique_event make() {
     unique_event e;
     WM_CUDA_TRY(cudaEventCreateWithFlags(&e.e_, cudaEventDisableTiming));
     return e;
   }
   unique_event(unique_event&& o) noexcept : e_{std::exchange(o.e_, nullptr)} {}
-  unique_event& operator=(unique_event&& o) noexcept
-  {
+  unique_event& operator=(unique_event&& o) noexcept {
     if (this != &o) {
       reset();
       e_ = std::exchange(o.e_, nullptr);
@@ -76,8 +71,7 @@ class unique_event {
   ~unique_event() { reset(); }
   [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
   [[nodiscard]] explicit operator bool() const noexcept { return e_ != nullptr; }
-  void reset() noexcept
-  {
+  void reset() noexcept {
     if (e_ != nullptr) { (void)cudaEventDestroy(e_); }
     e_ = nullptr;
   }
@@ -91,8 +85,7 @@ template <class T, bool Pinned>
 class cuda_buffer {
  public:
   cuda_buffer() = default;
-  explicit cuda_buffer(std::size_t n)
-  {
+  explicit cuda_buffer(std::size_t n) {
     if (n == 0) { return; }
     if constexpr (Pinned) {
       WM_CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&p_), n * sizeof(T)));
@@ -102,10 +95,8 @@ class cuda_buffer {
     n_ = n;
   }
   cuda_buffer(cuda_buffer&& o) noexcept
-      : p_{std::exchange(o.p_, nullptr)}, n_{std::exchange(o.n_, 0)}
-  {}
-  cuda_buffer& operator=(cuda_buffer&& o) noexcept
-  {
+      : p_{std::exchange(o.p_, nullptr)}, n_{std::exchange(o.n_, 0)} {}
+  cuda_buffer& operator=(cuda_buffer&& o) noexcept {
     if (this != &o) {
       reset();
       p_ = std::exchange(o.p_, nullptr);
@@ -118,8 +109,7 @@ class cuda_buffer {
   ~cuda_buffer() { reset(); }
   [[nodiscard]] T* data() const noexcept { return p_; }
   [[nodiscard]] std::size_t size() const noexcept { return n_; }
-  void reset() noexcept
-  {
+  void reset() noexcept {
     if (p_ != nullptr) {
       if constexpr (Pinned) {
         (void)cudaFreeHost(p_);

@@ -23,8 +23,7 @@ namespace wm::detail {
 class per_device_value {
  public:
   template <class Make>
-  [[nodiscard]] int get(Make&& make)
-  {
+  [[nodiscard]] int get(Make&& make) {
     int dev = 0;
     WM_CUDA_TRY(cudaGetDevice(&dev));
     if (dev < 0 || static_cast<std::size_t>(dev) >= values_.size()) { return make(dev); }
@@ -41,8 +40,7 @@ class per_device_value {
 };
 
 /// Multiprocessors of the current device.
-[[nodiscard]] inline int sm_count()
-{
+[[nodiscard]] inline int sm_count() {
   static per_device_value cache;
   return cache.get([](int dev) {
     int sms = 0;
@@ -53,46 +51,39 @@ class per_device_value {
 
 /// Blocks of 256 threads for an element-wise kernel over @p n items: one item per thread, at
 /// most 8 blocks per multiprocessor (the kernels stride over the rest).
-[[nodiscard]] inline int elementwise_blocks(std::size_t n)
-{
+[[nodiscard]] inline int elementwise_blocks(std::size_t n) {
   return static_cast<int>(std::clamp<std::size_t>(cuda::ceil_div(n, std::size_t{256}), 1,
                                                   static_cast<std::size_t>(sm_count()) * 8));
 }
 
 /// This thread's first item and the stride of a grid-stride loop.
-[[nodiscard]] __device__ inline std::size_t grid_thread()
-{
+[[nodiscard]] __device__ inline std::size_t grid_thread() {
   return blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
 }
-[[nodiscard]] __device__ inline std::size_t grid_threads()
-{
+[[nodiscard]] __device__ inline std::size_t grid_threads() {
   return gridDim.x * std::size_t{blockDim.x};
 }
 
 /// Calls f(i) for every i < n, grid-stride.
 template <class F>
-__device__ inline void for_each_index(std::size_t n, F&& f)
-{
+__device__ inline void for_each_index(std::size_t n, F&& f) {
   for (std::size_t i = grid_thread(); i < n; i += grid_threads()) { f(i); }
 }
 
 /// Radix-sort bits that order every value below @p rows (at least 1, at most 63).
-[[nodiscard]] constexpr int row_bits(std::size_t rows) noexcept
-{
+[[nodiscard]] constexpr int row_bits(std::size_t rows) noexcept {
   return std::clamp(static_cast<int>(cuda::std::bit_width(rows > 0 ? rows - 1 : 0)), 1, 63);
 }
 
 /// Bits that hold every owner rank 0..world (world itself marks an invalid index).
-[[nodiscard]] constexpr int owner_bits(int world) noexcept
-{
+[[nodiscard]] constexpr int owner_bits(int world) noexcept {
   return std::max(1, static_cast<int>(cuda::std::bit_width(static_cast<unsigned>(world))));
 }
 
 // ---- vector accesses --------------------------------------------------------------------------
 
 /// Largest vector width in {16, 8, 4, 2, 1} bytes dividing every size and address given.
-[[nodiscard]] inline int vector_width(std::initializer_list<std::uintptr_t> values)
-{
+[[nodiscard]] inline int vector_width(std::initializer_list<std::uintptr_t> values) {
   for (int v : {16, 8, 4, 2}) {
     bool ok = true;
     for (auto x : values) { ok = ok && x % static_cast<std::uintptr_t>(v) == 0; }
@@ -104,8 +95,7 @@ __device__ inline void for_each_index(std::size_t n, F&& f)
 /// Calls f.template operator()<Vec>() with the built-in vector type of @p vec_bytes bytes (the
 /// types the cache-hinted loads and stores take).
 template <class F>
-void with_vector(int vec_bytes, F&& f)
-{
+void with_vector(int vec_bytes, F&& f) {
   switch (vec_bytes) {
     case 16: f.template operator()<uint4>(); break;
     case 8: f.template operator()<uint2>(); break;
@@ -142,8 +132,7 @@ struct permute_op {
 
 /// Fills @p out with first, first + 1, ... (n values), on @p stream.
 template <class T>
-void iota_async(T* out, std::size_t n, std::size_t first, cudaStream_t stream)
-{
+void iota_async(T* out, std::size_t n, std::size_t first, cudaStream_t stream) {
   if (n == 0) { return; }
   WM_CUDA_TRY(cub::DeviceFor::Bulk(n, iota_op<T>{out, first}, stream));
 }
@@ -151,8 +140,7 @@ void iota_async(T* out, std::size_t n, std::size_t first, cudaStream_t stream)
 /// out[i] = in[order[i]] for i < n, on @p stream.
 template <class T>
 void permute_async(T const* in, std::size_t const* order, std::size_t n, T* out,
-                   cudaStream_t stream)
-{
+                   cudaStream_t stream) {
   if (n == 0) { return; }
   WM_CUDA_TRY(cub::DeviceFor::Bulk(n, permute_op<T>{in, order, out}, stream));
 }

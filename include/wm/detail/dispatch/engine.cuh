@@ -32,8 +32,7 @@ namespace wm::detail {
 template <class Rows, class Index>
 void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<Index> const& p,
                  Rows const& table, std::size_t stride_bytes, std::size_t n, std::byte* out,
-                 std::size_t rb, cudaStream_t s)
-{
+                 std::size_t rb, cudaStream_t s) {
   auto const world = static_cast<std::size_t>(comm.size());
   auto const me    = static_cast<std::size_t>(comm.rank());
   bool const put   = mailbox_ready(comm, sc, p.most_remote * rb);
@@ -204,8 +203,7 @@ struct owner_batch {
 template <class Index>
 owner_batch<Index> send_to_owners(communicator& comm, dispatch_plan_device<Index> const& p,
                                   std::byte const* rows, std::size_t n, std::size_t rb,
-                                  workspace& ws, unsigned* err, cudaStream_t s)
-{
+                                  workspace& ws, unsigned* err, cudaStream_t s) {
   auto const me         = static_cast<std::size_t>(comm.rank());
   auto const key_at     = block_starts(p.send_counts);  // in p.order and p.send_keys
   auto const recv_at    = block_starts(p.recv_counts);  // in the owner's batch
@@ -257,8 +255,7 @@ owner_batch<Index> send_to_owners(communicator& comm, dispatch_plan_device<Index
  */
 template <class Rows, class Index>
 void scatter_owner_rows(owner_batch<Index> const& batch, Rows const& table, std::size_t rb,
-                        std::size_t stride_bytes, workspace& ws, unsigned* err, cudaStream_t s)
-{
+                        std::size_t stride_bytes, workspace& ws, unsigned* err, cudaStream_t s) {
   std::size_t const m = batch.n;
   if (m == 0) { return; }
   std::size_t cub_bytes = 0;

@@ -28,8 +28,7 @@ struct mapped_rows {
   mapping_ref<Mapping> map;
   std::size_t stride_bytes;
   [[nodiscard]] __device__ std::size_t rows() const { return map.rows(); }
-  [[nodiscard]] __device__ std::byte* row(std::size_t k) const
-  {
+  [[nodiscard]] __device__ std::byte* row(std::size_t k) const {
     auto const at = map.locate(k);
     return chunks[at.rank] + at.local * stride_bytes;
   }
@@ -52,8 +51,7 @@ struct packed_rows {
 };
 
 template <class Index>
-[[nodiscard]] __device__ inline bool valid_index(Index k, std::size_t rows)
-{
+[[nodiscard]] __device__ inline bool valid_index(Index k, std::size_t rows) {
   if constexpr (std::is_signed_v<Index>) {
     if (k < 0) { return false; }
   }
@@ -66,8 +64,7 @@ inline constexpr int unroll = 4;
 /// this GPU's L2, so rows another GPU rewrote are always seen, whatever the caching of system
 /// memory between kernels. Otherwise the read-only path: sources do not change during a copy.
 template <bool Fresh, class Vec>
-[[nodiscard]] __device__ inline Vec load_vec(Vec const* p)
-{
+[[nodiscard]] __device__ inline Vec load_vec(Vec const* p) {
   if constexpr (Fresh) {
     return __ldcv(p);
   } else {
@@ -78,8 +75,7 @@ template <bool Fresh, class Vec>
 /// Stores a vector; `Through` writes through this GPU's L2 to memory (host rows other GPUs
 /// read); otherwise a streaming store (the destination is not read back by this kernel).
 template <bool Through, class Vec>
-__device__ inline void store_vec(Vec* p, Vec v)
-{
+__device__ inline void store_vec(Vec* p, Vec v) {
   if constexpr (Through) {
     __stwt(p, v);
   } else {
@@ -102,8 +98,7 @@ struct gather_moves {
   std::size_t const* order;
   packed_rows out;
   unsigned* err;
-  [[nodiscard]] __device__ row_move operator()(std::size_t i, int lane) const
-  {
+  [[nodiscard]] __device__ row_move operator()(std::size_t i, int lane) const {
     Index const k = idx != nullptr ? idx[i] : static_cast<Index>(i);
     row_move m{nullptr, out.row(order != nullptr ? order[i] : i)};
     if (valid_index(k, rows.rows())) {
@@ -125,8 +120,7 @@ struct scatter_moves {
   std::size_t n;
   packed_rows values;
   unsigned* err;
-  [[nodiscard]] __device__ row_move operator()(std::size_t j, int lane) const
-  {
+  [[nodiscard]] __device__ row_move operator()(std::size_t j, int lane) const {
     Index const k = keys[j];
     if (!valid_index(k, rows.rows())) {
       if (lane == 0) { atomicOr(err, 1u); }
@@ -143,8 +137,7 @@ struct scatter_moves {
  */
 template <class Vec, bool Fresh, bool Through, class Moves>
 __global__ void __launch_bounds__(256)
-    move_rows_kernel(Moves moves, std::size_t n, std::size_t row_vecs, int group)
-{
+    move_rows_kernel(Moves moves, std::size_t n, std::size_t row_vecs, int group) {
   std::size_t const tid    = grid_thread();
   std::size_t const groups = grid_threads() / static_cast<std::size_t>(group);
   std::size_t const g      = tid / static_cast<std::size_t>(group);
@@ -191,8 +184,7 @@ struct row_launch {
 /// kernels on other streams, e.g. NCCL's).
 [[nodiscard]] inline row_launch plan_row_launch(std::size_t n, std::size_t row_bytes,
                                                 std::initializer_list<std::uintptr_t> alignment,
-                                                int blocks_per_sm = 8)
-{
+                                                int blocks_per_sm = 8) {
   row_launch l{};
   l.vec_bytes = vector_width(alignment);
   l.row_vecs  = row_bytes / static_cast<std::size_t>(l.vec_bytes);
@@ -213,8 +205,7 @@ struct row_launch {
 template <class Launch>
 void launch_rows(std::size_t n, std::size_t row_bytes,
                  std::initializer_list<std::uintptr_t> alignment, Launch&& launch,
-                 int blocks_per_sm = 8)
-{
+                 int blocks_per_sm = 8) {
   if (n == 0) { return; }
   auto const l = plan_row_launch(n, row_bytes, alignment, blocks_per_sm);
   with_vector(l.vec_bytes, [&]<class Vec>() { launch.template operator()<Vec>(l); });
@@ -226,8 +217,7 @@ void launch_rows(std::size_t n, std::size_t row_bytes,
 template <class Rows, class Index>
 void launch_gather(Rows rows, Index const* idx, std::size_t const* order, std::size_t n,
                    packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                   unsigned* err, cudaStream_t stream, bool fresh = false, int blocks_per_sm = 8)
-{
+                   unsigned* err, cudaStream_t stream, bool fresh = false, int blocks_per_sm = 8) {
   launch_rows(
       n, row_bytes,
       {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
@@ -245,8 +235,7 @@ void launch_gather(Rows rows, Index const* idx, std::size_t const* order, std::s
 template <class Rows, class Index>
 void launch_scatter(Rows rows, Index const* keys, std::size_t const* pos, std::size_t n,
                     packed_rows values, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                    unsigned* err, cudaStream_t stream, bool through = false)
-{
+                    unsigned* err, cudaStream_t stream, bool through = false) {
   launch_rows(n, row_bytes,
               {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base),
                values.stride_bytes},
@@ -272,8 +261,7 @@ inline constexpr int locate_shared_ranks = 4096;
 template <class Map, class Index>
 __global__ void locate_kernel(Map map, Index const* idx, std::size_t n, int world, int* owner,
                               Index* local, std::size_t* position, unsigned long long* counts,
-                              unsigned* err)
-{
+                              unsigned* err) {
   extern __shared__ unsigned long long block_counts[];  // world + 1 when they fit
   bool const in_shared = world < locate_shared_ranks;
   if (in_shared) {
@@ -326,8 +314,7 @@ inline constexpr int place_items        = 8;  // indices per thread per tile
 template <class Index>
 __global__ void place_by_owner_kernel(int const* owner, Index const* local, std::size_t n,
                                       int world, unsigned long long* next, std::size_t* order,
-                                      Index* keys)
-{
+                                      Index* keys) {
   extern __shared__ unsigned long long tile_base[];  // world + 1, then world + 1 unsigned counts
   auto* const tile_count = reinterpret_cast<unsigned*>(tile_base + world + 1);
   unsigned const lane    = threadIdx.x % 32;
@@ -382,8 +369,7 @@ __global__ void place_by_owner_kernel(int const* owner, Index const* local, std:
 template <class Index>
 void launch_place_by_owner(int const* owner, Index const* local, std::size_t n, int world,
                            unsigned long long* next, std::size_t* order, Index* keys,
-                           cudaStream_t stream, int max_blocks)
-{
+                           cudaStream_t stream, int max_blocks) {
   WM_EXPECTS(world >= 1 && world < place_shared_ranks,
              "place_by_owner: world " + std::to_string(world) + " outside [1, " +
                  std::to_string(place_shared_ranks) + ")");
@@ -404,8 +390,7 @@ void launch_place_by_owner(int const* owner, Index const* local, std::size_t n, 
 /// Also where each owner's group starts in the send order (world + 1 entries, invalid last).
 template <class Word>
 __global__ void dispatch_words_kernel(Word const* counts, int world, int me, Word tag,
-                                      Word row_bytes, Word batch, Word* words, Word* starts)
-{
+                                      Word row_bytes, Word batch, Word* words, Word* starts) {
   if (blockIdx.x != 0 || threadIdx.x != 0) { return; }
   Word at = 0, sent = 0;
   for (int q = 0; q < world; ++q) {

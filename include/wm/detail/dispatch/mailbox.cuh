@@ -21,8 +21,7 @@ namespace wm::detail {
 /// `WM_DISPATCH_ROWS=put` (then the gather kernels store them). A mailbox that cannot be made (no
 /// peer access between the GPUs, no memory) leaves the scratch on the NCCL path on every rank.
 /// Any other value of the variable on any rank throws on every rank (the vote stays open).
-inline bool mailbox_ready(communicator& comm, exchange_scratch& sc, std::size_t bytes)
-{
+inline bool mailbox_ready(communicator& comm, exchange_scratch& sc, std::size_t bytes) {
   mailbox& m = sc.mail;
   if (m.mode == mailbox::state::unknown) {
     char const* env            = std::getenv("WM_DISPATCH_ROWS");

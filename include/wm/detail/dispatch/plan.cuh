@@ -54,31 +54,24 @@ struct exchange_call {
 };
 
 /// Exclusive prefix sums: where each peer's block starts (size + 1 entries).
-[[nodiscard]] inline std::vector<std::size_t> block_starts(std::vector<std::size_t> const& counts)
-{
+[[nodiscard]] inline std::vector<std::size_t> block_starts(std::vector<std::size_t> const& counts) {
   std::vector<std::size_t> at(counts.size() + 1, 0);
   std::partial_sum(counts.begin(), counts.end(), at.begin() + 1);
   return at;
 }
 
-inline std::vector<std::size_t> scaled(std::vector<std::size_t> v, std::size_t f)
-{
+inline std::vector<std::size_t> scaled(std::vector<std::size_t> v, std::size_t f) {
   for (auto& x : v) { x *= f; }
   return v;
 }
 
 /// The fault an exception thrown before the exchange stands for.
-[[nodiscard]] inline exchange_fault fault_of(std::exception_ptr const& e)
-{
+[[nodiscard]] inline exchange_fault fault_of(std::exception_ptr const& e) {
   try {
     std::rethrow_exception(e);
-  } catch (cuda_error const&) {
-    return exchange_fault::cuda;
-  } catch (logic_error const&) {
+  } catch (cuda_error const&) { return exchange_fault::cuda; } catch (logic_error const&) {
     return exchange_fault::bad_argument;
-  } catch (...) {
-    return exchange_fault::other;
-  }
+  } catch (...) { return exchange_fault::other; }
 }
 
 /**
@@ -93,8 +86,7 @@ inline std::vector<std::size_t> scaled(std::vector<std::size_t> v, std::size_t f
 template <class Map, class Index>
 dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index const* idx,
                                           std::size_t n, exchange_scratch& scratch, cudaStream_t s,
-                                          exchange_call call, bool in_order = true)
-{
+                                          exchange_call call, bool in_order = true) {
   int const world  = comm.size();
   auto const w     = static_cast<std::size_t>(world);
   auto const wpp   = static_cast<std::size_t>(words_per_peer);
@@ -162,9 +154,7 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
                                                     p.owner, sowner, pos, p.order, n, 0, bits, s));
         permute_async(p.local, p.order, n, p.send_keys, s);
       }
-    } catch (...) {
-      fault = fault_of(std::current_exception());
-    }
+    } catch (...) { fault = fault_of(std::current_exception()); }
   }
   if (fault != exchange_fault::none) {
     // This rank still sends its words (no rows asked, its fault in the header) so that its

@@ -26,8 +26,7 @@ struct dispatch_plan {
 
 template <class Mapping, class Index>
 [[nodiscard]] dispatch_plan<Index> plan_dispatch(std::span<Index const> idx,
-                                                 mapping_ref<Mapping> map, int world)
-{
+                                                 mapping_ref<Mapping> map, int world) {
   auto const w = static_cast<std::size_t>(world);
   std::vector<std::vector<std::size_t>> buckets(w + 1);
   for (std::size_t i = 0; i < idx.size(); ++i) {
@@ -58,8 +57,7 @@ inline constexpr int max_pieces = 6;
 /// Pieces that @p count rows of @p row_bytes to or from one peer are cut into: one per started
 /// 32 MiB, at most `max_pieces` and at most one per row. Both ends compute it from the same
 /// count, so their pieces match.
-[[nodiscard]] inline int pieces_of(std::size_t count, std::size_t row_bytes)
-{
+[[nodiscard]] inline int pieces_of(std::size_t count, std::size_t row_bytes) {
   if (count == 0) { return 0; }
   std::size_t const per = std::size_t{32} << 20;
   std::size_t const cap = std::min<std::size_t>(max_pieces, count);
@@ -75,8 +73,7 @@ struct piece {
   std::size_t first;
   std::size_t last;
 };
-[[nodiscard]] inline piece piece_of(std::size_t count, std::size_t row_bytes, int k)
-{
+[[nodiscard]] inline piece piece_of(std::size_t count, std::size_t row_bytes, int k) {
   auto const n = static_cast<std::size_t>(pieces_of(count, row_bytes));
   auto const q = static_cast<std::size_t>(k);
   if (q >= n) { return {count, count}; }
@@ -126,15 +123,13 @@ inline constexpr int words_per_peer = count_words + header_words;
 inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's high bytes
 
 /// The first header word (the tag); the others are row_bytes, batch and invalid as they are.
-[[nodiscard]] constexpr std::uint64_t header_tag(exchange_header const& h) noexcept
-{
+[[nodiscard]] constexpr std::uint64_t header_tag(exchange_header const& h) noexcept {
   return header_magic << 32 | std::uint64_t{static_cast<std::uint8_t>(h.op)} << 16 |
          std::uint64_t{static_cast<std::uint8_t>(h.fault)} << 8 | std::uint64_t{h.index_bytes};
 }
 
 /// Reads a header from its four words; a tag without the magic reads as a fault (`other`).
-[[nodiscard]] constexpr exchange_header read_header(std::uint64_t const* w) noexcept
-{
+[[nodiscard]] constexpr exchange_header read_header(std::uint64_t const* w) noexcept {
   exchange_header h;
   if (w[0] >> 32 != header_magic) {
     h.fault = exchange_fault::other;
@@ -149,8 +144,7 @@ inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's
   return h;
 }
 
-[[nodiscard]] inline char const* op_name(exchange_op op)
-{
+[[nodiscard]] inline char const* op_name(exchange_op op) {
   switch (op) {
     case exchange_op::gather: return "gather";
     case exchange_op::scatter: return "scatter";
@@ -160,8 +154,7 @@ inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's
   return "an unknown operation";
 }
 
-[[nodiscard]] inline char const* fault_text(exchange_fault f)
-{
+[[nodiscard]] inline char const* fault_text(exchange_fault f) {
   switch (f) {
     case exchange_fault::none: return "no fault";
     case exchange_fault::null_pointer: return "a null indices or rows pointer with a nonzero count";
@@ -178,8 +171,7 @@ inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's
  * the same call (operation, row bytes, index width); otherwise the error every rank throws
  * (built only from the headers, so it is the same text on every rank).
  */
-[[nodiscard]] inline std::string check_headers(std::span<exchange_header const> all)
-{
+[[nodiscard]] inline std::string check_headers(std::span<exchange_header const> all) {
   std::string failed;
   for (std::size_t r = 0; r < all.size(); ++r) {
     if (all[r].fault != exchange_fault::none) {

@@ -30,13 +30,11 @@ class workspace {
   workspace()                            = default;
   workspace(workspace const&)            = delete;
   workspace& operator=(workspace const&) = delete;
-  ~workspace()
-  {
+  ~workspace() {
     if (ptr_ != nullptr) { (void)cudaFree(ptr_); }
   }
   /// At least @p bytes of device memory, valid for work ordered after this on @p stream.
-  [[nodiscard]] std::byte* reserve(std::size_t bytes, cudaStream_t stream)
-  {
+  [[nodiscard]] std::byte* reserve(std::size_t bytes, cudaStream_t stream) {
     if (bytes > bytes_) {
       if (ptr_ != nullptr) { WM_CUDA_TRY(cudaFreeAsync(ptr_, stream)); }
       ptr_                    = nullptr;
@@ -57,16 +55,14 @@ class workspace {
 class carver {
  public:
   template <class T>
-  std::size_t add(std::size_t n)
-  {
+  std::size_t add(std::size_t n) {
     std::size_t const at = total_;
     total_               = cuda::round_up(total_ + n * sizeof(T), std::size_t{256});
     return at;
   }
   [[nodiscard]] std::size_t total() const noexcept { return total_ == 0 ? 256 : total_; }
   template <class T>
-  T* take(std::byte* base, std::size_t offset) const
-  {
+  T* take(std::byte* base, std::size_t offset) const {
     return reinterpret_cast<T*>(base + offset);
   }
 
@@ -79,16 +75,14 @@ class carver {
 /// caller's stream gathers the next piece; the aux stream serves this rank's own rows meanwhile.
 class side_stream {
  public:
-  [[nodiscard]] cudaStream_t get()
-  {
+  [[nodiscard]] cudaStream_t get() {
     make();
     return stream_.get();
   }
   /// Whether the streams and events exist (the first `get` or `aux` makes them).
   [[nodiscard]] bool made() const noexcept { return static_cast<bool>(stream_); }
   /// Whether both streams are idle (true when not made).
-  [[nodiscard]] bool idle() const noexcept
-  {
+  [[nodiscard]] bool idle() const noexcept {
     for (cudaStream_t st : {stream_.get(), aux_.get()}) {
       if (st != nullptr && cudaStreamQuery(st) == cudaErrorNotReady) { return false; }
     }
@@ -96,21 +90,18 @@ class side_stream {
   }
   /// The stream that serves this rank's own rows while the others cross (rows put by kernels), or
   /// that hands gathered pieces to the copy engine (rows copied).
-  [[nodiscard]] cudaStream_t aux()
-  {
+  [[nodiscard]] cudaStream_t aux() {
     make();
     return aux_.get();
   }
   /// Piece k is gathered (recorded on the caller's stream).
   [[nodiscard]] cudaEvent_t ready(int k) const { return ready_[static_cast<std::size_t>(k)].get(); }
   /// Piece k is copied into the peers' mailboxes (recorded on the aux stream).
-  [[nodiscard]] cudaEvent_t copied(int k) const
-  {
+  [[nodiscard]] cudaEvent_t copied(int k) const {
     return copied_[static_cast<std::size_t>(k)].get();
   }
   /// Piece k has crossed (recorded on the side stream).
-  [[nodiscard]] cudaEvent_t arrived(int k) const
-  {
+  [[nodiscard]] cudaEvent_t arrived(int k) const {
     return arrived_[static_cast<std::size_t>(k)].get();
   }
   /// The caller's stream reached the fork (aux waits for it).
@@ -119,8 +110,7 @@ class side_stream {
   [[nodiscard]] cudaEvent_t joined() const { return marks_[1].get(); }
   /// Makes @p s wait for everything on both streams (a call that failed half-way: what it left
   /// there still uses the scratch buffers). Errors ignored.
-  void join_into(cudaStream_t s) noexcept
-  {
+  void join_into(cudaStream_t s) noexcept {
     if (!stream_ || !marks_[2]) { return; }
     for (cudaStream_t st :
          {stream_.get(), aux_.get()}) {  // a wait takes the event as last recorded
@@ -131,8 +121,7 @@ class side_stream {
   }
 
  private:
-  void make()
-  {
+  void make() {
     if (stream_) { return; }
     // Events and the aux stream first, the side stream last: after a failure here the next call
     // tries again.
@@ -201,17 +190,16 @@ struct exchange_scratch {
         words{(2 * static_cast<std::size_t>(words_per_peer) + 1) *
                   static_cast<std::size_t>(c.size()) +
               2},
-        words_host{
-            (static_cast<std::size_t>(words_per_peer) + 1) * static_cast<std::size_t>(c.size()) + 1}
-  {
+        words_host{(static_cast<std::size_t>(words_per_peer) + 1) *
+                       static_cast<std::size_t>(c.size()) +
+                   1} {
     WM_CUDA_TRY(cudaMemset(err.data(), 0, sizeof(unsigned)));
   }
   exchange_scratch(exchange_scratch const&)            = delete;
   exchange_scratch& operator=(exchange_scratch const&) = delete;
   ~exchange_scratch() { (void)drain(); }
 
-  [[nodiscard]] bool idle() const noexcept
-  {
+  [[nodiscard]] bool idle() const noexcept {
     return cudaEventQuery(last.get()) != cudaErrorNotReady && side.idle();
   }
 
@@ -222,8 +210,7 @@ struct exchange_scratch {
    * unwinds (this rank is failing) a collective scratch with work pending aborts the
    * communicator first, so that no wait depends on peers. Never throws.
    */
-  [[nodiscard]] bool drain() noexcept
-  {
+  [[nodiscard]] bool drain() noexcept {
     if (idle()) { return true; }
     if (collective && std::uncaught_exceptions() > 0) { comm->abort(); }
     // (A timeout too long to add to the clock waits without end.)
@@ -244,8 +231,7 @@ struct exchange_scratch {
   }
 
   /// As `drain`; past the deadline throws `wm::comm_error` naming @p what.
-  void wait_idle(std::string_view what)
-  {
+  void wait_idle(std::string_view what) {
     if (!drain()) {
       throw comm_error{"wm: rank " + std::to_string(comm->rank()) + " timed out after " +
                        std::to_string(comm->timeout().count()) +
@@ -260,14 +246,12 @@ struct exchange_scratch {
 /// (calls on one stream are ordered anyway), and marks its own end.
 class scratch_use {
  public:
-  scratch_use(exchange_scratch& sc, cudaStream_t s) : sc_{sc}, s_{s}
-  {
+  scratch_use(exchange_scratch& sc, cudaStream_t s) : sc_{sc}, s_{s} {
     WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.last.get(), 0));
   }
   scratch_use(scratch_use const&)            = delete;
   scratch_use& operator=(scratch_use const&) = delete;
-  ~scratch_use()
-  {
+  ~scratch_use() {
     // A call that threw may have left work on the side streams that it had not joined yet.
     if (std::uncaught_exceptions() > unwinding_) { sc_.side.join_into(s_); }
     (void)cudaEventRecord(sc_.last.get(), s_);

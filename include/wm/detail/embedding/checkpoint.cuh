@@ -68,9 +68,9 @@ inline void rename_file(std::filesystem::path const& from, std::filesystem::path
 
 WM_CHECKPOINT_TEMPLATE
 void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
-  auto& comm = *comm_;
-  int const world = comm.size();
-  auto const me = static_cast<std::size_t>(comm.rank());
+  auto& comm          = *comm_;
+  int const world     = comm.size();
+  auto const me       = static_cast<std::size_t>(comm.rank());
   std::string const p = prefix.string();
   std::filesystem::path const meta{p + ".meta"};
   std::filesystem::path const meta_tmp = detail::temporary_name(meta);
@@ -80,56 +80,40 @@ void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
   std::vector<std::pair<std::filesystem::path, std::filesystem::path>> mine;  // temporary, final
   auto remove_temporaries = [&] {
     std::error_code ec;
-    for (auto const& [tmp, final_name] : mine) {
-      std::filesystem::remove(tmp, ec);
-    }
-    if (me == 0) {
-      std::filesystem::remove(meta_tmp, ec);
-    }
+    for (auto const& [tmp, final_name] : mine) { std::filesystem::remove(tmp, ec); }
+    if (me == 0) { std::filesystem::remove(meta_tmp, ec); }
   };
   auto write = [&](auto& t, char const* part) {
     auto const finals = memory<Location, Layout>::part_files(p + part, world);
     std::vector<std::filesystem::path> tmps;
-    for (auto const& f : finals) {
-      tmps.push_back(detail::temporary_name(f));
-    }
+    for (auto const& f : finals) { tmps.push_back(detail::temporary_name(f)); }
     mine.emplace_back(tmps[me], finals[me]);
     t.store(std::span<std::filesystem::path const>{tmps});
   };
   try {
     write(weights_, ".weights");
-    if (states_) {
-      write(*states_, ".states");
-    }
-    if (steps_) {
-      write(*steps_, ".steps");
-    }
+    if (states_) { write(*states_, ".states"); }
+    if (steps_) { write(*steps_, ".steps"); }
     // 2. Parts on the disk, the new meta beside them (rank 0).
     detail::collective_step<io_error>(comm, "embedding store (flushing '" + p + "')", [&] {
-      for (auto const& [tmp, final_name] : mine) {
-        detail::sync_file(tmp);
-      }
-      if (me != 0) {
-        return;
-      }
+      for (auto const& [tmp, final_name] : mine) { detail::sync_file(tmp); }
+      if (me != 0) { return; }
       detail::checkpoint_meta m;
-      m.rows = rows();
-      m.dim = dim();
-      m.world = world;
-      m.global_step = global_step_;
-      m.dtype = detail::dtype_name<T>();
-      m.dtype_bytes = sizeof(T);
-      m.optimizer = Optimizer::name;
+      m.rows          = rows();
+      m.dim           = dim();
+      m.world         = world;
+      m.global_step   = global_step_;
+      m.dtype         = detail::dtype_name<T>();
+      m.dtype_bytes   = sizeof(T);
+      m.optimizer     = Optimizer::name;
       m.optimizer_tag = wm::checkpoint_tag(opt_);
-      m.states = Optimizer::states;
-      m.steps = steps_.has_value();
+      m.states        = Optimizer::states;
+      m.steps         = steps_.has_value();
       {
         std::ofstream out{meta_tmp, std::ios::trunc};
         out << detail::format_meta(m);
         out.close();
-        if (!out) {
-          throw io_error{"cannot write '" + meta_tmp.string() + "'"};
-        }
+        if (!out) { throw io_error{"cannot write '" + meta_tmp.string() + "'"}; }
       }
       detail::sync_file(meta_tmp);
     });
@@ -154,15 +138,13 @@ void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
                                     });
   detail::collective_step<io_error>(comm, "embedding store (renaming '" + meta_tmp.string() + "')",
                                     [&] {
-                                      if (me == 0) {
-                                        detail::rename_file(meta_tmp, meta);
-                                      }
+                                      if (me == 0) { detail::rename_file(meta_tmp, meta); }
                                     });
 }
 
 WM_CHECKPOINT_TEMPLATE
 void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
-  auto& comm = *comm_;
+  auto& comm          = *comm_;
   std::string const p = prefix.string();
   // 1. Everything checked on every rank before anything changes: the meta against this table
   //    (shape, element type, optimizer and the settings its states depend on), then every part
@@ -170,16 +152,16 @@ void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
   detail::checkpoint_meta m;
   detail::collective_step<io_error>(comm, "embedding load (checking '" + p + "')", [&] {
     auto const meta_file = p + ".meta";
-    m = detail::parse_meta(detail::read_text_file(meta_file), meta_file);
+    m                    = detail::parse_meta(detail::read_text_file(meta_file), meta_file);
     detail::checkpoint_meta here;
-    here.rows = rows();
-    here.dim = dim();
-    here.dtype = detail::dtype_name<T>();
-    here.dtype_bytes = sizeof(T);
-    here.optimizer = Optimizer::name;
+    here.rows          = rows();
+    here.dim           = dim();
+    here.dtype         = detail::dtype_name<T>();
+    here.dtype_bytes   = sizeof(T);
+    here.optimizer     = Optimizer::name;
     here.optimizer_tag = wm::checkpoint_tag(opt_);
-    here.states = Optimizer::states;
-    here.steps = steps_.has_value();
+    here.states        = Optimizer::states;
+    here.steps         = steps_.has_value();
     detail::check_meta_fits(m, here, p);
     auto check = [&](char const* part, std::size_t row_bytes) {
       auto const files = memory<Location, Layout>::part_files(p + part, m.world);
@@ -187,12 +169,8 @@ void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
       detail::check_part_files(files, sizes);
     };
     check(".weights", m.weight_row_bytes());
-    if (m.states > 0) {
-      check(".states", m.state_row_bytes());
-    }
-    if (m.steps) {
-      check(".steps", sizeof(std::int64_t));
-    }
+    if (m.states > 0) { check(".states", m.state_row_bytes()); }
+    if (m.steps) { check(".steps", sizeof(std::int64_t)); }
   });
   // 2. The reads (each collective; a read error now is an io_error on every rank).
   auto load_part = [&](auto& t, char const* part) {
@@ -200,12 +178,8 @@ void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
     t.load(std::span<std::filesystem::path const>{files});
   };
   load_part(weights_, ".weights");
-  if (states_) {
-    load_part(*states_, ".states");
-  }
-  if (steps_) {
-    load_part(*steps_, ".steps");
-  }
+  if (states_) { load_part(*states_, ".states"); }
+  if (steps_) { load_part(*steps_, ".steps"); }
   global_step_ = m.global_step;
 }
 

@@ -76,29 +76,21 @@ struct checkpoint_meta {
   std::string line;
   std::getline(in, line);  // the rest of the header line
   while (std::getline(in, line)) {
-    if (line.empty()) {
-      continue;
-    }
+    if (line.empty()) { continue; }
     auto const space = line.find(' ');
-    auto const key = line.substr(0, space);
-    if (fields.contains(key)) {
-      throw bad("'" + key + "' appears twice");
-    }
+    auto const key   = line.substr(0, space);
+    if (fields.contains(key)) { throw bad("'" + key + "' appears twice"); }
     fields[key] = space == std::string::npos ? std::string{} : line.substr(space + 1);
   }
   auto field = [&](char const* key) -> std::string const& {
     auto const it = fields.find(key);
-    if (it == fields.end()) {
-      throw bad(std::string{"no '"} + key + "' line");
-    }
+    if (it == fields.end()) { throw bad(std::string{"no '"} + key + "' line"); }
     return it->second;
   };
   auto number = [&](char const* key, auto& to) {
     std::istringstream v{field(key)};
     std::string rest;
-    if (!(v >> to) || (v >> rest)) {
-      throw bad(std::string{"'"} + key + "' is not a number");
-    }
+    if (!(v >> to) || (v >> rest)) { throw bad(std::string{"'"} + key + "' is not a number"); }
   };
   checkpoint_meta m;
   number("rows", m.rows);
@@ -113,9 +105,7 @@ struct checkpoint_meta {
     }
   }
   m.optimizer = field("optimizer");
-  if (m.optimizer.empty()) {
-    throw bad("no optimizer name");
-  }
+  if (m.optimizer.empty()) { throw bad("no optimizer name"); }
   m.optimizer_tag = field("optimizer_tag");
   number("states", m.states);
   int steps = 0;
@@ -137,9 +127,7 @@ inline void check_meta_fits(checkpoint_meta const& found, checkpoint_meta const&
                             std::string const& where) {
   std::string diff;
   auto differs = [&](char const* what, auto const& in_file, auto const& in_table) {
-    if (in_file == in_table) {
-      return;
-    }
+    if (in_file == in_table) { return; }
     std::ostringstream o;
     o << (diff.empty() ? "" : "; ") << what << " is '" << in_file << "' there, '" << in_table
       << "' here";
@@ -164,9 +152,7 @@ inline void check_meta_fits(checkpoint_meta const& found, checkpoint_meta const&
                                                            std::size_t row_bytes) {
   block_partition const plan{rows, world};
   std::vector<std::uint64_t> sizes;
-  for (int r = 0; r < world; ++r) {
-    sizes.push_back((plan.end(r) - plan.begin(r)) * row_bytes);
-  }
+  for (int r = 0; r < world; ++r) { sizes.push_back((plan.end(r) - plan.begin(r)) * row_bytes); }
   return sizes;
 }
 
@@ -195,14 +181,10 @@ inline void check_part_files(std::span<std::filesystem::path const> files,
 /// The whole text of @p file. @throw wm::io_error if it cannot be read
 [[nodiscard]] inline std::string read_text_file(std::filesystem::path const& file) {
   std::ifstream in{file, std::ios::binary};
-  if (!in) {
-    throw io_error{"cannot read '" + file.string() + "'"};
-  }
+  if (!in) { throw io_error{"cannot read '" + file.string() + "'"}; }
   std::ostringstream s;
   s << in.rdbuf();
-  if (in.bad()) {
-    throw io_error{"reading '" + file.string() + "' failed"};
-  }
+  if (in.bad()) { throw io_error{"reading '" + file.string() + "' failed"}; }
   return s.str();
 }
 

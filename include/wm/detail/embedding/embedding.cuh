@@ -21,8 +21,8 @@
 
 namespace wm {
 
-WM_HOST_DEVICE inline float embedding_init::value(std::size_t row, std::size_t col, std::size_t dim) const noexcept
-{
+WM_HOST_DEVICE inline float embedding_init::value(std::size_t row, std::size_t col,
+                                                  std::size_t dim) const noexcept {
   if (how == kind::zeros) { return 0.0f; }
   auto hash = [](std::uint64_t x) {
     x += 0x9e3779b97f4a7c15ull;
@@ -30,8 +30,8 @@ WM_HOST_DEVICE inline float embedding_init::value(std::size_t row, std::size_t c
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
   };
-  std::uint64_t const z  = hash(seed ^ hash(row * dim + col));
-  float const u1         = (static_cast<float>(z >> 40) + 1.0f) * (1.0f / 16777216.0f);  // (0, 1]
+  std::uint64_t const z = hash(seed ^ hash(row * dim + col));
+  float const u1        = (static_cast<float>(z >> 40) + 1.0f) * (1.0f / 16777216.0f);  // (0, 1]
   if (how == kind::uniform) { return a + (b - a) * u1; }
   float const u2 = static_cast<float>(hash(z) >> 40) * (1.0f / 16777216.0f);
   return a + b * sqrtf(-2.0f * logf(u1)) * cosf(6.2831853071795864f * u2);
@@ -51,19 +51,18 @@ struct embedding_scratch {
  * update sorts local rows as 32-bit keys: at most 2^32 - 1 rows per rank. Ranks first agree on
  * rows and dim, so the bound, computed from them and the rank count, fails on every rank or none.
  */
-[[nodiscard]] inline std::size_t embedding_rows(communicator& comm, std::size_t rows, std::size_t dim)
-{
+[[nodiscard]] inline std::size_t embedding_rows(communicator& comm, std::size_t rows,
+                                                std::size_t dim) {
   comm.expect_same("embedding", mix64(rows, dim));
   auto const world = static_cast<std::size_t>(comm.size());
   WM_EXPECTS(rows / world + (rows % world != 0 ? 1 : 0) <= std::size_t{0xffffffffu},
              "embedding: " + std::to_string(rows) + " rows over " + std::to_string(world) +
-               " ranks puts more than 2^32 - 1 rows on one rank; use more ranks");
+                 " ranks puts more than 2^32 - 1 rows on one rank; use more ranks");
   return rows;
 }
 
 template <class M>
-[[nodiscard]] local_rows_map local_map_of(communicator const& comm, std::size_t first_block_row)
-{
+[[nodiscard]] local_rows_map local_map_of(communicator const& comm, std::size_t first_block_row) {
   if constexpr (std::is_same_v<M, cyclic>) {
     return {static_cast<std::size_t>(comm.rank()), static_cast<std::size_t>(comm.size())};
   } else {
@@ -73,30 +72,33 @@ template <class M>
 
 }  // namespace detail
 
-#define WM_EMBEDDING_TEMPLATE                                                                         \
-  template <class T, cache_policy CachePolicy, optimizer_policy Optimizer, location Location, layout Layout, \
-            mapping Mapping>
+#define WM_EMBEDDING_TEMPLATE                                                                 \
+  template <class T, cache_policy CachePolicy, optimizer_policy Optimizer, location Location, \
+            layout Layout, mapping Mapping>
 #define WM_EMBEDDING embedding<T, CachePolicy, Optimizer, Location, Layout, Mapping>
 
 WM_EMBEDDING_TEMPLATE
-WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer, embedding_init init)
-  : comm_{&comm},
-    opt_{optimizer},
-    weights_{comm, detail::embedding_rows(comm, rows, dim), dim},
-    scratch_{std::make_unique<detail::embedding_scratch>(comm)}
-{
+WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer,
+                        embedding_init init)
+    : comm_{&comm},
+      opt_{optimizer},
+      weights_{comm, detail::embedding_rows(comm, rows, dim), dim},
+      scratch_{std::make_unique<detail::embedding_scratch>(comm)} {
   cudaStream_t const s = nullptr;
-  auto const map       = detail::local_map_of<Mapping>(comm, weights_.storage().local_entry_range().begin);
-  auto const w         = weights_.local_view();
+  auto const map =
+      detail::local_map_of<Mapping>(comm, weights_.storage().local_entry_range().begin);
+  auto const w = weights_.local_view();
   if (w.rows > 0) {
-    detail::init_rows_kernel<<<detail::elementwise_blocks(w.rows * w.cols), 256, 0, s>>>(w, init, map);
+    detail::init_rows_kernel<<<detail::elementwise_blocks(w.rows * w.cols), 256, 0, s>>>(w, init,
+                                                                                         map);
     WM_CHECK_LAUNCH();
   }
   if constexpr (Optimizer::states > 0) {
     states_.emplace(comm, rows, static_cast<std::size_t>(Optimizer::states) * dim);
     auto const v = states_->local_view();
     if (v.rows > 0) {
-      detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows * v.cols), 256, 0, s>>>(v, opt_.initial_state());
+      detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows * v.cols), 256, 0, s>>>(
+          v, opt_.initial_state());
       WM_CHECK_LAUNCH();
     }
   }
@@ -112,8 +114,7 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
 WM_EMBEDDING_TEMPLATE
 WM_EMBEDDING::embedding(embedding&&) noexcept = default;
 WM_EMBEDDING_TEMPLATE
-WM_EMBEDDING& WM_EMBEDDING::operator=(embedding&& other) noexcept
-{
+WM_EMBEDDING& WM_EMBEDDING::operator=(embedding&& other) noexcept {
   if (this == &other) { return *this; }
   // This table's async updates end, and their scratch goes, before its tensors are freed.
   if (scratch_) { (void)scratch_->plan.drain(); }
@@ -129,24 +130,23 @@ WM_EMBEDDING& WM_EMBEDDING::operator=(embedding&& other) noexcept
 }
 
 WM_EMBEDDING_TEMPLATE
-WM_EMBEDDING::~embedding()
-{
+WM_EMBEDDING::~embedding() {
   // The scratch (declared last) goes first; it waits for the updates with the deadline.
   if (scratch_) { (void)scratch_->plan.drain(); }
 }
 
 WM_EMBEDDING_TEMPLATE
 template <index_type Index>
-void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grads, float lr, cuda::stream_ref stream)
-  requires sparse_optimizer<Optimizer>
-{
+void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grads, float lr,
+                                   cuda::stream_ref stream) requires sparse_optimizer<Optimizer> {
   auto& comm           = *comm_;
   cudaStream_t const s = stream.get();
   std::size_t const n  = indices.size();
   bool const one_rank  = comm.size() == 1;
   // Several ranks: a null pointer is this rank's fault, which the count exchange reports to all.
   if (one_rank) {
-    WM_EXPECTS(n == 0 || (indices.data() != nullptr && grads != nullptr), "apply_gradients: null indices or gradients");
+    WM_EXPECTS(n == 0 || (indices.data() != nullptr && grads != nullptr),
+               "apply_gradients: null indices or gradients");
   }
   detail::scratch_use const use{scratch_->plan, s};  // its workspaces, after the last call's
   std::size_t const rb       = dim() * sizeof(T);
@@ -162,12 +162,15 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   T const* g        = grads;
   std::size_t m     = n;
   if (one_rank) {
-    WM_EXPECTS(n < too_many, "apply_gradients: " + std::to_string(n) + " gradient rows in one call; split the batch below 2^31");
+    WM_EXPECTS(n < too_many, "apply_gradients: " + std::to_string(n) +
+                                 " gradient rows in one call; split the batch below 2^31");
   } else {
     detail::exchange_call const call{detail::exchange_op::apply, rb,
-                                     n > 0 && grads == nullptr ? detail::exchange_fault::null_pointer
-                                                               : detail::exchange_fault::none};
-    auto const p = detail::plan_exchange(comm, weights_.device_mapping(), indices.data(), n, scratch_->plan, s, call);
+                                     n > 0 && grads == nullptr
+                                         ? detail::exchange_fault::null_pointer
+                                         : detail::exchange_fault::none};
+    auto const p = detail::plan_exchange(comm, weights_.device_mapping(), indices.data(), n,
+                                         scratch_->plan, s, call);
     // Both batch checks from the count words, alike on every rank (a rank that threw alone
     // would leave the others waiting in the exchange below).
     std::uint64_t valid = 0;
@@ -175,8 +178,8 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
       if (p.headers[r].invalid != 0) {
         WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
         throw logic_error{"wm: apply_gradients: rank " + std::to_string(r) + " passed " +
-                          std::to_string(p.headers[r].invalid) + " index(es) outside [0, " + std::to_string(rows()) +
-                          "); nothing was updated"};
+                          std::to_string(p.headers[r].invalid) + " index(es) outside [0, " +
+                          std::to_string(rows()) + "); nothing was updated"};
       }
       valid += p.headers[r].batch;
     }
@@ -185,17 +188,18 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
       // only case that needs another round).
       auto const seen = comm.all_gather(static_cast<std::uint64_t>(p.n_recv));
       for (std::size_t r = 0; r < seen.size(); ++r) {
-        WM_EXPECTS(seen[r] < too_many, "apply_gradients: rank " + std::to_string(r) + " would receive " +
-                                         std::to_string(seen[r]) +
-                                         " gradient rows in one call (all ranks' batches together); split the "
-                                         "batches so that each owner receives fewer than 2^31");
+        WM_EXPECTS(seen[r] < too_many,
+                   "apply_gradients: rank " + std::to_string(r) + " would receive " +
+                       std::to_string(seen[r]) +
+                       " gradient rows in one call (all ranks' batches together); split the "
+                       "batches so that each owner receives fewer than 2^31");
       }
     }
-    auto const batch =
-      detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(grads), n, rb, scratch_->exchange, err, s);
-    keys = batch.keys;
-    g    = reinterpret_cast<T const*>(batch.rows);
-    m    = batch.n;
+    auto const batch = detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(grads), n,
+                                              rb, scratch_->exchange, err, s);
+    keys             = batch.keys;
+    g                = reinterpret_cast<T const*>(batch.rows);
+    m                = batch.n;
   }
 
   // 2. Owner side: sort (key, position) stably on the bits of the local row count, find the
@@ -205,20 +209,23 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
     if (states_) { st = states_->local_view(); }
     std::int64_t* steps = nullptr;
     if (opt_.needs_steps()) { steps = steps_->local_view().data; }
-    detail::update_owner_rows(opt_, local, st, steps, step, keys, g, m, one_rank ? rows() : local.rows, lr, err,
-                              scratch_->owner, s);
+    detail::update_owner_rows(opt_, local, st, steps, step, keys, g, m,
+                              one_rank ? rows() : local.rows, lr, err, scratch_->owner, s);
   }
   // 3. One rank: a bad key stopped the update kernels; say so. Several: checked before sending.
-  WM_CUDA_TRY(cudaMemcpyAsync(scratch_->plan.err_host.data(), err, sizeof(unsigned), cudaMemcpyDeviceToHost, s));
+  WM_CUDA_TRY(cudaMemcpyAsync(scratch_->plan.err_host.data(), err, sizeof(unsigned),
+                              cudaMemcpyDeviceToHost, s));
   if (one_rank) {
     WM_CUDA_TRY(cudaStreamSynchronize(s));
   } else {
-    comm.synchronize(cuda::stream_ref{s}, "apply_gradients");  // a peer that failed: an error, not a hang
+    comm.synchronize(cuda::stream_ref{s},
+                     "apply_gradients");  // a peer that failed: an error, not a hang
   }
   if (*scratch_->plan.err_host.data() != 0) {
     WM_CUDA_TRY(cudaMemsetAsync(err, 0, sizeof(unsigned), s));
     WM_CUDA_TRY(cudaStreamSynchronize(s));
-    throw logic_error{"wm: apply_gradients: an index was outside [0, " + std::to_string(rows()) + "); nothing was updated"};
+    throw logic_error{"wm: apply_gradients: an index was outside [0, " + std::to_string(rows()) +
+                      "); nothing was updated"};
   }
   global_step_ = step;
   // Mapped layouts: peers read this rank's rows directly in their next gather; they must not

@@ -18,13 +18,11 @@
 namespace wm::detail {
 
 template <class T>
-[[nodiscard]] __device__ inline float to_float(T x)
-{
+[[nodiscard]] __device__ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 template <class T>
-[[nodiscard]] __device__ inline T from_float(float x)
-{
+[[nodiscard]] __device__ inline T from_float(float x) {
   if constexpr (std::is_same_v<T, __half>) {
     return __float2half_rn(x);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -41,8 +39,7 @@ struct local_rows_map {
 };
 
 template <class T>
-__global__ void init_rows_kernel(matrix_view<T> w, embedding_init init, local_rows_map map)
-{
+__global__ void init_rows_kernel(matrix_view<T> w, embedding_init init, local_rows_map map) {
   std::size_t const n = w.rows * w.cols;
   for (std::size_t i = grid_thread(); i < n; i += grid_threads()) {
     std::size_t const l = i / w.cols;
@@ -52,8 +49,7 @@ __global__ void init_rows_kernel(matrix_view<T> w, embedding_init init, local_ro
 }
 
 template <class T>
-__global__ void fill_rows_kernel(matrix_view<T> v, T value)
-{
+__global__ void fill_rows_kernel(matrix_view<T> v, T value) {
   std::size_t const n = v.rows * v.cols;
   for (std::size_t i = grid_thread(); i < n; i += grid_threads()) {
     v(i / v.cols, i % v.cols) = value;
@@ -83,8 +79,7 @@ struct runs_view {
   int const* offsets;
   int const* count;  // device
   int m;
-  [[nodiscard]] __device__ int end(int u, int runs) const
-  {
+  [[nodiscard]] __device__ int end(int u, int runs) const {
     return u + 1 < runs ? offsets[u + 1] : m;
   }
 };
@@ -107,8 +102,7 @@ struct alignas(16) run_desc {
 /// list does not matter). A template only so that every translation unit may define it.
 template <class Runs>
 __global__ void describe_runs_kernel(long_runs lr, Runs rv, std::uint32_t const* sorted_keys,
-                                     int const* sorted_pos, run_desc* desc)
-{
+                                     int const* sorted_pos, run_desc* desc) {
   int const runs     = *rv.count;
   int const* offsets = rv.offsets;
   for (int u = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); u < runs;
@@ -131,8 +125,7 @@ __global__ void describe_runs_kernel(long_runs lr, Runs rv, std::uint32_t const*
 template <class T, int V>
 __global__ void __launch_bounds__(256)
     sum_segments_kernel(long_runs lr, int const* sorted_pos, T const* grads, std::size_t dim,
-                        int group)
-{
+                        int group) {
   __shared__ float part[256 * V];
   int const lane = static_cast<int>(threadIdx.x) % group;
   int const r    = static_cast<int>(threadIdx.x) / group;
@@ -184,8 +177,7 @@ __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
     update_rows_kernel(Opt opt, matrix_view<T> w, matrix_view<float> st, std::int64_t* steps,
                        std::int64_t global_step, run_desc const* desc, int const* run_count,
                        int const* sorted_pos, T const* grads, long_runs lr, float lr_rate,
-                       int group, unsigned const* abort)
-{
+                       int group, unsigned const* abort) {
   if (*abort != 0) { return; }
   constexpr int S = Opt::states > 0 ? Opt::states : 1;
   // Rows per group in flight: two for stateless SGD; one where state rows fill the registers
@@ -318,8 +310,7 @@ struct update_launch {
   int blocks;
   unsigned const* abort;
   template <int V>
-  void run(cudaStream_t s) const
-  {
+  void run(cudaStream_t s) const {
     int const sms = sm_count();
     sum_segments_kernel<T, V><<<sms * 4, 256, 0, s>>>(longs, sorted_pos, grads, w.cols, group);
     WM_CHECK_LAUNCH();
@@ -342,8 +333,7 @@ struct update_launch {
 /// 0..n-1; sets *err if a key is negative or not below @p rows (its 32-bit key is then 0).
 template <class Index>
 __global__ void positions_kernel(Index const* keys, std::size_t n, std::size_t rows,
-                                 std::uint32_t* keys32, int* pos, unsigned* err)
-{
+                                 std::uint32_t* keys32, int* pos, unsigned* err) {
   for (std::size_t j = grid_thread(); j < n; j += grid_threads()) {
     Index const k = keys[j];
     bool const ok = valid_index(k, rows);

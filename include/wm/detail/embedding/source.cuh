@@ -17,14 +17,13 @@ template <class CachePolicy>
 struct row_source {
   /// The gather's read path: `out[i, :] = table[indices[i], :]`.
   template <class Table, class Index, class T>
-  static void gather(Table& table, std::span<Index const> indices, T* out, cuda::stream_ref stream)
-  {
+  static void gather(Table& table, std::span<Index const> indices, T* out,
+                     cuda::stream_ref stream) {
     table.gather(indices, out, stream);
   }
   /// The rows the owner-side update reads and writes (this rank's local rows).
   template <class T>
-  [[nodiscard]] static matrix_view<T> update_rows(matrix_view<T> local) noexcept
-  {
+  [[nodiscard]] static matrix_view<T> update_rows(matrix_view<T> local) noexcept {
     return local;
   }
 };

@@ -28,8 +28,7 @@ template <class T, class Opt, class Index>
 void update_owner_rows(Opt const& opt, matrix_view<T> local, matrix_view<float> st,
                        std::int64_t* steps, std::int64_t step, Index const* keys, T const* g,
                        std::size_t m, std::size_t key_rows, float lr, unsigned* err, workspace& ws,
-                       cudaStream_t s)
-{
+                       cudaStream_t s) {
   if (m == 0) { return; }
   std::size_t const dim = local.cols;
   int const mi          = static_cast<int>(m);

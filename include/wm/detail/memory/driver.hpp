@@ -26,8 +26,7 @@ struct driver_api {
   decltype(&::cuGetErrorName) error_name{};
 
   /// Loads the entry points once. @throw wm::cuda_error if the driver lacks one
-  [[nodiscard]] static driver_api const& get()
-  {
+  [[nodiscard]] static driver_api const& get() {
     static driver_api const api = [] {
       driver_api a;
       load(a.mem_create, "cuMemCreate");
@@ -48,9 +47,8 @@ struct driver_api {
 
  private:
   template <class F>
-  static void load(F& fn, char const* name)
-  {
-    void* p                                 = nullptr;
+  static void load(F& fn, char const* name) {
+    void* p = nullptr;
     cudaDriverEntryPointQueryResult status{};
     WM_CUDA_TRY(cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &status));
     if (status != cudaDriverEntryPointSuccess || p == nullptr) {
@@ -61,22 +59,21 @@ struct driver_api {
   }
 };
 
-[[noreturn]] inline void throw_cu_error(char const* file, int line, char const* call, CUresult r)
-{
+[[noreturn]] inline void throw_cu_error(char const* file, int line, char const* call, CUresult r) {
   char const* name = nullptr;
   if (driver_api::get().error_name(r, &name) != CUDA_SUCCESS || name == nullptr) { name = "?"; }
-  throw cuda_error{"wm: CUDA driver error " + std::string{name} + " in `" + call + "` at " +
-                     where(file, line),
-                   static_cast<int>(r)};
+  throw cuda_error{
+      "wm: CUDA driver error " + std::string{name} + " in `" + call + "` at " + where(file, line),
+      static_cast<int>(r)};
 }
 
 }  // namespace wm::detail
 
 /// Runs a CUDA driver call (through wm::detail::driver_api) and throws wm::cuda_error on failure.
-#define WM_CU_TRY(call)                                                              \
-  do {                                                                               \
-    CUresult const wm_cu_status_ = (call);                                           \
-    if (wm_cu_status_ != CUDA_SUCCESS) {                                             \
-      ::wm::detail::throw_cu_error(__FILE__, __LINE__, #call, wm_cu_status_);        \
-    }                                                                                \
+#define WM_CU_TRY(call)                                                       \
+  do {                                                                        \
+    CUresult const wm_cu_status_ = (call);                                    \
+    if (wm_cu_status_ != CUDA_SUCCESS) {                                      \
+      ::wm::detail::throw_cu_error(__FILE__, __LINE__, #call, wm_cu_status_); \
+    }                                                                         \
   } while (0)

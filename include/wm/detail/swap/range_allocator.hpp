@@ -23,9 +23,7 @@ class range_allocator {
     WM_EXPECTS(alignment != 0 && (alignment & (alignment - 1)) == 0,
                "range_allocator: the alignment must be a power of two");
     capacity_ = capacity / alignment * alignment;
-    if (capacity_ != 0) {
-      free_.emplace(0, capacity_);
-    }
+    if (capacity_ != 0) { free_.emplace(0, capacity_); }
   }
 
   /// Offset of @p bytes (rounded up to the alignment; 0 counts as one unit), or npos if no free
@@ -35,16 +33,12 @@ class range_allocator {
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second >= size) {
         std::size_t const offset = it->first;
-        std::size_t const rest = it->second - size;
+        std::size_t const rest   = it->second - size;
         free_.erase(it);
-        if (rest != 0) {
-          free_.emplace(offset + size, rest);
-        }
+        if (rest != 0) { free_.emplace(offset + size, rest); }
         used_.emplace(offset, size);
         in_use_ += size;
-        if (in_use_ > peak_) {
-          peak_ = in_use_;
-        }
+        if (in_use_ > peak_) { peak_ = in_use_; }
         return offset;
       }
     }
@@ -56,7 +50,7 @@ class range_allocator {
     auto const u = used_.find(offset);
     WM_EXPECTS(u != used_.end(), "range_allocator: free of an offset that is not allocated");
     std::size_t begin = offset;
-    std::size_t size = u->second;
+    std::size_t size  = u->second;
     in_use_ -= size;
     used_.erase(u);
     auto next = free_.lower_bound(begin);
@@ -93,9 +87,7 @@ class range_allocator {
   /// The largest range allocate() could hand out now.
   [[nodiscard]] std::size_t largest_free() const noexcept {
     std::size_t m = 0;
-    for (auto const& [o, s] : free_) {
-      m = s > m ? s : m;
-    }
+    for (auto const& [o, s] : free_) { m = s > m ? s : m; }
     return m;
   }
 

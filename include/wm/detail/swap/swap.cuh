@@ -83,12 +83,10 @@ class swap_core {
     WM_EXPECTS(options.host_bytes > 0, "swap_scope: the host slab must have a positive size");
     WM_EXPECTS(options.max_in_flight >= 1, "swap_scope: max_in_flight must be at least 1");
     WM_EXPECTS(options.timeout.count() > 0, "swap_scope: the timeout must be positive");
-    if (options_.device < 0) {
-      WM_CUDA_TRY(cudaGetDevice(&options_.device));
-    }
+    if (options_.device < 0) { WM_CUDA_TRY(cudaGetDevice(&options_.device)); }
     try {
       WM_CUDA_TRY(cudaSetDevice(options_.device));
-      dev_alloc_ = range_allocator{options.device_budget, alignment};
+      dev_alloc_  = range_allocator{options.device_budget, alignment};
       host_alloc_ = range_allocator{options.host_bytes, alignment};
       WM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&pool_), dev_alloc_.capacity() + alignment));
       ++device_allocations_;
@@ -102,13 +100,13 @@ class swap_core {
         sync_free_.push_back(create_event(false));
       }
       transfer_queue_options q;
-      q.max_in_flight = options.max_in_flight;
-      q.coalesce_below = options.coalesce_below;
-      q.coalesce_limit = options.coalesce_limit;
-      out_q_ = std::make_unique<transfer_queue<copier>>(out_copier_, q);
-      q.lookahead_bytes = options.prefetch_lookahead;
+      q.max_in_flight         = options.max_in_flight;
+      q.coalesce_below        = options.coalesce_below;
+      q.coalesce_limit        = options.coalesce_limit;
+      out_q_                  = std::make_unique<transfer_queue<copier>>(out_copier_, q);
+      q.lookahead_bytes       = options.prefetch_lookahead;
       q.release_on_completion = false;
-      in_q_ = std::make_unique<transfer_queue<copier>>(in_copier_, q);
+      in_q_                   = std::make_unique<transfer_queue<copier>>(in_copier_, q);
       out_q_->start();  // page-outs go as they come; prefetches wait for prefetch_all()
     } catch (...) {
       destroy();
@@ -116,7 +114,7 @@ class swap_core {
     }
   }
 
-  swap_core(swap_core const&) = delete;
+  swap_core(swap_core const&)            = delete;
   swap_core& operator=(swap_core const&) = delete;
   ~swap_core() { destroy(); }
 
@@ -126,30 +124,27 @@ class swap_core {
 
   std::uint64_t allocate(std::size_t bytes, cudaStream_t stream) {
     std::unique_lock lock{mutex_};
-    std::size_t const dev = allocate_device(bytes, lock, stream);
+    std::size_t const dev  = allocate_device(bytes, lock, stream);
     std::uint64_t const id = next_id_++;
-    record& r = records_[id];
-    r.bytes = bytes;
-    r.dev = dev;
-    r.last = stream;
+    record& r              = records_[id];
+    r.bytes                = bytes;
+    r.dev                  = dev;
+    r.last                 = stream;
     return id;
   }
 
   void* data(std::uint64_t id, cudaStream_t stream, bool pin) {
     std::unique_lock lock{mutex_};
     record& r = at(id);
-    r.last = stream;
+    r.last    = stream;
     used(r);
     switch (r.st) {
-      case state::resident:
-        break;
-      case state::out_queued:
-        cancel_queued_pageout(id, r);
-        break;
+      case state::resident: break;
+      case state::out_queued: cancel_queued_pageout(id, r); break;
       case state::out_issued:
         if (r.dev == npos) {  // its block went to another buffer: page in after the page-out
           r.after = r.copy;
-          r.st = state::in_queued;
+          r.st    = state::in_queued;
           WM_EXPECTS(in_q_->enqueue_front(transfer_task{id, r.bytes}),
                      "swappable::data: the page-in queue is locked (wait_prefetches in progress)");
           wait_issued(r, stream, lock);
@@ -176,23 +171,17 @@ class swap_core {
         }
         wait_issued(r, stream, lock);
         break;
-      case state::in_issued:
-        consumer_wait(stream, r.copy);
-        break;
+      case state::in_issued: consumer_wait(stream, r.copy); break;
     }
-    if (pin) {
-      ++r.pins;
-    }
+    if (pin) { ++r.pins; }
     return pool_ + r.dev;
   }
 
   bool pageout(std::uint64_t id, cudaStream_t stream) {
     std::unique_lock lock{mutex_};
     record& r = at(id);
-    r.last = stream;
-    if (r.pins > 0) {
-      return false;
-    }
+    r.last    = stream;
+    if (r.pins > 0) { return false; }
     used(r);
     switch (r.st) {
       case state::in_issued:
@@ -202,10 +191,10 @@ class swap_core {
         cudaEvent_t ev = take_event(false);
         WM_CUDA_TRY(cudaEventRecord(ev, stream));
         state const before = r.st;
-        r.producer = ev;
-        r.st = state::out_queued;
+        r.producer         = ev;
+        r.st               = state::out_queued;
         if (!out_q_->enqueue(transfer_task{id, r.bytes})) {
-          r.st = before;
+          r.st       = before;
           r.producer = nullptr;
           give_event(ev, false);
           return false;
@@ -225,8 +214,7 @@ class swap_core {
         r.st = state::host;
         return false;
       case state::out_queued:
-      case state::host:
-        return false;
+      case state::host: return false;
     }
     return false;
   }
@@ -237,30 +225,23 @@ class swap_core {
     switch (r.st) {
       case state::host:
         r.st = state::in_queued;
-        if (!in_q_->enqueue(transfer_task{id, r.bytes})) {
-          r.st = state::host;
-        }
+        if (!in_q_->enqueue(transfer_task{id, r.bytes})) { r.st = state::host; }
         break;
-      case state::out_queued:
-        cancel_queued_pageout(id, r);
-        break;
+      case state::out_queued: cancel_queued_pageout(id, r); break;
       case state::out_issued:
         if (r.dev == npos) {  // its block went to another buffer: page in after the page-out
           r.after = r.copy;
-          r.st = state::in_queued;
+          r.st    = state::in_queued;
           if (!in_q_->enqueue(transfer_task{id, r.bytes})) {
-            r.st = state::out_issued;
+            r.st    = state::out_issued;
             r.after = nullptr;
           }
           break;
         }
-        if (!r.cancel_free) {
-          ++stats_.pageouts_cancelled;
-        }
+        if (!r.cancel_free) { ++stats_.pageouts_cancelled; }
         r.cancel_free = true;
         break;
-      default:
-        break;
+      default: break;
     }
   }
 
@@ -289,10 +270,8 @@ class swap_core {
     try {
       std::unique_lock lock{mutex_};
       auto const it = records_.find(id);
-      if (it == records_.end()) {
-        return;
-      }
-      record& r = it->second;
+      if (it == records_.end()) { return; }
+      record& r   = it->second;
       r.destroyed = true;
       used(r);
       if (r.st == state::in_issued) {  // r.last may be the legacy stream 0: still a stream
@@ -303,29 +282,20 @@ class swap_core {
         WM_CUDA_TRY(cudaEventRecord(r.release, r.last));
       }
       switch (r.st) {
-        case state::out_queued:
-          out_q_->erase(id);
-          [[fallthrough]];
+        case state::out_queued: out_q_->erase(id); [[fallthrough]];
         case state::resident:
-          if (r.producer != nullptr) {
-            give_event(r.producer, false);
-          }
+          if (r.producer != nullptr) { give_event(r.producer, false); }
           free_device(r);
           free_host(r);
           records_.erase(it);
           break;
-        case state::in_queued:
-          in_q_->erase(id);
-          [[fallthrough]];
+        case state::in_queued: in_q_->erase(id); [[fallthrough]];
         case state::host:
           free_host(r);
           records_.erase(it);
           break;
-        case state::in_issued:
-          free_device(r);
-          break;  // host slot: when the copy is done
-        case state::out_issued:
-          break;  // both: when the copy is done
+        case state::in_issued: free_device(r); break;  // host slot: when the copy is done
+        case state::out_issued: break;                 // both: when the copy is done
       }
       cv_.notify_all();
     } catch (...) {
@@ -344,13 +314,13 @@ class swap_core {
   [[nodiscard]] swap_statistics statistics() {
     std::lock_guard lock{mutex_};
     collect_waits();
-    swap_statistics s = stats_;
-    s.resident_bytes = dev_alloc_.in_use();
+    swap_statistics s     = stats_;
+    s.resident_bytes      = dev_alloc_.in_use();
     s.peak_resident_bytes = dev_alloc_.peak();
-    s.host_bytes_in_use = host_alloc_.in_use();
-    s.device_allocations = device_allocations_;
-    s.pinned_allocations = pinned_allocations_;
-    s.events_created = events_created_;
+    s.host_bytes_in_use   = host_alloc_.in_use();
+    s.device_allocations  = device_allocations_;
+    s.pinned_allocations  = pinned_allocations_;
+    s.events_created      = events_created_;
     return s;
   }
 
@@ -389,12 +359,10 @@ class swap_core {
         continue;
       }
       if (out) {
-        if (r.host == npos) {
-          r.host = host_alloc_.allocate(r.bytes);
-        }
+        if (r.host == npos) { r.host = host_alloc_.allocate(r.bytes); }
         if (r.host == npos) {
           x.admission = transfer_admission::defer;
-          deferring = true;
+          deferring   = true;
           continue;
         }
         WM_CUDA_TRY(cudaStreamWaitEvent(s, r.producer, 0));
@@ -407,9 +375,9 @@ class swap_core {
           r.dev = dev_alloc_.allocate(r.bytes);
         }
         if (r.dev == npos) {
-          r.deferred = true;
+          r.deferred  = true;
           x.admission = transfer_admission::defer;
-          deferring = true;
+          deferring   = true;
           continue;
         }
         if (r.after != nullptr) {  // its page-out is still running (its block went elsewhere)
@@ -420,16 +388,14 @@ class swap_core {
       x.admission = transfer_admission::start;
       t.ids.push_back(x.id);
     }
-    if (t.ids.empty()) {
-      return std::nullopt;
-    }
+    if (t.ids.empty()) { return std::nullopt; }
     t.start = take_event(true);
-    t.end = take_event(true);
+    t.end   = take_event(true);
     WM_CUDA_TRY(cudaEventRecord(t.start, s));
     // Neighbours in both memories travel as one copy.
     std::uint64_t& copies = out ? stats_.copies_out : stats_.copies_in;
     for (std::size_t i = 0; i < pieces.size();) {
-      std::size_t j = i + 1;
+      std::size_t j     = i + 1;
       std::size_t bytes = pieces[i].bytes;
       while (j < pieces.size() && pieces[j].dst == pieces[i].dst + bytes &&
              pieces[j].src == pieces[i].src + bytes) {
@@ -443,14 +409,10 @@ class swap_core {
     }
     WM_CUDA_TRY(cudaEventRecord(t.end, s));
     for (auto const& x : batch) {
-      if (x.admission != transfer_admission::start) {
-        continue;
-      }
+      if (x.admission != transfer_admission::start) { continue; }
       record& r = records_.at(x.id);
-      r.st = out ? state::out_issued : state::in_issued;
-      if (out) {
-        r.out_seq = ++out_seq_;
-      }
+      r.st      = out ? state::out_issued : state::in_issued;
+      if (out) { r.out_seq = ++out_seq_; }
       r.copy = t.end;
       if (!out) {
         r.prefetched = !x.passive;
@@ -475,32 +437,24 @@ class swap_core {
       }
       for (std::uint64_t id : t.ids) {
         auto const it = records_.find(id);
-        if (it == records_.end()) {
-          continue;
-        }
+        if (it == records_.end()) { continue; }
         record& r = it->second;
-        if (r.copy == t.end) {
-          r.copy = nullptr;
-        }
+        if (r.copy == t.end) { r.copy = nullptr; }
         if (out) {
           stats_.bytes_out += r.bytes;
           ++stats_.pageouts;
-          if (r.after == t.end) {
-            r.after = nullptr;
-          }
+          if (r.after == t.end) { r.after = nullptr; }
           if (r.st != state::out_issued) {  // its block was taken and a page-in followed
             continue;
           }
           if (r.destroyed) {
-            if (r.producer != nullptr) {
-              give_event(r.producer, false);
-            }
+            if (r.producer != nullptr) { give_event(r.producer, false); }
             free_device(r);
             free_host(r);
             records_.erase(it);
           } else if (r.cancel_free) {
             r.cancel_free = false;
-            r.st = state::resident;
+            r.st          = state::resident;
             if (r.producer != nullptr) {  // paged out again after it was wanted: go again
               r.st = state::out_queued;
               if (!out_q_->requeue(transfer_task{id, r.bytes})) {
@@ -510,11 +464,9 @@ class swap_core {
               }
             }
           } else {
-            if (r.dev != npos) {
-              dev_alloc_.free(r.dev);
-            }
+            if (r.dev != npos) { dev_alloc_.free(r.dev); }
             r.dev = npos;
-            r.st = state::host;
+            r.st  = state::host;
           }
         } else {
           stats_.bytes_in += r.bytes;
@@ -532,9 +484,7 @@ class swap_core {
       collect_waits();
       cv_.notify_all();
     }
-    if (out) {
-      in_q_->notify();
-    }  // room in the pool for deferred page-ins
+    if (out) { in_q_->notify(); }  // room in the pool for deferred page-ins
   }
 
  private:
@@ -568,17 +518,11 @@ class swap_core {
         cv_.wait_until(lock, t0 + options_.timeout, [&] { return r.st != state::in_queued; });
     stats_.host_wait_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (r.deferred) {
-      ++stats_.host_blocking_syncs;
-    }  // it waited for page-outs to finish
+    if (r.deferred) { ++stats_.host_blocking_syncs; }  // it waited for page-outs to finish
     r.deferred = false;
-    if (!issued) {
-      throw_timeout("a page-in to be issued");
-    }
+    if (!issued) { throw_timeout("a page-in to be issued"); }
     used(r);
-    if (r.st == state::in_issued) {
-      consumer_wait(stream, r.copy);
-    }
+    if (r.st == state::in_issued) { consumer_wait(stream, r.copy); }
   }
 
   void cancel_queued_pageout(std::uint64_t id, record& r) {
@@ -593,9 +537,7 @@ class swap_core {
 
   // @p stream waits for @p ev; the time it waited is measured by two events around the wait.
   void consumer_wait(cudaStream_t stream, cudaEvent_t ev) {
-    if (ev == nullptr) {
-      return;
-    }
+    if (ev == nullptr) { return; }
     cudaEvent_t const a = take_event(true);
     cudaEvent_t const b = take_event(true);
     WM_CUDA_TRY(cudaEventRecord(a, stream));
@@ -623,9 +565,7 @@ class swap_core {
 
   // Device memory of a dropped buffer: free now, or after its release event.
   void free_device(record& r) {
-    if (r.dev == npos) {
-      return;
-    }
+    if (r.dev == npos) { return; }
     if (r.release != nullptr) {
       pending_frees_.push_back(pending_free{r.release, r.dev, r.last});
       r.release = nullptr;
@@ -661,10 +601,10 @@ class swap_core {
   // in flight (@p stream waits for that copy); else the host waits for page-outs and releases.
   std::size_t allocate_device(std::size_t bytes, std::unique_lock<std::mutex>& lock,
                               cudaStream_t stream) {
-    auto const t0 = std::chrono::steady_clock::now();
-    auto const deadline = t0 + options_.timeout;
+    auto const t0          = std::chrono::steady_clock::now();
+    auto const deadline    = t0 + options_.timeout;
     std::size_t const size = dev_alloc_.round(bytes);
-    auto const fits = [&](std::size_t off) {
+    auto const fits        = [&](std::size_t off) {
       std::size_t const have = dev_alloc_.size_of(off);
       return have >= size && have <= 2 * size;
     };
@@ -693,7 +633,7 @@ class swap_core {
         }
         if (oldest != nullptr) {
           consumer_wait(stream, oldest->copy);
-          off = oldest->dev;
+          off         = oldest->dev;
           oldest->dev = npos;
           ++stats_.blocks_reused;
         }
@@ -734,9 +674,7 @@ class swap_core {
       stats_.host_wait_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
-    if (!ok) {
-      throw_timeout(what);
-    }
+    if (!ok) { throw_timeout(what); }
   }
 
   cudaEvent_t create_event(bool timing) {
@@ -748,9 +686,7 @@ class swap_core {
   }
   cudaEvent_t take_event(bool timing) {
     auto& free = timing ? timing_free_ : sync_free_;
-    if (free.empty()) {
-      return create_event(timing);
-    }
+    if (free.empty()) { return create_event(timing); }
     cudaEvent_t const ev = free.back();
     free.pop_back();
     return ev;
@@ -762,43 +698,21 @@ class swap_core {
   // Stops the workers (queued transfers dropped, copies in flight finished), waits for the GPU
   // work this scope issued, frees everything. Never throws.
   void destroy() noexcept {
-    if (out_q_) {
-      out_q_->close();
-    }
-    if (in_q_) {
-      in_q_->close();
-    }
-    for (auto const& [ev, off, stream] : pending_frees_) {
-      (void)cudaEventSynchronize(ev);
-    }
-    for (auto const& [a, b] : waits_) {
-      (void)cudaEventSynchronize(b);
-    }
-    if (out_stream_ != nullptr) {
-      (void)cudaStreamSynchronize(out_stream_);
-    }
-    if (in_stream_ != nullptr) {
-      (void)cudaStreamSynchronize(in_stream_);
-    }
-    for (cudaEvent_t ev : all_events_) {
-      (void)cudaEventDestroy(ev);
-    }
+    if (out_q_) { out_q_->close(); }
+    if (in_q_) { in_q_->close(); }
+    for (auto const& [ev, off, stream] : pending_frees_) { (void)cudaEventSynchronize(ev); }
+    for (auto const& [a, b] : waits_) { (void)cudaEventSynchronize(b); }
+    if (out_stream_ != nullptr) { (void)cudaStreamSynchronize(out_stream_); }
+    if (in_stream_ != nullptr) { (void)cudaStreamSynchronize(in_stream_); }
+    for (cudaEvent_t ev : all_events_) { (void)cudaEventDestroy(ev); }
     all_events_.clear();
-    if (out_stream_ != nullptr) {
-      (void)cudaStreamDestroy(out_stream_);
-    }
-    if (in_stream_ != nullptr) {
-      (void)cudaStreamDestroy(in_stream_);
-    }
-    if (pool_ != nullptr) {
-      (void)cudaFree(pool_);
-    }
-    if (slab_ != nullptr) {
-      (void)cudaFreeHost(slab_);
-    }
+    if (out_stream_ != nullptr) { (void)cudaStreamDestroy(out_stream_); }
+    if (in_stream_ != nullptr) { (void)cudaStreamDestroy(in_stream_); }
+    if (pool_ != nullptr) { (void)cudaFree(pool_); }
+    if (slab_ != nullptr) { (void)cudaFreeHost(slab_); }
     out_stream_ = in_stream_ = nullptr;
-    pool_ = nullptr;
-    slab_ = nullptr;
+    pool_                    = nullptr;
+    slab_                    = nullptr;
   }
 
   swap_options options_;
@@ -881,8 +795,8 @@ template <class T>
 swappable<T>& swappable<T>::operator=(swappable&& other) noexcept {
   if (this != &other) {
     reset();
-    core_ = std::exchange(other.core_, nullptr);
-    id_ = other.id_;
+    core_  = std::exchange(other.core_, nullptr);
+    id_    = other.id_;
     count_ = std::exchange(other.count_, 0);
   }
   return *this;
@@ -895,10 +809,8 @@ swappable<T>::~swappable() {
 
 template <class T>
 void swappable<T>::reset() noexcept {
-  if (core_ != nullptr) {
-    core_->release(id_);
-  }
-  core_ = nullptr;
+  if (core_ != nullptr) { core_->release(id_); }
+  core_  = nullptr;
   count_ = 0;
 }
 

@@ -24,10 +24,8 @@ template <transfer_copier Copier>
 bool transfer_queue<Copier>::enqueue(transfer_task t) {
   {
     std::lock_guard lock{mutex_};
-    if (locked_ || closing_) {
-      return false;
-    }
-    t.passive = false;
+    if (locked_ || closing_) { return false; }
+    t.passive   = false;
     t.admission = transfer_admission::start;
     tasks_.push_back(t);
     blocked_ = false;
@@ -40,10 +38,8 @@ template <transfer_copier Copier>
 bool transfer_queue<Copier>::requeue(transfer_task t) {
   {
     std::lock_guard lock{mutex_};
-    if (closing_) {
-      return false;
-    }
-    t.passive = false;
+    if (closing_) { return false; }
+    t.passive   = false;
     t.admission = transfer_admission::start;
     tasks_.push_back(t);
     blocked_ = false;
@@ -56,10 +52,8 @@ template <transfer_copier Copier>
 bool transfer_queue<Copier>::enqueue_front(transfer_task t) {
   {
     std::lock_guard lock{mutex_};
-    if (locked_ || closing_) {
-      return false;
-    }
-    t.passive = true;
+    if (locked_ || closing_) { return false; }
+    t.passive   = true;
     t.admission = transfer_admission::start;
     tasks_.push_front(t);
     blocked_ = false;
@@ -80,9 +74,7 @@ bool transfer_queue<Copier>::erase(std::uint64_t id) {
       found = true;
     }
   }
-  if (found) {
-    done_.notify_all();
-  }
+  if (found) { done_.notify_all(); }
   return found;
 }
 
@@ -91,14 +83,10 @@ std::optional<transfer_task> transfer_queue<Copier>::dequeue() {
   std::optional<transfer_task> t;
   {
     std::lock_guard lock{mutex_};
-    if (tasks_.empty()) {
-      return std::nullopt;
-    }
+    if (tasks_.empty()) { return std::nullopt; }
     auto it = std::find_if(tasks_.begin(), tasks_.end(),
                            [](transfer_task const& x) { return x.passive; });
-    if (it == tasks_.end()) {
-      it = tasks_.begin();
-    }
+    if (it == tasks_.end()) { it = tasks_.begin(); }
     t = *it;
     tasks_.erase(it);
   }
@@ -110,7 +98,7 @@ template <transfer_copier Copier>
 void transfer_queue<Copier>::start() {
   {
     std::lock_guard lock{mutex_};
-    locked_ = false;
+    locked_  = false;
     started_ = true;
     blocked_ = false;
   }
@@ -120,7 +108,7 @@ void transfer_queue<Copier>::start() {
 template <transfer_copier Copier>
 void transfer_queue<Copier>::pause() {
   std::lock_guard lock{mutex_};
-  locked_ = false;
+  locked_  = false;
   started_ = false;
 }
 
@@ -138,7 +126,7 @@ template <transfer_copier Copier>
 bool transfer_queue<Copier>::drain(clock::time_point deadline, bool unlock_after) {
   std::unique_lock lock{mutex_};
   bool const was_locked = locked_;
-  locked_ = true;
+  locked_               = true;
   ++drains_;
   blocked_ = false;
   work_.notify_one();
@@ -160,18 +148,14 @@ template <transfer_copier Copier>
 void transfer_queue<Copier>::close() noexcept {
   {
     std::lock_guard lock{mutex_};
-    if (closing_ && !worker_.joinable()) {
-      return;
-    }
+    if (closing_ && !worker_.joinable()) { return; }
     closing_ = true;
-    locked_ = true;
+    locked_  = true;
     tasks_.clear();
   }
   work_.notify_one();
   done_.notify_all();
-  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) {
-    worker_.join();
-  }
+  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) { worker_.join(); }
 }
 
 template <transfer_copier Copier>
@@ -234,18 +218,14 @@ bool transfer_queue<Copier>::idle_locked() const {
 template <transfer_copier Copier>
 std::vector<transfer_task> transfer_queue<Copier>::pick_locked() {
   std::vector<transfer_task> batch;
-  if (tasks_.empty()) {
-    return batch;
-  }
+  if (tasks_.empty()) { return batch; }
   auto first =
       std::find_if(tasks_.begin(), tasks_.end(), [](transfer_task const& t) { return t.passive; });
   bool const passive = first != tasks_.end();
   if (!passive) {
     bool const may_go = (started_ || drains_ > 0) && !blocked_ && !closing_ &&
                         flights_.size() < static_cast<std::size_t>(options_.max_in_flight);
-    if (!may_go) {
-      return batch;
-    }
+    if (!may_go) { return batch; }
     first = tasks_.begin();
   } else if (blocked_) {
     return batch;
@@ -255,10 +235,8 @@ std::vector<transfer_task> transfer_queue<Copier>::pick_locked() {
            used + bytes <= options_.lookahead_bytes;
   };
   std::size_t used = lookahead_used_;
-  if (!fits_lookahead(used, first->bytes)) {
-    return batch;
-  }
-  auto last = first + 1;
+  if (!fits_lookahead(used, first->bytes)) { return batch; }
+  auto last         = first + 1;
   std::size_t total = first->bytes;
   used += passive ? 0 : first->bytes;
   if (first->bytes < options_.coalesce_below) {
@@ -300,9 +278,7 @@ void transfer_queue<Copier>::run() {
           copier_.complete(t);
         } catch (...) {
           std::lock_guard g{mutex_};
-          if (!error_) {
-            error_ = std::current_exception();
-          }
+          if (!error_) { error_ = std::current_exception(); }
         }
       }
       done.clear();
@@ -312,9 +288,7 @@ void transfer_queue<Copier>::run() {
       done_.notify_all();
       continue;
     }
-    if (closing_ && flights_.empty()) {
-      break;
-    }
+    if (closing_ && flights_.empty()) { break; }
 
     // 2. Submit the next batch, if one may go.
     auto batch = pick_locked();
@@ -325,22 +299,16 @@ void transfer_queue<Copier>::run() {
       std::exception_ptr failed;
       try {
         ticket = copier_.submit(std::span<transfer_task>{batch});
-      } catch (...) {
-        failed = std::current_exception();
-      }
+      } catch (...) { failed = std::current_exception(); }
       lock.lock();
       submitting_ -= batch.size();
       if (failed) {
-        if (!error_) {
-          error_ = failed;
-        }
+        if (!error_) { error_ = failed; }
       } else {
         std::size_t held = 0;
         for (auto it = batch.rbegin(); it != batch.rend(); ++it) {
           if (it->admission == transfer_admission::defer) {
-            if (!closing_) {
-              tasks_.push_front(*it);
-            }
+            if (!closing_) { tasks_.push_front(*it); }
             blocked_ = true;
           } else if (it->admission == transfer_admission::start && !it->passive) {
             held += it->bytes;

@@ -53,15 +53,13 @@ struct row_piece_buffers {
         host{host_rows.data()},
         dev{dev_rows.data()},
         idx{indices.data()},
-        stream{own.get()}
-  {}
+        stream{own.get()} {}
   /// Indices first .. first + n - 1 into idx.
   void number_rows(std::size_t first, std::size_t n) const { iota_async(idx, n, first, stream); }
 };
 
 /// Every rank learns whether a rank's file work failed (collective); @p failure: this rank's.
-inline void agree_on_failure(communicator& comm, char const* what, std::string const& failure)
-{
+inline void agree_on_failure(communicator& comm, char const* what, std::string const& failure) {
   collective_step<io_error>(comm, what, [&] {
     if (!failure.empty()) { throw io_error{failure}; }
   });
@@ -73,8 +71,7 @@ inline void agree_on_failure(communicator& comm, char const* what, std::string c
  * (n = 0 once its share is done), so f may run collectives.
  */
 template <class F>
-void for_each_row_piece(std::size_t rows, communicator const& comm, std::size_t piece, F&& f)
-{
+void for_each_row_piece(std::size_t rows, communicator const& comm, std::size_t piece, F&& f) {
   block_partition const plan{rows, comm.size()};
   std::size_t const begin = plan.begin(comm.rank());
   std::size_t const end   = plan.end(comm.rank());
@@ -88,8 +85,7 @@ void for_each_row_piece(std::size_t rows, communicator const& comm, std::size_t 
 
 template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T>
-void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path const> files)
-{
+void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path const> files) {
   auto& comm = *comm_;
   scratch_->wait_idle("tensor load");  // this tensor's own async work first
   comm.expect_same("tensor.load", files.size());
@@ -121,8 +117,7 @@ void tensor<T, Location, Layout, Mapping>::load(std::span<std::filesystem::path 
 
 template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T>
-void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path const> files)
-{
+void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path const> files) {
   auto& comm = *comm_;
   scratch_->wait_idle("tensor store");  // rows written by this tensor's async calls are stored
   comm.expect_same("tensor.store", files.size());
@@ -160,8 +155,7 @@ void tensor<T, Location, Layout, Mapping>::store(std::span<std::filesystem::path
 
 template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> std::vector<std::filesystem::path>
-tensor<T, Location, Layout, Mapping>::store(std::filesystem::path const& prefix)
-{
+tensor<T, Location, Layout, Mapping>::store(std::filesystem::path const& prefix) {
   auto files = memory<Location, Layout>::part_files(prefix, comm_->size());
   store(std::span<std::filesystem::path const>{files});
   return files;

@@ -29,8 +29,7 @@ struct sorted_indices {
 /// sort on (all of them where keys may be invalid and order matters).
 template <class Index>
 sorted_indices<Index> sort_with_positions(Index const* idx, std::size_t n, int bits, workspace& ws,
-                                          cudaStream_t s)
-{
+                                          cudaStream_t s) {
   bits = std::min(bits, int{sizeof(Index) * 8});
   carver c;
   auto const o_pos      = c.add<std::size_t>(n);
@@ -57,8 +56,7 @@ template <class Index>
 struct rotate_op {
   std::size_t rows;
   std::size_t by;
-  __device__ Index operator()(Index k) const
-  {
+  __device__ Index operator()(Index k) const {
     return valid_index(k, rows) ? static_cast<Index>((static_cast<std::size_t>(k) + by) % rows) : k;
   }
 };
@@ -66,8 +64,7 @@ struct rotate_op {
 /// out[i] = in[i] rotated by @p by rows (see rotate_op); @p out may be @p in. @p rows > 0.
 template <class Index>
 void rotate_rows(Index const* in, Index* out, std::size_t n, std::size_t rows, std::size_t by,
-                 cudaStream_t s)
-{
+                 cudaStream_t s) {
   if (n == 0) { return; }
   WM_CUDA_TRY(cub::DeviceTransform::Transform(in, out, n, rotate_op<Index>{rows, by}, s));
 }

@@ -23,31 +23,30 @@
 namespace wm {
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-tensor<T, Location, Layout, Mapping>::tensor(communicator& comm, std::size_t rows, std::size_t cols, std::size_t stride)
-  : comm_{&comm},
-    rows_{rows},
-    cols_{cols},
-    stride_{stride == 0 ? cols : stride},
-    mem_{[&]() -> memory<Location, Layout> {
-      WM_EXPECTS(cols >= 1, "a tensor row needs at least one element");
-      WM_EXPECTS(stride == 0 || stride >= cols, "the row stride (" + std::to_string(stride) +
-                                                  ") must be at least the row width (" + std::to_string(cols) + ")");
-      std::size_t const s = stride == 0 ? cols : stride;
-      auto const counts = Mapping::counts(rows, comm.size());  // the mapping sizes the parts
-      return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T), counts};
-    }()},
-    scratch_{std::make_unique<detail::exchange_scratch>(comm, std::same_as<Layout, distributed>)}
-{
-}
+requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::tensor(
+    communicator& comm, std::size_t rows, std::size_t cols, std::size_t stride)
+    : comm_{&comm},
+      rows_{rows},
+      cols_{cols},
+      stride_{stride == 0 ? cols : stride},
+      mem_{[&]() -> memory<Location, Layout> {
+        WM_EXPECTS(cols >= 1, "a tensor row needs at least one element");
+        WM_EXPECTS(stride == 0 || stride >= cols, "the row stride (" + std::to_string(stride) +
+                                                      ") must be at least the row width (" +
+                                                      std::to_string(cols) + ")");
+        std::size_t const s = stride == 0 ? cols : stride;
+        auto const counts   = Mapping::counts(rows, comm.size());  // the mapping sizes the parts
+        return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T), counts};
+      }()},
+      scratch_{
+          std::make_unique<detail::exchange_scratch>(comm, std::same_as<Layout, distributed>)} {}
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-tensor<T, Location, Layout, Mapping>::tensor(tensor&&) noexcept = default;
+requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::tensor(tensor&&)
+noexcept = default;
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-tensor<T, Location, Layout, Mapping>& tensor<T, Location, Layout, Mapping>::operator=(tensor&& other) noexcept
-{
+requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>
+&tensor<T, Location, Layout, Mapping>::operator=(tensor&& other) noexcept {
   if (this == &other) { return *this; }
   // This tensor's async work ends, and its scratch (mailboxes into peers included) goes, before
   // its memory is freed; then it takes the other's memory and scratch (whose work goes on).
@@ -63,71 +62,71 @@ tensor<T, Location, Layout, Mapping>& tensor<T, Location, Layout, Mapping>::oper
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-tensor<T, Location, Layout, Mapping>::~tensor()
-{
+requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::~tensor() {
   // The scratch (declared after the memory) goes first; its destructor waits for this tensor's
   // async work with the communicator's deadline (aborting it while unwinding or past the deadline).
   if (scratch_) { (void)scratch_->drain(); }
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-mapping_ref<Mapping> tensor<T, Location, Layout, Mapping>::map_ref() const noexcept
-{
+requires std::is_trivially_copyable_v<T> mapping_ref<Mapping>
+tensor<T, Location, Layout, Mapping>::map_ref()
+const noexcept {
   return make_mapping_ref<Mapping>(mem_.device_partition());
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-row_location tensor<T, Location, Layout, Mapping>::locate(std::size_t k) const
-{
-  WM_EXPECTS(k < rows_, "row " + std::to_string(k) + " is out of range [0, " + std::to_string(rows_) + ")");
+requires std::is_trivially_copyable_v<T> row_location
+tensor<T, Location, Layout, Mapping>::locate(std::size_t k)
+const {
+  WM_EXPECTS(k < rows_,
+             "row " + std::to_string(k) + " is out of range [0, " + std::to_string(rows_) + ")");
   auto const& p = mem_.partition();
   return make_mapping_ref<Mapping>(p.ref(p.starts().data())).locate(k);  // host starts
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-matrix_view<T> tensor<T, Location, Layout, Mapping>::local_view() const noexcept
-{
+requires std::is_trivially_copyable_v<T> matrix_view<T>
+tensor<T, Location, Layout, Mapping>::local_view()
+const noexcept {
   auto const v = mem_.local_view();
   return {reinterpret_cast<T*>(v.data), v.entries, cols_, stride_};
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-void tensor<T, Location, Layout, Mapping>::throw_if_error(cudaStream_t stream, char const* what)
-{
-  WM_CUDA_TRY(cudaMemcpyAsync(scratch_->err_host.data(), scratch_->err.data(), sizeof(unsigned), cudaMemcpyDeviceToHost,
-                              stream));
+requires std::is_trivially_copyable_v<T>
+void tensor<T, Location, Layout, Mapping>::throw_if_error(cudaStream_t stream, char const* what) {
+  WM_CUDA_TRY(cudaMemcpyAsync(scratch_->err_host.data(), scratch_->err.data(), sizeof(unsigned),
+                              cudaMemcpyDeviceToHost, stream));
   if constexpr (std::same_as<Layout, distributed>) {
-    comm_->synchronize(cuda::stream_ref{stream}, what);  // exchanges with peers: a peer that failed is an error
+    comm_->synchronize(cuda::stream_ref{stream},
+                       what);  // exchanges with peers: a peer that failed is an error
   } else {
     WM_CUDA_TRY(cudaStreamSynchronize(stream));  // local work: no deadline
   }
   if (*scratch_->err_host.data() != 0) {
     WM_CUDA_TRY(cudaMemsetAsync(scratch_->err.data(), 0, sizeof(unsigned), stream));
     WM_CUDA_TRY(cudaStreamSynchronize(stream));
-    throw logic_error{std::string{"wm: "} + what + ": an index was negative or not below the row count " +
+    throw logic_error{std::string{"wm: "} + what +
+                      ": an index was negative or not below the row count " +
                       std::to_string(rows_) + " (its output row is zero / nothing was written)"};
   }
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-void tensor<T, Location, Layout, Mapping>::check_errors(cuda::stream_ref stream)
-{
+requires std::is_trivially_copyable_v<T>
+void tensor<T, Location, Layout, Mapping>::check_errors(cuda::stream_ref stream) {
   throw_if_error(stream.get(), "tensor gather/scatter");
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 template <index_type Index>
-void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> indices, T* out, cuda::stream_ref stream)
-{
+void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> indices, T* out,
+                                                        cuda::stream_ref stream) {
   if constexpr (Layout::mapped) {
-    WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr), "gather: null indices or output");
+    WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr),
+               "gather: null indices or output");
     // Every call orders itself after the last one and records its end (store, load, move and
     // destruction wait for it), also when it uses no buffer.
     detail::scratch_use const use{*scratch_, stream.get()};
@@ -140,8 +139,9 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     // over many GiB; reading long batches in ascending row order keeps the pages in flight few.
     // Output order is kept by writing each row to its original position.
     // One rank's chunked memory is its own plain allocation: nothing to translate.
-    bool const sort_long = Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
-    bool const fresh     = Location::is_host;  // other GPUs may have written these rows
+    bool const sort_long =
+        Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
+    bool const fresh = Location::is_host;  // other GPUs may have written these rows
     if (sort_long && n >= detail::host_sort_threshold) {
       // Chunked device rows with block mapping: ascending order starts at the next rank's rows
       // and wraps around; ranks that all began at row 0 read the same owner at the same time
@@ -159,14 +159,14 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
         detail::rotate_rows(keys, rotated, n, rows_, rows_ - start, s);
         keys = rotated;
       }
-      auto const sorted = detail::sort_with_positions(keys, n, detail::row_bits(rows_), scratch_->a, s);
-      if (start != 0) {
-        detail::rotate_rows(sorted.keys, sorted.keys, n, rows_, start, s);
-      }
-      detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(), stride_bytes(), scratch_->err.data(), s, fresh);
-    } else {
-      detail::launch_gather(rows, indices.data(), static_cast<std::size_t const*>(nullptr), n, dst, row_bytes(),
+      auto const sorted =
+          detail::sort_with_positions(keys, n, detail::row_bits(rows_), scratch_->a, s);
+      if (start != 0) { detail::rotate_rows(sorted.keys, sorted.keys, n, rows_, start, s); }
+      detail::launch_gather(rows, sorted.keys, sorted.positions, n, dst, row_bytes(),
                             stride_bytes(), scratch_->err.data(), s, fresh);
+    } else {
+      detail::launch_gather(rows, indices.data(), static_cast<std::size_t const*>(nullptr), n, dst,
+                            row_bytes(), stride_bytes(), scratch_->err.data(), s, fresh);
     }
   } else {
     detail::scratch_use const use{*scratch_, stream.get()};
@@ -175,33 +175,36 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 template <index_type Index>
-void tensor<T, Location, Layout, Mapping>::gather(std::span<Index const> indices, T* out, cuda::stream_ref stream)
-{
+void tensor<T, Location, Layout, Mapping>::gather(std::span<Index const> indices, T* out,
+                                                  cuda::stream_ref stream) {
   gather_async(indices, out, stream);
   throw_if_error(stream.get(), "gather");
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 template <index_type Index>
-void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> indices, T const* values,
-                                                         cuda::stream_ref stream)
-{
+void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> indices,
+                                                         T const* values, cuda::stream_ref stream) {
   if constexpr (Layout::mapped) {
-    WM_EXPECTS(indices.empty() || (indices.data() != nullptr && values != nullptr), "scatter: null indices or values");
+    WM_EXPECTS(indices.empty() || (indices.data() != nullptr && values != nullptr),
+               "scatter: null indices or values");
     std::size_t const n  = indices.size();
     cudaStream_t const s = stream.get();
     detail::scratch_use const use{*scratch_, s};
     if (n == 0) { return; }
     // Sort (index, position) stably on every bit: the last occurrence of each index is the last
     // of its run (an invalid index sharing a valid one's low bits must not split the run).
-    auto const sorted = detail::sort_with_positions(indices.data(), n, int{sizeof(Index) * 8}, scratch_->a, s);
+    auto const sorted =
+        detail::sort_with_positions(indices.data(), n, int{sizeof(Index) * 8}, scratch_->a, s);
     auto const view = mem_.chunked_view();
-    detail::launch_scatter(detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, sorted.keys, sorted.positions, n,
-                           detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
-                           row_bytes(), stride_bytes(), scratch_->err.data(), s, Location::is_host);
+    detail::launch_scatter(
+        detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, sorted.keys,
+        sorted.positions, n,
+        detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
+        row_bytes(), stride_bytes(), scratch_->err.data(), s, Location::is_host);
   } else {
     detail::scratch_use const use{*scratch_, stream.get()};
     scatter_dispatch(indices.data(), indices.size(), values, stream.get());
@@ -209,18 +212,18 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 template <index_type Index>
-void tensor<T, Location, Layout, Mapping>::scatter(std::span<Index const> indices, T const* values, cuda::stream_ref stream)
-{
+void tensor<T, Location, Layout, Mapping>::scatter(std::span<Index const> indices, T const* values,
+                                                   cuda::stream_ref stream) {
   scatter_async(indices, values, stream);
   throw_if_error(stream.get(), "scatter");
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
-row_path tensor<T, Location, Layout, Mapping>::gather_path() const noexcept
-{
+requires std::is_trivially_copyable_v<T> row_path
+tensor<T, Location, Layout, Mapping>::gather_path()
+const noexcept {
   if constexpr (!std::same_as<Layout, distributed>) {
     return row_path::direct;
   } else {
@@ -235,10 +238,10 @@ row_path tensor<T, Location, Layout, Mapping>::gather_path() const noexcept
 // ---- the distributed (model-parallel) path: the exchange engine -------------------------------
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 template <class Index>
-void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std::size_t n, T* out, cudaStream_t s)
-{
+void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std::size_t n, T* out,
+                                                           cudaStream_t s) {
   auto& comm = *comm_;
   auto& sc   = *scratch_;
   // A null pointer is this rank's fault, reported to every rank by the count exchange.
@@ -252,27 +255,27 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   auto const p     = detail::plan_exchange(comm, map_ref(), idx, n, sc, s, call, false);
   auto const local = mem_.local_view();
   detail::local_rows const table{local.data, local.entries, stride_bytes()};
-  detail::gather_rows(comm, sc, p, table, stride_bytes(), n, reinterpret_cast<std::byte*>(out), row_bytes(), s);
+  detail::gather_rows(comm, sc, p, table, stride_bytes(), n, reinterpret_cast<std::byte*>(out),
+                      row_bytes(), s);
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
-  requires std::is_trivially_copyable_v<T>
+requires std::is_trivially_copyable_v<T>
 template <class Index>
-void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, std::size_t n, T const* values,
-                                                            cudaStream_t s)
-{
+void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, std::size_t n,
+                                                            T const* values, cudaStream_t s) {
   auto& comm = *comm_;
   auto& sc   = *scratch_;
   detail::exchange_call const call{detail::exchange_op::scatter, row_bytes(),
                                    n > 0 && values == nullptr ? detail::exchange_fault::null_pointer
                                                               : detail::exchange_fault::none};
   auto const p     = detail::plan_exchange(comm, map_ref(), idx, n, sc, s, call);
-  auto const batch = detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(values), n, row_bytes(), sc.b,
-                                            sc.err.data(), s);
+  auto const batch = detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(values), n,
+                                            row_bytes(), sc.b, sc.err.data(), s);
   // Owner side: stable sort by row; the last of each run (highest rank, then last position) wins.
   auto const local = mem_.local_view();
-  detail::scatter_owner_rows(batch, detail::local_rows{local.data, local.entries, stride_bytes()}, row_bytes(),
-                             stride_bytes(), sc.a, sc.err.data(), s);
+  detail::scatter_owner_rows(batch, detail::local_rows{local.data, local.entries, stride_bytes()},
+                             row_bytes(), stride_bytes(), sc.a, sc.err.data(), s);
 }
 
 }  // namespace wm

@@ -49,12 +49,9 @@ enum class cpu_isa : std::uint8_t { scalar, avx2, avx512 };
 [[nodiscard]] inline bool cpu_supports(cpu_isa isa) noexcept {
 #if WM_ZERO_X86 && defined(__GNUC__)
   switch (isa) {
-    case cpu_isa::avx512:
-      return __builtin_cpu_supports("avx512f");
-    case cpu_isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    default:
-      return true;
+    case cpu_isa::avx512: return __builtin_cpu_supports("avx512f");
+    case cpu_isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default: return true;
   }
 #else
   return isa == cpu_isa::scalar;
@@ -63,12 +60,8 @@ enum class cpu_isa : std::uint8_t { scalar, avx2, avx512 };
 
 /// The widest ISA this CPU supports.
 [[nodiscard]] inline cpu_isa best_cpu_isa() noexcept {
-  if (cpu_supports(cpu_isa::avx512)) {
-    return cpu_isa::avx512;
-  }
-  if (cpu_supports(cpu_isa::avx2)) {
-    return cpu_isa::avx2;
-  }
+  if (cpu_supports(cpu_isa::avx512)) { return cpu_isa::avx512; }
+  if (cpu_supports(cpu_isa::avx2)) { return cpu_isa::avx2; }
   return cpu_isa::scalar;
 }
 
@@ -107,10 +100,10 @@ struct constants {
 };
 
 [[nodiscard]] inline constants make_constants(cpu_adam_options const& o, cpu_adam_step s) noexcept {
-  double const t = static_cast<double>(s.step);
+  double const t   = static_cast<double>(s.step);
   double const bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), t);
   double const bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), t);
-  double const lr = s.lr;
+  double const lr  = s.lr;
   return {o.beta1,
           static_cast<float>(1.0 - static_cast<double>(o.beta1)),
           o.beta2,
@@ -132,9 +125,7 @@ struct constants {
 
 /// fp32 → bf16, round to nearest even; NaN → 0x7fc0.
 [[nodiscard]] inline bf16_bits to_bf16(float x) noexcept {
-  if (std::isnan(x)) {
-    return 0x7fc0;
-  }
+  if (std::isnan(x)) { return 0x7fc0; }
   std::uint32_t const b = std::bit_cast<std::uint32_t>(x);
   return static_cast<bf16_bits>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
@@ -150,16 +141,14 @@ void scalar_range(constants const& c, cpu_adam_arrays<Grad> const& a, std::size_
     } else {
       g += c.l2 * w;
     }
-    float const m = c.b1 * a.m[i] + c.omb1 * g;
-    float const v = c.b2 * a.v[i] + c.omb2 * (g * g);
+    float const m     = c.b1 * a.m[i] + c.omb1 * g;
+    float const v     = c.b2 * a.v[i] + c.omb2 * (g * g);
     float const denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
     w -= c.step_size * (m / denom);
-    a.m[i] = m;
-    a.v[i] = v;
+    a.m[i]      = m;
+    a.v[i]      = v;
     a.master[i] = w;
-    if (a.bf16_out != nullptr) {
-      a.bf16_out[i] = to_bf16(w);
-    }
+    if (a.bf16_out != nullptr) { a.bf16_out[i] = to_bf16(w); }
   }
 }
 
@@ -174,12 +163,12 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(bf16_bits const* p) noex
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 __attribute__((target("avx2,fma"))) inline void store8_bf16(bf16_bits* p, __m256 w) noexcept {
-  __m256i const b = _mm256_castps_si256(w);
+  __m256i const b   = _mm256_castps_si256(w);
   __m256i const lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
   __m256i r =
       _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
   __m256i const nan = _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  r                 = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
   // 32 → 16 bits: pack within 128-bit lanes, then take quadwords 0 and 2.
   __m256i const packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
@@ -207,13 +196,11 @@ __attribute__((target("avx2,fma"))) void avx2_range(constants const& c,
     __m256 const v =
         _mm256_fmadd_ps(b2, _mm256_loadu_ps(a.v + i), _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
     __m256 const denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), ibc2, eps);
-    w = _mm256_fnmadd_ps(step, _mm256_div_ps(m, denom), w);
+    w                  = _mm256_fnmadd_ps(step, _mm256_div_ps(m, denom), w);
     _mm256_storeu_ps(a.m + i, m);
     _mm256_storeu_ps(a.v + i, v);
     _mm256_storeu_ps(a.master + i, w);
-    if (a.bf16_out != nullptr) {
-      store8_bf16(a.bf16_out + i, w);
-    }
+    if (a.bf16_out != nullptr) { store8_bf16(a.bf16_out + i, w); }
   }
   scalar_range<Decoupled>(c, a, i, last);
 }
@@ -227,12 +214,12 @@ __attribute__((target("avx512f"))) inline __m512 load16(bf16_bits const* p) noex
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 __attribute__((target("avx512f"))) inline void store16_bf16(bf16_bits* p, __m512 w) noexcept {
-  __m512i const b = _mm512_castps_si512(w);
+  __m512i const b   = _mm512_castps_si512(w);
   __m512i const lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   __m512i r =
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
   __mmask16 const nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  r                   = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
@@ -258,13 +245,11 @@ __attribute__((target("avx512f"))) void avx512_range(constants const& c,
     __m512 const v =
         _mm512_fmadd_ps(b2, _mm512_loadu_ps(a.v + i), _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
     __m512 const denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), ibc2, eps);
-    w = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), w);
+    w                  = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), w);
     _mm512_storeu_ps(a.m + i, m);
     _mm512_storeu_ps(a.v + i, v);
     _mm512_storeu_ps(a.master + i, w);
-    if (a.bf16_out != nullptr) {
-      store16_bf16(a.bf16_out + i, w);
-    }
+    if (a.bf16_out != nullptr) { store16_bf16(a.bf16_out + i, w); }
   }
   scalar_range<Decoupled>(c, a, i, last);
 }
@@ -275,12 +260,8 @@ template <bool Decoupled, class Grad>
 void range(cpu_isa isa, constants const& c, cpu_adam_arrays<Grad> const& a, std::size_t first,
            std::size_t last) noexcept {
 #if WM_ZERO_X86
-  if (isa == cpu_isa::avx512) {
-    return avx512_range<Decoupled>(c, a, first, last);
-  }
-  if (isa == cpu_isa::avx2) {
-    return avx2_range<Decoupled>(c, a, first, last);
-  }
+  if (isa == cpu_isa::avx512) { return avx512_range<Decoupled>(c, a, first, last); }
+  if (isa == cpu_isa::avx2) { return avx2_range<Decoupled>(c, a, first, last); }
 #endif
   (void)isa;
   scalar_range<Decoupled>(c, a, first, last);
@@ -301,17 +282,15 @@ void cpu_adam_update(cpu_adam_options const& opt, cpu_adam_step s, cpu_adam_arra
                 "gradients are float or bf16 bits");
   WM_EXPECTS(cpu_supports(isa), "an instruction set this CPU supports");
   WM_EXPECTS(s.step >= 1, "a 1-based Adam step count");
-  if (a.n == 0) {
-    return;
-  }
+  if (a.n == 0) { return; }
   WM_EXPECTS(a.master != nullptr && a.m != nullptr && a.v != nullptr && a.grad != nullptr,
              "master weights, m, v and gradients for every element");
-  auto const c = cpu_adam_detail::make_constants(opt, s);
-  std::size_t const tasks = std::min<std::size_t>(pool.size(), (a.n + 4095) / 4096);
+  auto const c             = cpu_adam_detail::make_constants(opt, s);
+  std::size_t const tasks  = std::min<std::size_t>(pool.size(), (a.n + 4095) / 4096);
   std::size_t const blocks = (a.n + 63) / 64;
   pool.run(tasks, [&](std::size_t t) {
     std::size_t const first = std::min(a.n, blocks * t / tasks * 64);
-    std::size_t const last = std::min(a.n, blocks * (t + 1) / tasks * 64);
+    std::size_t const last  = std::min(a.n, blocks * (t + 1) / tasks * 64);
     if (opt.decoupled) {
       cpu_adam_detail::range<true>(isa, c, a, first, last);
     } else {

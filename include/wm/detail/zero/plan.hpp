@@ -100,9 +100,7 @@ struct plan {
   /// Byte offset of parameter @p p in the arena (meaningless for an empty parameter).
   [[nodiscard]] std::size_t byte_offset(std::size_t p) const {
     auto const& pl = places.at(p);
-    if (pl.bucket == no_bucket) {
-      return 0;
-    }
+    if (pl.bucket == no_bucket) { return 0; }
     auto const& b = buckets[pl.bucket];
     return b.byte_offset + pl.offset * size_of(b.type);
   }
@@ -110,9 +108,7 @@ struct plan {
   /// Largest bucket in bytes (the size of a staging buffer that fits any bucket).
   [[nodiscard]] std::size_t max_bucket_bytes() const noexcept {
     std::size_t m = 0;
-    for (auto const& b : buckets) {
-      m = std::max(m, b.bytes());
-    }
+    for (auto const& b : buckets) { m = std::max(m, b.bytes()); }
     return m;
   }
 
@@ -123,18 +119,18 @@ struct plan {
   [[nodiscard]] std::vector<fragment> fragments(std::size_t b, int rank) const {
     WM_EXPECTS(b < buckets.size(), "a bucket index below the plan's bucket count");
     WM_EXPECTS(rank >= 0 && rank < world, "a rank in [0, world)");
-    auto const& bk = buckets[b];
+    auto const& bk          = buckets[b];
     std::size_t const first = static_cast<std::size_t>(rank) * bk.shard_elements;
-    std::size_t const last = first + bk.shard_elements;
+    std::size_t const last  = first + bk.shard_elements;
     // Parameters are in ascending offset order: the first one ending past `first`.
     auto it = std::partition_point(bk.params.begin(), bk.params.end(), [&](std::size_t p) {
       return places[p].offset + params[p].elements <= first;
     });
     std::vector<fragment> out;
     for (; it != bk.params.end() && places[*it].offset < last; ++it) {
-      std::size_t const p = *it;
-      std::size_t const lo = std::max(first, places[p].offset);
-      std::size_t const hi = std::min(last, places[p].offset + params[p].elements);
+      std::size_t const p   = *it;
+      std::size_t const lo  = std::max(first, places[p].offset);
+      std::size_t const hi  = std::min(last, places[p].offset + params[p].elements);
       std::size_t const off = lo - first;
       out.push_back({b, p, lo - places[p].offset, hi - lo, off, bk.state_offset + off});
     }
@@ -175,33 +171,31 @@ struct plan {
                "unique parameter names (checkpoints match by name)");
   }
   plan pl;
-  pl.world = world;
-  pl.alignment = alignment;
+  pl.world        = world;
+  pl.alignment    = alignment;
   pl.bucket_bytes = bucket_bytes;
   pl.params.assign(params.begin(), params.end());
   pl.places.resize(params.size());
 
-  auto const w = static_cast<std::size_t>(world);
+  auto const w   = static_cast<std::size_t>(world);
   auto close_one = [&] {
-    auto& b = pl.buckets.back();
+    auto& b                   = pl.buckets.back();
     std::size_t const align_e = alignment / size_of(b.type);
-    b.elements = ceil_to(b.used_elements, w * align_e);
-    b.shard_elements = b.elements / w;
-    b.byte_offset = pl.arena_bytes;
-    b.state_offset = pl.state_elements;
+    b.elements                = ceil_to(b.used_elements, w * align_e);
+    b.shard_elements          = b.elements / w;
+    b.byte_offset             = pl.arena_bytes;
+    b.state_offset            = pl.state_elements;
     pl.arena_bytes += b.bytes();
     pl.state_elements += b.shard_elements;
   };
   bool open = false;
   for (std::size_t i = params.size(); i-- > 0;) {
     auto const& p = params[i];
-    if (p.elements == 0) {
-      continue;
-    }
-    std::size_t const es = size_of(p.type);
+    if (p.elements == 0) { continue; }
+    std::size_t const es      = size_of(p.type);
     std::size_t const align_e = alignment / es;
     if (open) {
-      auto const& b = pl.buckets.back();
+      auto const& b           = pl.buckets.back();
       std::size_t const start = ceil_to(b.used_elements, align_e);
       if (b.type != p.type || (start + p.elements) * es > bucket_bytes) {
         close_one();
@@ -211,17 +205,15 @@ struct plan {
     if (!open) {
       pl.buckets.push_back({});
       pl.buckets.back().type = p.type;
-      open = true;
+      open                   = true;
     }
-    auto& b = pl.buckets.back();
+    auto& b                 = pl.buckets.back();
     std::size_t const start = ceil_to(b.used_elements, align_e);
-    pl.places[i] = {pl.buckets.size() - 1, start};
-    b.used_elements = start + p.elements;
+    pl.places[i]            = {pl.buckets.size() - 1, start};
+    b.used_elements         = start + p.elements;
     b.params.push_back(i);
   }
-  if (open) {
-    close_one();
-  }
+  if (open) { close_one(); }
   return pl;
 }
 
@@ -240,20 +232,18 @@ struct memory_estimate {
  * input). Communication buffers (the two buckets in flight) are not included.
  */
 [[nodiscard]] constexpr memory_estimate zero_memory_estimate(int stage, double params, int world,
-                                                             bool offload = false,
+                                                             bool offload        = false,
                                                              double weight_bytes = 2,
-                                                             double grad_bytes = 2,
-                                                             double state_bytes = 12) {
+                                                             double grad_bytes   = 2,
+                                                             double state_bytes  = 12) {
   WM_EXPECTS(stage >= 0 && stage <= 3, "a ZeRO stage in 0..3 (0: plain data parallel)");
   WM_EXPECTS(world >= 1, "a world of at least one rank");
-  double const n = world;
+  double const n      = world;
   double const shards = stage >= 1 ? n : 1.0;  // states are sharded from stage 1 on
-  double const w = weight_bytes * params / (stage >= 3 ? n : 1.0);
-  double const g = grad_bytes * params / (stage >= 2 ? n : 1.0);
-  double const k = state_bytes * params / shards;
-  if (!offload) {
-    return {w + g + k, 0.0};
-  }
+  double const w      = weight_bytes * params / (stage >= 3 ? n : 1.0);
+  double const g      = grad_bytes * params / (stage >= 2 ? n : 1.0);
+  double const k      = state_bytes * params / shards;
+  if (!offload) { return {w + g + k, 0.0}; }
   return {w + g, k + grad_bytes * params / shards};
 }
 

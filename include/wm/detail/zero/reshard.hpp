@@ -112,7 +112,7 @@ struct shard_read {
   };
   for (auto const& f : target.fragments(rank)) {
     auto const& spec = target.params[f.param];
-    auto const it = index.find(spec.name);
+    auto const it    = index.find(spec.name);
     if (it == index.end()) {
       throw wm::io_error{"wm: the checkpoint has no parameter '" + spec.name + "'"};
     }
@@ -121,22 +121,16 @@ struct shard_read {
                          std::to_string(it->second.elements) + " elements in the checkpoint, " +
                          std::to_string(spec.elements) + " in the model"};
     }
-    auto const& pieces = it->second.pieces;
-    std::size_t at = f.param_offset;  // next element to find
+    auto const& pieces    = it->second.pieces;
+    std::size_t at        = f.param_offset;  // next element to find
     std::size_t const end = f.param_offset + f.elements;
     // The last piece starting at or before `at`.
     auto p = std::upper_bound(pieces.begin(), pieces.end(), at,
                               [](std::size_t x, piece const& q) { return x < q.param_offset; });
-    if (p != pieces.begin()) {
-      --p;
-    }
+    if (p != pieces.begin()) { --p; }
     for (; at < end && p != pieces.end(); ++p) {
-      if (p->param_offset + p->elements <= at) {
-        continue;
-      }
-      if (p->param_offset > at) {
-        break;
-      }  // a gap
+      if (p->param_offset + p->elements <= at) { continue; }
+      if (p->param_offset > at) { break; }  // a gap
       std::size_t const hi = std::min(end, p->param_offset + p->elements);
       emit({p->file, p->file_offset + (at - p->param_offset), hi - at,
             f.state_offset + (at - f.param_offset)});

@@ -23,9 +23,7 @@ class thread_pool {
  public:
   /// A pool of @p threads threads in all, the caller's included (0: one per hardware thread).
   explicit thread_pool(unsigned threads = 0) {
-    if (threads == 0) {
-      threads = std::max(1u, std::thread::hardware_concurrency());
-    }
+    if (threads == 0) { threads = std::max(1u, std::thread::hardware_concurrency()); }
     workers_.reserve(threads - 1);
     try {
       for (unsigned i = 1; i < threads; ++i) {
@@ -36,7 +34,7 @@ class thread_pool {
       throw;
     }
   }
-  thread_pool(thread_pool const&) = delete;
+  thread_pool(thread_pool const&)            = delete;
   thread_pool& operator=(thread_pool const&) = delete;
   ~thread_pool() { stop_all_(); }
 
@@ -49,30 +47,24 @@ class thread_pool {
   /// exception a task threw, after every task has ended.
   template <class F>
   void run(std::size_t tasks, F&& fn) {
-    if (tasks == 0) {
-      return;
-    }
+    if (tasks == 0) { return; }
     auto call = [](void* ctx, std::size_t task) {
       (*static_cast<std::remove_reference_t<F>*>(ctx))(task);
     };
     {
       std::lock_guard lock{mu_};
-      call_ = call;
-      ctx_ = static_cast<void*>(&fn);
-      tasks_ = tasks;
+      call_    = call;
+      ctx_     = static_cast<void*>(&fn);
+      tasks_   = tasks;
       pending_ = workers_.size();
-      error_ = nullptr;
+      error_   = nullptr;
       ++generation_;
     }
-    if (!workers_.empty()) {
-      wake_.notify_all();
-    }
+    if (!workers_.empty()) { wake_.notify_all(); }
     run_share_(0);
     std::unique_lock lock{mu_};
     done_.wait(lock, [&] { return pending_ == 0; });
-    if (error_) {
-      std::rethrow_exception(std::exchange(error_, nullptr));
-    }
+    if (error_) { std::rethrow_exception(std::exchange(error_, nullptr)); }
   }
 
  private:
@@ -82,9 +74,7 @@ class thread_pool {
       stop_ = true;
     }
     wake_.notify_all();
-    for (auto& t : workers_) {
-      t.join();
-    }
+    for (auto& t : workers_) { t.join(); }
   }
 
   void run_share_(std::size_t thread) noexcept {
@@ -94,9 +84,7 @@ class thread_pool {
         call_(ctx_, t);
       } catch (...) {
         std::lock_guard lock{mu_};
-        if (!error_) {
-          error_ = std::current_exception();
-        }
+        if (!error_) { error_ = std::current_exception(); }
       }
     }
   }
@@ -107,16 +95,12 @@ class thread_pool {
       {
         std::unique_lock lock{mu_};
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) {
-          return;
-        }
+        if (stop_) { return; }
         seen = generation_;
       }
       run_share_(thread);
       std::lock_guard lock{mu_};
-      if (--pending_ == 0) {
-        done_.notify_one();
-      }
+      if (--pending_ == 0) { done_.notify_one(); }
     }
   }
 
