@@ -6,6 +6,7 @@
 #include <wm/wm.cuh>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <numeric>
@@ -303,6 +304,39 @@ TEST_CASE("ranked: embedding::ref() reads the rows gather returns", "[ranked]") 
     std::size_t wrong = 0;
     for (float x : b) { wrong += x >= -1.0f && x <= 1.0f ? 0 : 1; }
     CHECK(std::adjacent_find(b.begin(), b.end(), std::not_equal_to<>{}) != b.end());
+    CHECK(wrong == 0);
+    comm.barrier();
+  }
+  REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+// An embedding's initial values depend on the global row only, whatever the mapping: a table
+// over the hashed mapping (which wm does not know) holds at row k what embedding_init gives k.
+TEMPLATE_TEST_CASE("ranked: an embedding over a user's mapping starts at embedding_init's values",
+                   "[ranked]", wm::distributed, wm::chunked) {
+  auto& comm             = wm_test::comm();
+  std::size_t const rows = 2003;
+  std::size_t const dim  = 5;
+  auto const init        = wm::embedding_init::uniform(-1.0f, 1.0f, shared_seed(comm));
+  cudaStream_t s{};
+  REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+  {
+    wm::embedding<float, wm::no_cache, wm::sgd, wm::device, TestType, wm_test::hashed> e{
+        comm, rows, dim, wm::sgd{}, init};
+    std::vector<std::int64_t> ids(rows);
+    for (std::size_t k = 0; k < rows; ++k) { ids[k] = static_cast<std::int64_t>(k); }
+    device_array<std::int64_t> const d_ids{ids};
+    device_array<float> got{rows * dim};
+    e.gather(std::span<std::int64_t const>{d_ids.ptr, rows}, got.ptr, cuda::stream_ref{s});
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    auto const rows_got = got.to_host();
+    std::size_t wrong   = 0;
+    for (std::size_t k = 0; k < rows; ++k) {
+      for (std::size_t j = 0; j < dim; ++j) {
+        float const want = init.value(k, j, dim);
+        wrong += std::abs(rows_got[k * dim + j] - want) <= 1e-6f * (1.0f + std::abs(want)) ? 0 : 1;
+      }
+    }
     CHECK(wrong == 0);
     comm.barrier();
   }

@@ -61,15 +61,6 @@ struct embedding_scratch {
   return rows;
 }
 
-template <class M>
-[[nodiscard]] local_rows_map local_map_of(communicator const& comm, std::size_t first_block_row) {
-  if constexpr (std::is_same_v<M, cyclic>) {
-    return {static_cast<std::size_t>(comm.rank()), static_cast<std::size_t>(comm.size())};
-  } else {
-    return {first_block_row, 1};
-  }
-}
-
 }  // namespace detail
 
 #define WM_EMBEDDING_TEMPLATE                                                                 \
@@ -85,12 +76,12 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
       weights_{comm, detail::embedding_rows(comm, rows, dim), dim},
       scratch_{std::make_unique<detail::embedding_scratch>(comm)} {
   cudaStream_t const s = nullptr;
-  auto const map =
-      detail::local_map_of<Mapping>(comm, weights_.storage().local_entry_range().begin);
+  // Every rank visits every global row and writes the ones its mapping gives it: the values
+  // depend on the global row only, whatever the mapping (a user's too).
   auto const w = weights_.local_view();
   if (w.rows > 0) {
-    detail::init_rows_kernel<<<detail::elementwise_blocks(w.rows * w.cols), 256, 0, s>>>(w, init,
-                                                                                         map);
+    detail::init_rows_kernel<<<detail::elementwise_blocks(rows * w.cols), 256, 0, s>>>(
+        w, init, weights_.device_mapping(), comm.rank(), rows);
     WM_CHECK_LAUNCH();
   }
   if constexpr (Optimizer::states > 0) {

@@ -32,19 +32,17 @@ template <class T>
   }
 }
 
-/// Global row of local row l: first + l * step (block: first row, 1; cyclic: rank, world).
-struct local_rows_map {
-  std::size_t first;
-  std::size_t step;
-};
-
-template <class T>
-__global__ void init_rows_kernel(matrix_view<T> w, embedding_init init, local_rows_map map) {
-  std::size_t const n = w.rows * w.cols;
+/// Initial values of this rank's rows: every global row k in [0, rows) that @p map gives to
+/// @p rank is written at its local row (any mapping: no inverse of the mapping is needed).
+template <class T, class MapRef>
+__global__ void init_rows_kernel(matrix_view<T> w, embedding_init init, MapRef map, int rank,
+                                 std::size_t rows) {
+  std::size_t const n = rows * w.cols;
   for (std::size_t i = grid_thread(); i < n; i += grid_threads()) {
-    std::size_t const l = i / w.cols;
+    std::size_t const k = i / w.cols;
+    if (map.owner(k) != rank) { continue; }
     std::size_t const j = i % w.cols;
-    w(l, j)             = from_float<T>(init.value(map.first + l * map.step, j, w.cols));
+    w(map.local(k), j)  = from_float<T>(init.value(k, j, w.cols));
   }
 }
 

@@ -92,6 +92,11 @@ struct cpu_adam_arrays {
   std::size_t n{};
 };
 
+// g++ 12 at -O3 reports its own AVX-512 intrinsics' _mm512_undefined_*() as maybe-uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 namespace cpu_adam_detail {
 
 /// Per-call constants, computed once in double.
@@ -268,6 +273,9 @@ void range(cpu_isa isa, constants const& c, cpu_adam_arrays<Grad> const& a, std:
 }
 
 }  // namespace cpu_adam_detail
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /**
  * @brief One Adam/AdamW step over @p a's n elements, split in size() contiguous ranges (one per
