@@ -187,7 +187,7 @@ struct exchange_scratch {
         last{unique_event::make()},
         err{1},
         err_host{1},
-        words{(2 * static_cast<std::size_t>(words_per_peer) + 1) *
+        words{(2 * static_cast<std::size_t>(words_per_peer) + 2) *
                   static_cast<std::size_t>(c.size()) +
               2},
         words_host{(static_cast<std::size_t>(words_per_peer) + 1) *
