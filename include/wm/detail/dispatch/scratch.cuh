@@ -213,7 +213,12 @@ struct exchange_scratch {
   [[nodiscard]] bool drain() noexcept {
     if (idle()) { return true; }
     if (collective && std::uncaught_exceptions() > 0) { comm->abort(); }
-    auto const deadline = deadline_after(comm->timeout());  // saturates: "no limit" waits on
+    // (A timeout too long to add to the clock waits without end.)
+    auto const now = clock_type::now();
+    auto const room =
+        std::chrono::duration_cast<std::chrono::milliseconds>(clock_type::time_point::max() - now);
+    auto const deadline =
+        comm->timeout() < room ? now + comm->timeout() : clock_type::time_point::max();
     backoff wait{std::chrono::microseconds{20}};
     while (!idle()) {
       if (clock_type::now() >= deadline) {
