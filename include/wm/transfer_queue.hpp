@@ -155,6 +155,9 @@ class transfer_queue {
   [[nodiscard]] std::size_t lookahead_used() const;  ///< bytes counted against the lookahead
 
  private:
+  /// Queues @p t at the front (passive) or back; refused while closing, or while locked unless
+  /// @p even_if_locked.
+  bool push(transfer_task t, bool front, bool even_if_locked);
   struct flight {
     ticket_type ticket;
     std::size_t lookahead_bytes;  // back-task bytes it holds against the lookahead

@@ -21,45 +21,36 @@ transfer_queue<Copier>::~transfer_queue() {
 }
 
 template <transfer_copier Copier>
-bool transfer_queue<Copier>::enqueue(transfer_task t) {
+bool transfer_queue<Copier>::push(transfer_task t, bool front, bool even_if_locked) {
   {
     std::lock_guard lock{mutex_};
-    if (locked_ || closing_) { return false; }
-    t.passive   = false;
+    if ((locked_ && !even_if_locked) || closing_) { return false; }
+    t.passive   = front;
     t.admission = transfer_admission::start;
-    tasks_.push_back(t);
+    if (front) {
+      tasks_.push_front(t);
+    } else {
+      tasks_.push_back(t);
+    }
     blocked_ = false;
   }
   work_.notify_one();
   return true;
+}
+
+template <transfer_copier Copier>
+bool transfer_queue<Copier>::enqueue(transfer_task t) {
+  return push(t, false, false);
 }
 
 template <transfer_copier Copier>
 bool transfer_queue<Copier>::requeue(transfer_task t) {
-  {
-    std::lock_guard lock{mutex_};
-    if (closing_) { return false; }
-    t.passive   = false;
-    t.admission = transfer_admission::start;
-    tasks_.push_back(t);
-    blocked_ = false;
-  }
-  work_.notify_one();
-  return true;
+  return push(t, false, true);  // a copier's follow-up goes in while a drain runs
 }
 
 template <transfer_copier Copier>
 bool transfer_queue<Copier>::enqueue_front(transfer_task t) {
-  {
-    std::lock_guard lock{mutex_};
-    if (locked_ || closing_) { return false; }
-    t.passive   = true;
-    t.admission = transfer_admission::start;
-    tasks_.push_front(t);
-    blocked_ = false;
-  }
-  work_.notify_one();
-  return true;
+  return push(t, true, false);
 }
 
 template <transfer_copier Copier>
