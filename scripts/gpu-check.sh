@@ -13,6 +13,8 @@
 #                  "sanitizer <test>: N errors"; SANITIZE_TIMEOUT=s per program (default 540)
 #   PREBUILT=dir   use a build tree made elsewhere (e.g. on the CPU machine, carried along) instead
 #                  of building here; it must sit where it was configured (absolute paths)
+#   .whl/          WholeGraph's wheels (../shared/peers/wholegraph/fetch-wheels.sh), carried along:
+#                  installed into /tmp/site so that the benchmarks run their WholeGraph peers
 #   WERROR=1       build with warnings as errors (default off here: CI checks warnings; a
 #                  warning only this machine's compiler gives should not stop the GPU runs)
 set -uo pipefail
@@ -127,6 +129,16 @@ if [[ $run_examples -eq 1 ]]; then
   done
 fi
 
+if [[ $run_bench -eq 1 && -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl >"$out/wheels.log" 2>&1; then
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export LD_LIBRARY_PATH=/tmp/site/libwholegraph/lib64:/tmp/site/librmm/lib64:/tmp/site/rapids_logger/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    summary+=("peers: WholeGraph wheels installed (/tmp/site)")
+  else
+    fail "peers: WholeGraph wheels did not install (wheels.log)"
+  fi
+fi
 if [[ $run_bench -eq 1 ]]; then
   for b in "$bdir"/bench/*_bench; do
     [[ -x "$b" ]] || continue
