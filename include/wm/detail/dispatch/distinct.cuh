@@ -22,6 +22,13 @@
 
 namespace wm::detail {
 
+/// Host batches at least this long read each distinct row once. The distinct path costs about
+/// ten launches (iota, radix sort passes, run select, read, replicate): some 30-50 us of GPU
+/// time. A plain read of 4096 rows of 512 bytes over PCIe takes about as long (2 MiB at
+/// ~50 GB/s), and keys repeat more in longer batches; below this the plain kernel reads every
+/// occurrence (repeats of short batches cost little).
+inline constexpr std::size_t host_distinct_threshold = std::size_t{1} << 12;
+
 /// A batch sorted by key with its positions, and its runs of equal keys (all on the device).
 template <class Index>
 struct distinct_batch {
@@ -114,17 +121,42 @@ template <class Index>
   return lo;
 }
 
-/// Replication: out row positions[i] = out row positions[first of i's run], for non-first i.
+/// Output row of sorted element i: out row order[positions[i]] (positions[i] when order is null).
+template <class Index>
+[[nodiscard]] __device__ inline std::byte* output_row(distinct_batch<Index> const& b,
+                                                      std::size_t const* order, packed_rows out,
+                                                      std::size_t i) {
+  std::size_t const p = b.positions[i];
+  return out.row(order != nullptr ? order[p] : p);
+}
+
+/// Replication: the output row of sorted element i = that of the first of i's run, for non-first i.
 template <class Index>
 struct replicate_moves {
   distinct_batch<Index> b;
+  std::size_t const* order;
   packed_rows out;
   [[nodiscard]] __device__ row_move operator()(std::size_t i, int) const {
     std::size_t const head = b.run_begin[run_of(b, i)];
     if (head == i) { return {nullptr, nullptr}; }
-    return {out.row(b.positions[head]), out.row(b.positions[i])};
+    return {output_row(b, order, out, head), output_row(b, order, out, i)};
   }
 };
+
+/// As replicate_runs, with output rows out.row(order[positions[i]]) (@p order may be null) of
+/// @p row_bytes at a stride of out.stride_bytes.
+template <class Index>
+void replicate_runs_to(distinct_batch<Index> const& b, std::size_t const* order, packed_rows out,
+                       std::size_t row_bytes, cudaStream_t s, int blocks_per_sm = 8) {
+  launch_rows(
+      b.n, row_bytes, {row_bytes, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
+      [&]<class Vec>(row_launch const& l) {
+        using M = replicate_moves<Index>;
+        move_rows_kernel<Vec, false, false, M>
+            <<<l.blocks, 256, 0, s>>>(M{b, order, out}, b.n, l.row_vecs, l.group);
+      },
+      blocks_per_sm);
+}
 
 /**
  * For every sorted element i that is not its run's first: row positions[i] of @p out =
@@ -136,30 +168,25 @@ struct replicate_moves {
 template <class Index>
 void replicate_runs(distinct_batch<Index> const& b, std::byte* out, std::size_t row_bytes,
                     cudaStream_t s, int blocks_per_sm = 8) {
-  launch_rows(
-      b.n, row_bytes, {row_bytes, reinterpret_cast<std::uintptr_t>(out)},
-      [&]<class Vec>(row_launch const& l) {
-        using M = replicate_moves<Index>;
-        move_rows_kernel<Vec, false, false, M>
-            <<<l.blocks, 256, 0, s>>>(M{b, packed_rows{out, row_bytes}}, b.n, l.row_vecs, l.group);
-      },
-      blocks_per_sm);
+  replicate_runs_to(b, static_cast<std::size_t const*>(nullptr), packed_rows{out, row_bytes},
+                    row_bytes, s, blocks_per_sm);
 }
 
-/// The distinct read: run r's row rows.row(keys[run_begin[r]]) to out row
-/// positions[run_begin[r]]; invalid keys write a zero row and set *err. Runs past the count
-/// (the grid is sized from n) do nothing.
+/// The distinct read: run r's row rows.row(keys[run_begin[r]]) to the output row of
+/// run_begin[r] (see output_row); invalid keys write a zero row and set *err. Runs past the
+/// count (the grid is sized from n) do nothing.
 template <class Rows, class Index>
 struct distinct_moves {
   Rows rows;
   distinct_batch<Index> b;
+  std::size_t const* order;
   packed_rows out;
   unsigned* err;
   [[nodiscard]] __device__ row_move operator()(std::size_t r, int lane) const {
     if (r >= *b.runs) { return {nullptr, nullptr}; }
     std::size_t const i = b.run_begin[r];
     Index const k       = b.keys[i];
-    row_move m{nullptr, out.row(b.positions[i])};
+    row_move m{nullptr, output_row(b, order, out, i)};
     if (valid_index(k, rows.rows())) {
       m.src = rows.row(static_cast<std::size_t>(k));
     } else if (lane == 0) {
@@ -171,26 +198,27 @@ struct distinct_moves {
 
 /**
  * Reads each run's row of @p b once from @p rows (ascending keys: the rows in flight sit on few
- * pages) into the run's first output row of @p out (packed rows of @p row_bytes), then copies it
- * to the run's other output rows (replicate_runs). @p fresh: ld.cv loads, for host rows other
- * GPUs may have written (each is read once here, so nothing is lost by skipping L2). Invalid
- * keys: zero rows, *err set. @p rows_alignment: the source rows' stride.
+ * pages) into the output row of the run's first element, then copies it to the output rows of
+ * the run's other elements (replicate_runs). Output rows: out.row(order[positions[i]]), or
+ * out.row(positions[i]) when @p order is null, @p row_bytes each. @p fresh: ld.cv loads, for
+ * host rows other GPUs may have written (each is read once here, so nothing is lost by
+ * skipping L2). Invalid keys: zero rows, *err set. @p rows_alignment: the source rows' stride.
  */
 template <class Rows, class Index>
-void read_distinct(Rows rows, distinct_batch<Index> const& b, std::byte* out, std::size_t row_bytes,
-                   std::uintptr_t rows_alignment, unsigned* err, cudaStream_t s, bool fresh,
-                   int blocks_per_sm = 8) {
+void read_distinct(Rows rows, distinct_batch<Index> const& b, std::size_t const* order,
+                   packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
+                   unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
   launch_rows(
-      b.n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out)},
+      b.n, row_bytes,
+      {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
       [&]<class Vec>(row_launch const& l) {
         using M = distinct_moves<Rows, Index>;
         auto* const kernel =
             fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
-        kernel<<<l.blocks, 256, 0, s>>>(M{rows, b, packed_rows{out, row_bytes}, err}, b.n,
-                                        l.row_vecs, l.group);
+        kernel<<<l.blocks, 256, 0, s>>>(M{rows, b, order, out, err}, b.n, l.row_vecs, l.group);
       },
       blocks_per_sm);
-  replicate_runs(b, out, row_bytes, s, blocks_per_sm);
+  replicate_runs_to(b, order, out, row_bytes, s, blocks_per_sm);
 }
 
 /**
@@ -204,7 +232,8 @@ void gather_distinct(Rows rows, Index const* idx, std::size_t n, int bits, works
                      unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
   if (n == 0) { return; }
   auto const b = plan_distinct(idx, n, bits, ws, s);
-  read_distinct(rows, b, out, row_bytes, rows_alignment, err, s, fresh, blocks_per_sm);
+  read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), packed_rows{out, row_bytes},
+                row_bytes, rows_alignment, err, s, fresh, blocks_per_sm);
 }
 
 }  // namespace wm::detail
