@@ -379,3 +379,26 @@ TEST_CASE("device cache: invalid keys give zero rows and are reported; bad ratio
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }
+
+TEST_CASE("caches on several ranks are refused at construction (not built yet)", "[multi_gpu]") {
+  wm::launch(2, [&](wm::communicator& comm) {
+    auto refused = [&](auto make) {
+      try {
+        make();
+      } catch (wm::logic_error const& e) {
+        return std::string{e.what()}.find("not built yet") != std::string::npos;
+      }
+      return false;
+    };
+    RANK_REQUIRE(refused([&] {
+      wm::embedding<float, wm::device_cache<>, wm::adam, wm::host> e{comm, 100, 8};
+    }));
+    RANK_REQUIRE(refused([&] {
+      wm::cache_options co;
+      co.group = &comm;
+      wm::embedding<float, wm::group_cache<>, wm::no_optimizer, wm::host> e{comm, 100, 8,
+                                                                            {},   {},  co};
+    }));
+    comm.barrier();
+  });
+}

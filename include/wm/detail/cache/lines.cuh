@@ -123,7 +123,8 @@ __device__ void warp_move(row_place<T> const& to, row_place<T> const& from, std:
   if (from.step != nullptr && lane == 0) { *to.step = *from.step; }
 }
 
-/// Takes set @p h's lock for the warp (acquire: the last holder's writes are visible).
+/// Takes set @p h's lock for the warp: lane 0 acquires the lock word, then every lane fences
+/// (acquire), so the last holder's writes, by any of its lanes, are visible to every lane.
 __device__ inline void lock_set(set_header* h, unsigned lane) noexcept {
   if (lane == 0) {
     cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->spare};
@@ -137,13 +138,15 @@ __device__ inline void lock_set(set_header* h, unsigned lane) noexcept {
     }
   }
   __syncwarp();
+  cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_device);
 }
 
-/// Releases set @p h's lock (release: every lane's writes before it are visible to the next).
+/// Releases set @p h's lock: every lane fences (release) its writes to the set and the line,
+/// then lane 0 stores the lock word with release order.
 __device__ inline void unlock_set(set_header* h, unsigned lane) noexcept {
+  cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
   __syncwarp();
   if (lane == 0) {
-    __threadfence();
     cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->spare};
     word.store(0u, cuda::memory_order_release);
   }

@@ -150,9 +150,11 @@ void WM_EMBEDDING::gather(std::span<Index const> indices, T* out, cuda::stream_r
   if constexpr (detail::caching_policy<CachePolicy>) {
     WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr),
                "gather: null indices or output");
+    source_.gather(weights_, table_rows(), rows(), indices, out, scratch_->plan.err.data(),
+                   stream.get());
+  } else {
+    weights_.gather(indices, out, stream);  // the tensor's gather (and its checks)
   }
-  source_.gather(weights_, table_rows(), rows(), indices, out, scratch_->plan.err.data(),
-                 stream.get());
 }
 
 WM_EMBEDDING_TEMPLATE

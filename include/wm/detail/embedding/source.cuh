@@ -18,19 +18,14 @@
 
 namespace wm::detail {
 
-/// No cache: gathers read the table (the tensor's own gather), the update writes the table.
+/// No cache: gathers read the table (the embedding calls the tensor's own gather), the update
+/// writes the table.
 template <class CachePolicy, class T>
 class row_source {
  public:
   row_source() = default;
   row_source(std::size_t, std::size_t, std::size_t, bool, cache_options const&) {}
 
-  /// The gather's read path: `out[i, :] = table[indices[i], :]` (the tensor's gather).
-  template <class Table, class Index>
-  void gather(Table& table, table_rows<T> const&, std::size_t, std::span<Index const> indices,
-              T* out, unsigned*, cudaStream_t s) {
-    table.gather(indices, out, cuda::stream_ref{s});
-  }
   /// The update's row locator: the table.
   [[nodiscard]] table_rows<T> locator(table_rows<T> const& table) const noexcept { return table; }
 };
