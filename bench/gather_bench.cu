@@ -39,6 +39,15 @@
  *     by the gather kernels (WM_DISPATCH_ROWS=put) instead of moved there by the copy engines.
  *     On one GPU too: the distributed lookup of 1M keys on a 1-rank communicator against the
  *     continuous layout's gather of the same keys (what the dispatch costs when nothing crosses).
+ * (e) 1 GPU, host tables (pinned, tensor<float, host, continuous>) whose gathers read each
+ *     distinct row once: 10M rows with 1M uniform keys and 1M Zipf(1.05) keys (exact discrete
+ *     Zipf over ranks 1..10M by inverse CDF, rank k-1 scattered to row (k-1) * 7368787 mod 10M,
+ *     as embedding_bench), and 4M uniform keys over 2M rows (1 GiB) and over 16M rows (8 GiB).
+ *     Keys are made on the host before any rank starts. Floor = distinct rows x 512 B / the pinned
+ *     host-to-device copy bandwidth of this GPU alone (1 GiB, measured in the same launch);
+ *     target: time <= 1.1 x floor. Peer: WholeGraph's host gather (bench/peers/wg_gather.py,
+ *     chunked host embedding, the very same keys through temporary files), run when python3
+ *     imports pylibwholegraph.torch (PYTHONPATH set by the caller), "n/a" otherwise.
  *
  * Each case is checked once before timing (output poisoned; every output element compared on the
  * device with the pattern of its global row, 4096 rows again on the host; throws if wrong), then
@@ -60,6 +69,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -85,6 +95,9 @@ constexpr std::size_t keys       = 1'000'000;              // indices per rank i
 constexpr std::size_t host_small = std::size_t{2} << 20;   // rows: 1 GiB
 constexpr std::size_t host_large = std::size_t{16} << 20;  // rows: 8 GiB
 constexpr std::size_t check_rows = 4096;
+constexpr std::size_t e_keys     = 1'000'000;  // (e) keys over the 10M-row host table
+constexpr double zipf_alpha      = 1.05;
+constexpr std::uint64_t scatter  = 7'368'787;  // odd, not a multiple of 5: a bijection mod 10M
 constexpr int warmups            = 2;
 constexpr int reps               = 10;
 constexpr int threads            = 256;
@@ -182,7 +195,65 @@ struct results {
   double d_own_ms{nan}, d_remote_ms{nan};  // (d) keys of this rank's rows only / of others' only
   double d_via_nccl_ms{nan};               // (d) with the rows through NCCL (WM_DISPATCH_ROWS=nccl)
   double d_via_put_ms{nan};  // (d) rows stored into the mailboxes by kernels (WM_DISPATCH_ROWS=put)
+  double e_h2d_gbps{nan};    // (e) pinned H2D copy, one GPU alone
+  double e_ms[4]{nan, nan, nan, nan};  // (e) per host case (see host_cases)
 };
+
+// ---- (e) host cases: keys made on the host before any rank starts ---------------------------
+
+/// One (e) case: its table and keys.
+struct host_case {
+  char const* name;   // the peer's JSON key (name + "_ms") and key file
+  char const* label;  // for the table
+  std::size_t rows;
+  std::vector<std::int64_t> keys;
+  std::size_t distinct{};
+};
+
+std::vector<std::int64_t> uniform_keys(std::size_t n, std::size_t rows, std::uint64_t seed) {
+  std::vector<std::int64_t> k(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    k[i] = static_cast<std::int64_t>(mix(mix(seed) + i) % rows);
+  }
+  return k;
+}
+
+/// Exact discrete Zipf(zipf_alpha) over ranks 1..rows (inverse CDF: binary search in the
+/// cumulative sums of k^-alpha), rank k-1 scattered to row (k-1) * scatter mod rows.
+std::vector<std::int64_t> zipf_keys(std::size_t n, std::size_t rows, std::uint64_t seed) {
+  std::vector<double> cdf(rows);
+  double sum = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    cdf[r] = sum += std::pow(static_cast<double>(r + 1), -zipf_alpha);
+  }
+  std::vector<std::int64_t> k(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    double const u = (static_cast<double>(mix(mix(seed) + i) >> 11) + 0.5) * 0x1p-53 * cdf.back();
+    auto const r =
+        static_cast<std::uint64_t>(std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
+    k[i] = static_cast<std::int64_t>(std::min<std::uint64_t>(r, rows - 1) * scatter % rows);
+  }
+  return k;
+}
+
+std::size_t distinct_of(std::vector<std::int64_t> keys) {
+  std::sort(keys.begin(), keys.end());
+  return static_cast<std::size_t>(std::unique(keys.begin(), keys.end()) - keys.begin());
+}
+
+std::vector<host_case> host_cases() {
+  std::vector<host_case> c;
+  c.push_back({"uniform_1m_of_10m", "10M rows, 1M uniform", table_rows,
+               uniform_keys(e_keys, table_rows, 1000)});
+  c.push_back({"zipf_1m_of_10m", "10M rows, 1M Zipf(1.05)", table_rows,
+               zipf_keys(e_keys, table_rows, 2000)});
+  c.push_back({"uniform_4m_of_2m", "2M rows (1 GiB), 4M uniform", host_small,
+               uniform_keys(batch, host_small, 3000)});
+  c.push_back({"uniform_4m_of_16m", "16M rows (8 GiB), 4M uniform", host_large,
+               uniform_keys(batch, host_large, 4000)});
+  for (auto& x : c) { x.distinct = distinct_of(x.keys); }
+  return c;
+}
 
 /// Per-rank figures of one case, exchanged with comm.all_gather.
 struct rank_figures {
@@ -328,6 +399,20 @@ class bench {
     res.h2d_gbps = min_over_ranks(copy_gbps(dst.get(), src.get(), gib, cudaMemcpyHostToDevice));
   }
 
+  /// (e) on a 1-rank communicator: this GPU's pinned copy limit, then each host case.
+  void host_distinct(std::vector<host_case> const& cases) {
+    pinned_h2d();
+    res.e_h2d_gbps = res.h2d_gbps;
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      if (i > 0 && cases[i].rows == cases[i - 1].rows) { continue; }  // same table: below
+      wm::tensor<float, wm::host, wm::continuous> t{comm_, cases[i].rows, cols};
+      fill(t);
+      for (std::size_t j = i; j < cases.size() && cases[j].rows == cases[i].rows; ++j) {
+        res.e_ms[j] = keys_case(t, cases[j].keys).ms;
+      }
+    }
+  }
+
   /// (c) one host table; the large one also runs the plain kernel.
   void host_table(std::size_t rows) {
     bool const large = rows == host_large;
@@ -410,8 +495,26 @@ class bench {
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(
         cudaMemcpyAsync(host_idx.data(), idx.get(), n * 8, cudaMemcpyDeviceToHost, stream_));
-    auto const out = allocate<float>(n * cols);
-    std::span<std::int64_t const> const span{idx.get(), n};
+    return timed_gather(t, idx.get(), host_idx, plain);
+  }
+
+  /// Gathers the rows of @p keys (made on the host) of @p t: checks once, then times.
+  template <class Tensor>
+  rank_figures keys_case(Tensor& t, std::vector<std::int64_t> const& keys) {
+    auto const idx = allocate<std::int64_t>(keys.size());
+    WM_CUDA_TRY(cudaMemcpyAsync(idx.get(), keys.data(), keys.size() * sizeof(std::int64_t),
+                                cudaMemcpyHostToDevice, stream_));
+    return timed_gather(t, idx.get(), keys, false);
+  }
+
+  /// Gathers the rows of @p idx (device; @p host_idx: its host copy, complete once the stream
+  /// reaches this call) of @p t: checks once, then times (and the plain kernel if asked).
+  template <class Tensor>
+  rank_figures timed_gather(Tensor& t, std::int64_t const* idx,
+                            std::vector<std::int64_t> const& host_idx, bool plain) {
+    std::size_t const n = host_idx.size();
+    auto const out      = allocate<float>(n * cols);
+    std::span<std::int64_t const> const span{idx, n};
     auto const poison = [&] {
       WM_CUDA_TRY(cudaMemsetAsync(out.get(), 0xFF, n * row_bytes, stream_));  // NaN everywhere
     };
@@ -419,7 +522,7 @@ class bench {
     poison();
     run();
     t.check_errors(sref());
-    verify(out.get(), idx.get(), host_idx, "wm gather");
+    verify(out.get(), idx, host_idx, "wm gather");
     rank_figures f;
     f.ms = median_ms(run);
     t.check_errors(sref());
@@ -433,12 +536,12 @@ class bench {
         auto const run_plain = [&] {
           auto const grid = static_cast<unsigned>((n * 32 + threads - 1) / threads);
           plain_gather_kernel<<<grid, threads, 0, stream_>>>(
-              base, idx.get(), n, reinterpret_cast<std::byte*>(out.get()));
+              base, idx, n, reinterpret_cast<std::byte*>(out.get()));
           WM_CHECK_LAUNCH();
         };
         poison();
         run_plain();
-        verify(out.get(), idx.get(), host_idx, "plain kernel");
+        verify(out.get(), idx, host_idx, "plain kernel");
         f.plain_ms = median_ms(run_plain);
       }
     }
@@ -481,6 +584,80 @@ peer_result run_torch_peer(int world) {
   return p;
 }
 
+/// WholeGraph's host gathers of the (e) keys (NaN where it has none).
+struct wg_result {
+  std::string note;  // why it has no numbers, if it has none
+  double ms[4]{nan, nan, nan, nan};
+};
+
+/// Writes each (e) case's keys to a temporary directory and runs bench/peers/wg_gather.py on
+/// them, if python3 imports pylibwholegraph.torch.
+wg_result run_wg_peer(std::vector<host_case> const& cases) {
+  wg_result w;
+  fs::path const script = wm_bench::peer_script("wg_gather.py");
+  if (script.empty()) {
+    w.note = "WholeGraph peer n/a: bench/peers/wg_gather.py not found (set WM_REPO)";
+    return w;
+  }
+  std::fflush(nullptr);
+  if (std::system("python3 -c 'import pylibwholegraph.torch' >/dev/null 2>&1") != 0) {
+    w.note = "WholeGraph peer n/a: python3 cannot import pylibwholegraph.torch (PYTHONPATH)";
+    return w;
+  }
+  std::string dir_template = (fs::temp_directory_path() / "wm_gather_bench.XXXXXX").string();
+  if (::mkdtemp(dir_template.data()) == nullptr) {
+    w.note = "WholeGraph peer FAILED: cannot create a temporary directory";
+    return w;
+  }
+  fs::path const dir{dir_template};
+  std::string cmd = "timeout 300 python3 '" + script.string() + "' --json";
+  for (auto const& c : cases) {
+    fs::path const f = dir / (std::string{c.name} + ".int64");
+    std::ofstream out{f, std::ios::binary};
+    out.write(reinterpret_cast<char const*>(c.keys.data()),
+              static_cast<std::streamsize>(c.keys.size() * sizeof(std::int64_t)));
+    cmd +=
+        " --case '" + std::string{c.name} + ":" + std::to_string(c.rows) + ":" + f.string() + "'";
+  }
+  wm_bench::peer_result p;
+  wm_bench::run_peer(cmd, p);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  if (p.failed) {
+    w.note = "WholeGraph peer FAILED (its stderr is above)";
+    return w;
+  }
+  for (std::size_t i = 0; i < cases.size() && i < 4; ++i) {
+    w.ms[i] = json_number(p.json, std::string{cases[i].name} + "_ms");
+  }
+  return w;
+}
+
+/// The (e) table: wm's host gathers against their floor and against WholeGraph.
+void print_host_table(results const& r, std::vector<host_case> const& cases, wg_result const& wg) {
+  std::printf(
+      "(e) 1 GPU, pinned host tables of 512 B rows, each distinct row read once; floor = distinct "
+      "rows x 512 B / pinned H2D %.1f GB/s (same run)\n",
+      r.e_h2d_gbps);
+  if (!wg.note.empty()) { std::printf("   %s\n", wg.note.c_str()); }
+  std::printf("%-30s %8s %9s %8s %15s %9s %8s %7s\n", "case", "ms", "distinct", "floor ms",
+              "t/floor (<=1.1)", "GB/s out", "WG ms", "WG/wm");
+  for (std::size_t i = 0; i < cases.size() && i < 4; ++i) {
+    auto const& c        = cases[i];
+    double const ms      = r.e_ms[i];
+    double const floor   = double(c.distinct * row_bytes) / r.e_h2d_gbps / 1e6;
+    double const ratio   = ms / floor;
+    std::string const tf = std::isnan(ratio) ? "-"
+                           : ratio <= 1.1    ? fmt("%.2f ok", ratio)
+                                             : fmt("%.2f ABOVE", ratio);
+    double const wg_ms   = wg.ms[i];
+    std::printf("%-30s %8.3f %9zu %8.3f %15s %9.1f %8s %7s\n", c.label, ms, c.distinct, floor,
+                tf.c_str(), double(c.keys.size() * row_bytes) / ms / 1e6,
+                std::isnan(wg_ms) ? "n/a" : fmt("%.3f", wg_ms).c_str(),
+                std::isnan(wg_ms) ? "n/a" : fmt("%.2fx", wg_ms / ms).c_str());
+  }
+}
+
 /// One table row; target <= 0: reported only.
 void row(char const* name, std::string const& figure, std::string const& limit, double ratio,
          double target) {
@@ -491,7 +668,8 @@ void row(char const* name, std::string const& figure, std::string const& limit, 
               t.c_str());
 }
 
-void print_table(results const& r, peer_result const& p, double seconds) {
+void print_table(results const& r, peer_result const& p, std::vector<host_case> const& cases,
+                 wg_result const& wg, double seconds) {
   std::printf("== gather_bench: %d x %s (%.0f s in all)\n", r.ranks, r.gpu, seconds);
   std::printf("   ranks gather at once; figure: slowest rank (r0: rank 0), median of %d\n", reps);
   if (!p.note.empty()) { std::printf("   %s\n", p.note.c_str()); }
@@ -547,6 +725,7 @@ void print_table(results const& r, peer_result const& p, double seconds) {
                 r.d_nccl_ms * double(r.ranks) / double(r.ranks - 1))
           : "-",
       nan, 0);
+  print_host_table(r, cases, wg);
   std::fflush(stdout);
 }
 
@@ -567,11 +746,16 @@ int main(int argc, char** argv) {
   // The ranks are forked processes: rank 0 writes its figures into memory shared with this one.
   results* const shared = wm_bench::shared_results<results>("gather_bench");
   if (shared == nullptr) { return 1; }
-  results& res = *shared;
+  results& res     = *shared;
+  auto const cases = host_cases();  // (e): before any rank starts (the peer takes the same keys)
   try {
     wm::launch_options options;
     options.timeout   = std::chrono::seconds{180};  // expected: well under a minute each
-    auto const single = [&](wm::communicator& comm) { bench{comm, res}.single_gpu(); };
+    auto const single = [&](wm::communicator& comm) {
+      bench b{comm, res};
+      b.single_gpu();
+      b.host_distinct(cases);
+    };
     wm::launch(1, single, options);
     auto const multi = [&](wm::communicator& comm) {
       bench b{comm, res};
@@ -592,6 +776,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   peer_result const peer = run_torch_peer(world);
-  print_table(res, peer, std::chrono::duration<double>(clock::now() - t0).count());
+  wg_result const wg     = run_wg_peer(cases);
+  print_table(res, peer, cases, wg, std::chrono::duration<double>(clock::now() - t0).count());
   return peer.failed ? 1 : 0;
 }

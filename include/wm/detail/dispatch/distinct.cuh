@@ -22,6 +22,13 @@
 
 namespace wm::detail {
 
+/// Host batches at least this long read each distinct row once. The distinct path costs about
+/// ten launches (iota, radix sort passes, run select, read, replicate): some 30-50 us of GPU
+/// time. A plain read of 4096 rows of 512 bytes over PCIe takes about as long (2 MiB at
+/// ~50 GB/s), and keys repeat more in longer batches; below this the plain kernel reads every
+/// occurrence (repeats of short batches cost little).
+inline constexpr std::size_t host_distinct_threshold = std::size_t{1} << 12;
+
 /// A batch sorted by key with its positions, and its runs of equal keys (all on the device).
 template <class Index>
 struct distinct_batch {
@@ -114,17 +121,50 @@ template <class Index>
   return lo;
 }
 
-/// Replication: out row positions[i] = out row positions[first of i's run], for non-first i.
+/// Output row of sorted element i: out row order[positions[i]] (positions[i] when order is null).
+template <class Index>
+[[nodiscard]] __device__ inline std::byte* output_row(distinct_batch<Index> const& b,
+                                                      std::size_t const* order, packed_rows out,
+                                                      std::size_t i) {
+  std::size_t const p = b.positions[i];
+  return out.row(order != nullptr ? order[p] : p);
+}
+
+/// Replication: the output row of sorted element i = that of the first of i's run, for the
+/// elements at least `written` past their run's first (those before are in place). Element i
+/// is within `written` of its run's first when i < written or keys[i - written] != keys[i]
+/// (one load); only the others search run_begin, and they lie in long runs of hot keys whose
+/// searches take the same few cached paths.
 template <class Index>
 struct replicate_moves {
   distinct_batch<Index> b;
+  std::size_t const* order;
   packed_rows out;
+  std::size_t written;  // >= 1
   [[nodiscard]] __device__ row_move operator()(std::size_t i, int) const {
+    if (i < written || b.keys[i - written] != b.keys[i]) { return {nullptr, nullptr}; }
     std::size_t const head = b.run_begin[run_of(b, i)];
-    if (head == i) { return {nullptr, nullptr}; }
-    return {out.row(b.positions[head]), out.row(b.positions[i])};
+    if (i - head < written) { return {nullptr, nullptr}; }  // equal keys of another run between
+    return {output_row(b, order, out, head), output_row(b, order, out, i)};
   }
 };
+
+/// As replicate_runs, with output rows out.row(order[positions[i]]) (@p order may be null) of
+/// @p row_bytes at a stride of out.stride_bytes, for the elements at least @p written (>= 1)
+/// past their run's first (those before must be in place).
+template <class Index>
+void replicate_runs_to(distinct_batch<Index> const& b, std::size_t const* order, packed_rows out,
+                       std::size_t row_bytes, std::size_t written, cudaStream_t s,
+                       int blocks_per_sm = 8) {
+  launch_rows(
+      b.n, row_bytes, {row_bytes, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
+      [&]<class Vec>(row_launch const& l) {
+        using M = replicate_moves<Index>;
+        move_rows_kernel<Vec, false, false, M><<<l.blocks, 256, 0, s>>>(
+            M{b, order, out, std::max<std::size_t>(written, 1)}, b.n, l.row_vecs, l.group);
+      },
+      blocks_per_sm);
+}
 
 /**
  * For every sorted element i that is not its run's first: row positions[i] of @p out =
@@ -136,61 +176,93 @@ struct replicate_moves {
 template <class Index>
 void replicate_runs(distinct_batch<Index> const& b, std::byte* out, std::size_t row_bytes,
                     cudaStream_t s, int blocks_per_sm = 8) {
-  launch_rows(
-      b.n, row_bytes, {row_bytes, reinterpret_cast<std::uintptr_t>(out)},
-      [&]<class Vec>(row_launch const& l) {
-        using M = replicate_moves<Index>;
-        move_rows_kernel<Vec, false, false, M>
-            <<<l.blocks, 256, 0, s>>>(M{b, packed_rows{out, row_bytes}}, b.n, l.row_vecs, l.group);
-      },
-      blocks_per_sm);
+  replicate_runs_to(b, static_cast<std::size_t const*>(nullptr), packed_rows{out, row_bytes},
+                    row_bytes, 1, s, blocks_per_sm);
 }
 
-/// The distinct read: run r's row rows.row(keys[run_begin[r]]) to out row
-/// positions[run_begin[r]]; invalid keys write a zero row and set *err. Runs past the count
-/// (the grid is sized from n) do nothing.
-template <class Rows, class Index>
-struct distinct_moves {
-  Rows rows;
-  distinct_batch<Index> b;
-  packed_rows out;
-  unsigned* err;
-  [[nodiscard]] __device__ row_move operator()(std::size_t r, int lane) const {
-    if (r >= *b.runs) { return {nullptr, nullptr}; }
-    std::size_t const i = b.run_begin[r];
-    Index const k       = b.keys[i];
-    row_move m{nullptr, out.row(b.positions[i])};
-    if (valid_index(k, rows.rows())) {
-      m.src = rows.row(static_cast<std::size_t>(k));
-    } else if (lane == 0) {
-      atomicOr(err, 1u);
+/// Output rows of each run that the distinct read writes itself, from the registers that hold
+/// the row (these writes overlap the reads of other rows); replicate_runs copies the rest.
+inline constexpr std::size_t fused_copies = 16;
+
+/**
+ * The distinct read: run r's row rows.row(keys[run_begin[r]]) to the output rows (see
+ * output_row) of the run's first min(run length, fused_copies) elements; invalid keys write
+ * zero rows and set *err. A group of `group` lanes takes a row in vectors of Vec, `unroll` runs
+ * in flight (loads issued before the first store), runs in ascending key order across the grid;
+ * the grid is sized from n and the groups past the run count exit at once.
+ */
+template <class Vec, bool Fresh, class Rows, class Index>
+__global__ void __launch_bounds__(256)
+    read_runs_kernel(Rows rows, distinct_batch<Index> b, std::size_t const* order, packed_rows out,
+                     unsigned* err, std::size_t row_vecs, int group) {
+  std::size_t const tid    = grid_thread();
+  std::size_t const groups = grid_threads() / static_cast<std::size_t>(group);
+  std::size_t const g      = tid / static_cast<std::size_t>(group);
+  int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
+  std::size_t const runs   = *b.runs;
+  for (std::size_t r0 = g; r0 < runs; r0 += groups * unroll) {
+    Vec const* src[unroll];
+    std::size_t first[unroll];
+    std::size_t copies[unroll];
+#pragma unroll
+    for (int u = 0; u < unroll; ++u) {
+      std::size_t const r = r0 + static_cast<std::size_t>(u) * groups;
+      src[u]              = nullptr;
+      first[u]            = 0;
+      copies[u]           = 0;
+      if (r < runs) {
+        first[u]              = b.run_begin[r];
+        std::size_t const len = b.run_begin[r + 1] - first[u];
+        copies[u]             = len < fused_copies ? len : fused_copies;
+        Index const k         = b.keys[first[u]];
+        if (valid_index(k, rows.rows())) {
+          src[u] = reinterpret_cast<Vec const*>(rows.row(static_cast<std::size_t>(k)));
+        } else if (lane == 0) {
+          atomicOr(err, 1u);
+        }
+      }
     }
-    return m;
+    for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs;
+         c += static_cast<std::size_t>(group)) {
+      Vec v[unroll];
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        if (src[u] != nullptr) { v[u] = load_vec<Fresh>(src[u] + c); }
+      }
+#pragma unroll
+      for (int u = 0; u < unroll; ++u) {
+        for (std::size_t j = 0; j < copies[u]; ++j) {
+          auto* const dst = reinterpret_cast<Vec*>(output_row(b, order, out, first[u] + j));
+          store_vec<false>(dst + c, src[u] != nullptr ? v[u] : Vec{});
+        }
+      }
+    }
   }
-};
+}
 
 /**
  * Reads each run's row of @p b once from @p rows (ascending keys: the rows in flight sit on few
- * pages) into the run's first output row of @p out (packed rows of @p row_bytes), then copies it
- * to the run's other output rows (replicate_runs). @p fresh: ld.cv loads, for host rows other
- * GPUs may have written (each is read once here, so nothing is lost by skipping L2). Invalid
- * keys: zero rows, *err set. @p rows_alignment: the source rows' stride.
+ * pages) into the output rows of the run's first elements (fused_copies of them), then copies
+ * it to the output rows of the run's other elements (as replicate_runs). Output rows:
+ * out.row(order[positions[i]]), or out.row(positions[i]) when @p order is null, @p row_bytes
+ * each. @p fresh: ld.cv loads, for host rows other GPUs may have written (each is read once
+ * here, so nothing is lost by skipping L2). Invalid keys: zero rows, *err set.
+ * @p rows_alignment: the source rows' stride.
  */
 template <class Rows, class Index>
-void read_distinct(Rows rows, distinct_batch<Index> const& b, std::byte* out, std::size_t row_bytes,
-                   std::uintptr_t rows_alignment, unsigned* err, cudaStream_t s, bool fresh,
-                   int blocks_per_sm = 8) {
+void read_distinct(Rows rows, distinct_batch<Index> const& b, std::size_t const* order,
+                   packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
+                   unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
   launch_rows(
-      b.n, row_bytes, {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out)},
+      b.n, row_bytes,
+      {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
       [&]<class Vec>(row_launch const& l) {
-        using M = distinct_moves<Rows, Index>;
-        auto* const kernel =
-            fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
-        kernel<<<l.blocks, 256, 0, s>>>(M{rows, b, packed_rows{out, row_bytes}, err}, b.n,
-                                        l.row_vecs, l.group);
+        auto* const kernel = fresh ? read_runs_kernel<Vec, true, Rows, Index>
+                                   : read_runs_kernel<Vec, false, Rows, Index>;
+        kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
       },
       blocks_per_sm);
-  replicate_runs(b, out, row_bytes, s, blocks_per_sm);
+  replicate_runs_to(b, order, out, row_bytes, fused_copies, s, blocks_per_sm);
 }
 
 /**
@@ -204,7 +276,8 @@ void gather_distinct(Rows rows, Index const* idx, std::size_t n, int bits, works
                      unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
   if (n == 0) { return; }
   auto const b = plan_distinct(idx, n, bits, ws, s);
-  read_distinct(rows, b, out, row_bytes, rows_alignment, err, s, fresh, blocks_per_sm);
+  read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), packed_rows{out, row_bytes},
+                row_bytes, rows_alignment, err, s, fresh, blocks_per_sm);
 }
 
 }  // namespace wm::detail

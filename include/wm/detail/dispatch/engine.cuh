@@ -5,6 +5,7 @@
 
 #include <wm/comm.hpp>
 #include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/dispatch/distinct.cuh>
 #include <wm/detail/dispatch/kernels.cuh>
 #include <wm/detail/dispatch/mailbox.cuh>
 #include <wm/detail/dispatch/plan.cuh>
@@ -16,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -24,15 +26,67 @@
 namespace wm::detail {
 
 /**
+ * The owner side's reads of a distributed gather, from a table: `reader(keys, order, n, dst, s,
+ * blocks_per_sm)` writes row keys[i] of the table to dst.row(order ? order[i] : i) (a zero row
+ * and *err set for an invalid key), with a grid of at most @p blocks_per_sm blocks per
+ * multiprocessor (see plan_row_launch).
+ */
+template <class Rows>
+struct table_reader {
+  Rows table;
+  std::size_t stride_bytes;  ///< the table's row stride
+  std::size_t row_bytes;
+  unsigned* err;
+  template <class Index>
+  void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
+                  cudaStream_t s, int blocks_per_sm) const {
+    launch_gather(table, keys, order, n, dst, row_bytes, stride_bytes, err, s, false,
+                  blocks_per_sm);
+  }
+};
+
+/**
+ * As table_reader, reading each distinct row of a batch once (host tables: the rows cross PCIe
+ * once however often a batch asks for them; distinct.cuh). Batches below
+ * host_distinct_threshold are read as table_reader does. Its sorts use @p ws on the stream
+ * @p ws_stream and @p aux_ws on any other (the engine reads this rank's own rows on a side
+ * stream beside the pieces).
+ */
+template <class Rows>
+struct distinct_reader {
+  Rows table;
+  std::size_t stride_bytes;
+  std::size_t row_bytes;
+  unsigned* err;
+  int bits;  ///< radix bits that order every valid local row (row_bits of the local rows)
+  workspace* ws;
+  cudaStream_t ws_stream;
+  workspace* aux_ws;
+  bool fresh;  ///< ld.cv loads (rows another GPU may have written)
+  template <class Index>
+  void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
+                  cudaStream_t s, int blocks_per_sm) const {
+    if (n < host_distinct_threshold) {
+      launch_gather(table, keys, order, n, dst, row_bytes, stride_bytes, err, s, fresh,
+                    blocks_per_sm);
+      return;
+    }
+    auto const b = plan_distinct(keys, n, bits, s == ws_stream ? *ws : *aux_ws, s);
+    read_distinct(table, b, order, dst, row_bytes, stride_bytes, err, s, fresh, blocks_per_sm);
+  }
+};
+
+/**
  * The rows of a planned gather (@p p, planned without order: the gather's plan) from their owners
  * into @p out (dense rows of @p rb bytes, the caller's order; zero rows for invalid indices).
- * @p table: this rank's rows (the owner side's source of rows); @p stride_bytes: their stride.
- * Collective, as the plan.
+ * @p read: the owner side's reads of this rank's rows, called as `read(keys, order, n, dst, s,
+ * blocks_per_sm)` (see table_reader). Collective, as the plan.
  */
-template <class Rows, class Index>
+template <class Reader, class Index>
+requires std::invocable<Reader&, Index const*, std::size_t const*, std::size_t, packed_rows,
+                        cudaStream_t, int>
 void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<Index> const& p,
-                 Rows const& table, std::size_t stride_bytes, std::size_t n, std::byte* out,
-                 std::size_t rb, cudaStream_t s) {
+                 Reader&& read, std::size_t n, std::byte* out, std::size_t rb, cudaStream_t s) {
   auto const world = static_cast<std::size_t>(comm.size());
   auto const me    = static_cast<std::size_t>(comm.rank());
   bool const put   = mailbox_ready(comm, sc, p.most_remote * rb);
@@ -98,8 +152,8 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
     WM_CUDA_TRY(cudaStreamWaitEvent(own, sc.side.forked(), 0));
   }
   if (own_beside || pieces == 0) {
-    launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb,
-                  stride_bytes, sc.err.data(), own, false, pieces > 0 ? own_room : 8);
+    read(p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, own,
+         pieces > 0 ? own_room : 8);
   }
   if (own != s) { WM_CUDA_TRY(cudaEventRecord(sc.side.joined(), own)); }
   // Piece k of every peer's answer, arrived in `back`, to the caller's order: back row j of
@@ -133,9 +187,8 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
           put ? sc.mail.at[q] + (p.mail_offsets[q] + out_piece.first) * rb : nullptr;
       std::byte* const rows = put && !copy ? mail : rows_out + (recv_at[q] + out_piece.first) * rb;
       if (n_out > 0) {
-        launch_gather(table, recv_keys + recv_at[q] + out_piece.first,
-                      static_cast<std::size_t const*>(nullptr), n_out, packed_rows{rows, rb}, rb,
-                      stride_bytes, sc.err.data(), s, false, put ? put_room : room);
+        read(recv_keys + recv_at[q] + out_piece.first, static_cast<std::size_t const*>(nullptr),
+             n_out, packed_rows{rows, rb}, s, put ? put_room : room);
         if (copy) { copies.push_back({mail, rows, n_out * rb}); }
       }
       if (put) {
@@ -167,8 +220,7 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
   }
   // 3 (NCCL, copy). This rank's own rows while the last pieces cross.
   if (pieces > 0 && !own_beside) {
-    launch_gather(table, p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, rb,
-                  stride_bytes, sc.err.data(), s, false, room);
+    read(p.send_keys + key_at[me], p.order + key_at[me], p.send_counts[me], dst, s, room);
   }
   if (put) {
     if (pieces > 0) { WM_CUDA_TRY(cudaStreamWaitEvent(s, sc.side.arrived(pieces - 1), 0)); }
@@ -183,6 +235,18 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
   // Invalid indices sit at the end of the grouped order: zero rows (the error is already set).
   launch_gather(local_rows{back, 0, rb}, static_cast<std::size_t const*>(nullptr),
                 p.order + p.n_sent, n - p.n_sent, dst, rb, rb, sc.err.data(), s);
+}
+
+/**
+ * As above, the owner side reading @p table (this rank's rows, of stride @p stride_bytes) through
+ * table_reader.
+ */
+template <class Rows, class Index>
+void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<Index> const& p,
+                 Rows const& table, std::size_t stride_bytes, std::size_t n, std::byte* out,
+                 std::size_t rb, cudaStream_t s) {
+  gather_rows(comm, sc, p, table_reader<Rows>{table, stride_bytes, rb, sc.err.data()}, n, out, rb,
+              s);
 }
 
 /// What reached an owner: @p n local rows (keys) and one row of values each, in the order of

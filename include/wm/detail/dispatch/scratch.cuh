@@ -178,6 +178,8 @@ struct exchange_scratch {
   pinned_buffer<unsigned long long> words_host;
   workspace a;  // sized by the caller's batch
   workspace b;  // sized by what this rank receives (mapped layouts: rotated keys of long gathers)
+  workspace reads;      // the owner side's distinct reads of host rows (the caller's stream)
+  workspace reads_aux;  // the same beside them (this rank's own rows on the aux stream)
   side_stream side;
   mailbox mail;
 

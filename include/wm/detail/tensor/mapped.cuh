@@ -1,5 +1,6 @@
-// The mapped layouts' sorted read: long batches of host or chunked rows are read in ascending
-// row order (optionally rotated so that ranks start at different owners).
+// The mapped layouts' sorted read: long batches of chunked rows are read in ascending row order
+// (optionally rotated so that ranks start at different owners); long host batches read each
+// distinct row once (distinct.cuh).
 #pragma once
 
 #include <wm/detail/cuda/utility.cuh>
@@ -16,7 +17,8 @@
 
 namespace wm::detail {
 
-/// Batches at least this long are read in ascending row order from host memory.
+/// Batches at least this long are read in ascending row order (chunked device memory of several
+/// ranks).
 inline constexpr std::size_t host_sort_threshold = std::size_t{1} << 16;
 
 template <class Index>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/dispatch/distinct.cuh>
 #include <wm/detail/dispatch/engine.cuh>
 #include <wm/detail/dispatch/kernels.cuh>
 #include <wm/detail/dispatch/plan.cuh>
@@ -142,7 +143,13 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     bool const sort_long =
         Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
     bool const fresh = Location::is_host;  // other GPUs may have written these rows
-    if (sort_long && n >= detail::host_sort_threshold) {
+    if (Location::is_host && n >= detail::host_distinct_threshold) {
+      // Host rows: each distinct row crosses PCIe once (fresh, ascending rows), then is copied
+      // on the device to the other positions that asked for it (hot keys of skewed batches).
+      detail::gather_distinct(rows, indices.data(), n, detail::row_bits(rows_), scratch_->a,
+                              dst.base, row_bytes(), stride_bytes(), scratch_->err.data(), s,
+                              fresh);
+    } else if (sort_long && n >= detail::host_sort_threshold) {
       // Chunked device rows with block mapping: ascending order starts at the next rank's rows
       // and wraps around; ranks that all began at row 0 read the same owner at the same time
       // (seen with 4 ranks: chunked gathers at 0.59 of the peer-copy floor, continuous ones at
@@ -255,8 +262,23 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   auto const p     = detail::plan_exchange(comm, map_ref(), idx, n, sc, s, call, false);
   auto const local = mem_.local_view();
   detail::local_rows const table{local.data, local.entries, stride_bytes()};
-  detail::gather_rows(comm, sc, p, table, stride_bytes(), n, reinterpret_cast<std::byte*>(out),
-                      row_bytes(), s);
+  if constexpr (Location::is_host) {
+    // Host rows: the owner reads each distinct row of a batch once. Only this GPU writes its
+    // local rows (owner-side scatters and updates), so its L2 may serve them: not fresh.
+    detail::distinct_reader<detail::local_rows> const read{table,
+                                                           stride_bytes(),
+                                                           row_bytes(),
+                                                           sc.err.data(),
+                                                           detail::row_bits(local.entries),
+                                                           &sc.reads,
+                                                           s,
+                                                           &sc.reads_aux,
+                                                           false};
+    detail::gather_rows(comm, sc, p, read, n, reinterpret_cast<std::byte*>(out), row_bytes(), s);
+  } else {
+    detail::gather_rows(comm, sc, p, table, stride_bytes(), n, reinterpret_cast<std::byte*>(out),
+                        row_bytes(), s);
+  }
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>

@@ -1,0 +1,342 @@
+// GPU tests of the host path that reads each distinct row once (detail/dispatch/distinct.cuh):
+// plan_distinct against a host model (stable sort on the low bits, runs of equal keys),
+// replicate_runs, and host-table gathers through wm::tensor on every host layout and mapping
+// (one rank and one rank per GPU: [ranked]), with skewed keys of both index types, batch sizes
+// around the distinct threshold, 0 and 1 keys, all-equal keys and invalid keys mixed in. Tables
+// hold fresh random bytes; outputs are poisoned first; results are compared byte for byte with a
+// host reference.
+#include <wm/detail/dispatch/distinct.cuh>
+#include <wm/wm.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "catch.hpp"
+#include "ranks.hpp"
+
+namespace {
+
+constexpr std::byte poison{0xA5};
+
+// Device buffer of bytes, poisoned on creation.
+struct device_bytes {
+  std::byte* ptr{};
+  std::size_t n{};
+  explicit device_bytes(std::size_t bytes) : n{bytes} {
+    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
+    WM_CUDA_TRY(cudaMemset(ptr, static_cast<int>(poison), std::max<std::size_t>(bytes, 1)));
+  }
+  ~device_bytes() { (void)cudaFree(ptr); }
+  device_bytes(device_bytes const&)            = delete;
+  device_bytes& operator=(device_bytes const&) = delete;
+  void upload(void const* h, std::size_t bytes) {
+    WM_CUDA_TRY(cudaMemcpy(ptr, h, bytes, cudaMemcpyHostToDevice));
+  }
+  [[nodiscard]] std::vector<std::byte> to_host() const {
+    std::vector<std::byte> h(n);
+    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n, cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+template <class T>
+std::vector<T> copy_to_host(T const* d, std::size_t n) {
+  std::vector<T> h(n);
+  if (n > 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost)); }
+  return h;
+}
+
+std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n) {
+  std::vector<std::byte> v(n);
+  for (auto& b : v) { b = static_cast<std::byte>(rng()); }
+  return v;
+}
+
+/// Skewed keys: rank r of a discrete power law (exponent 1.05, ranks 0..rows-1, inverse CDF)
+/// scattered to row (r * 7919 + 13) mod rows, so hot rows lie anywhere in the table.
+template <class Index>
+std::vector<Index> zipf_keys(std::mt19937_64& rng, std::size_t n, std::size_t rows) {
+  std::vector<double> cdf(rows);
+  double sum = 0;
+  for (std::size_t r = 0; r < rows; ++r) {
+    cdf[r] = sum += std::pow(static_cast<double>(r + 1), -1.05);
+  }
+  std::uniform_real_distribution<double> u{0.0, sum};
+  std::vector<Index> k(n);
+  for (auto& x : k) {
+    auto const r =
+        static_cast<std::size_t>(std::upper_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
+    x = static_cast<Index>((std::min(r, rows - 1) * 7919 + 13) % rows);
+  }
+  return k;
+}
+
+// ---- plan_distinct and replicate_runs against a host model -------------------------------------
+
+/// What plan_distinct must give for @p idx: the stable order by the low @p bits bits (all bits:
+/// the key's own order), and the first element of each run of equal keys.
+template <class Index>
+struct distinct_model {
+  std::vector<Index> keys;
+  std::vector<std::size_t> positions;
+  std::vector<std::size_t> run_begin;  // with n at the end
+
+  distinct_model(std::vector<Index> const& idx, int bits) : positions(idx.size()) {
+    using U = std::make_unsigned_t<Index>;
+    std::iota(positions.begin(), positions.end(), std::size_t{0});
+    bool const all_bits = bits >= static_cast<int>(sizeof(Index) * 8);
+    U const mask        = all_bits ? ~U{0} : static_cast<U>((U{1} << bits) - 1);
+    std::stable_sort(positions.begin(), positions.end(), [&](std::size_t a, std::size_t b) {
+      if (all_bits) { return idx[a] < idx[b]; }
+      return (static_cast<U>(idx[a]) & mask) < (static_cast<U>(idx[b]) & mask);
+    });
+    for (std::size_t i = 0; i < positions.size(); ++i) {
+      keys.push_back(idx[positions[i]]);
+      if (i == 0 || keys[i] != keys[i - 1]) { run_begin.push_back(i); }
+    }
+    run_begin.push_back(idx.size());
+  }
+};
+
+/// Row content of key k for the replicate test: bytes that differ by key and by column.
+std::byte row_byte(std::int64_t k, std::size_t j) {
+  return static_cast<std::byte>((static_cast<std::uint64_t>(k) * 2654435761u + j * 40503u) >> 7);
+}
+
+template <class Index>
+void check_plan_and_replicate(std::vector<Index> const& idx, int bits, std::size_t row_bytes,
+                              std::string const& what) {
+  INFO(what << ": n=" << idx.size() << " bits=" << bits << " row bytes=" << row_bytes);
+  std::size_t const n = idx.size();
+  device_bytes d_idx{n * sizeof(Index)};
+  d_idx.upload(idx.data(), n * sizeof(Index));
+  cudaStream_t s{};
+  REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+  {
+    wm::detail::workspace ws;
+    auto const b =
+        wm::detail::plan_distinct(reinterpret_cast<Index const*>(d_idx.ptr), n, bits, ws, s);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    distinct_model<Index> const m{idx, bits};
+    std::size_t const runs = copy_to_host(b.runs, 1)[0];
+    REQUIRE(b.n == n);
+    REQUIRE(runs + 1 == m.run_begin.size());
+    CHECK(copy_to_host(b.keys, n) == m.keys);
+    CHECK(copy_to_host(b.positions, n) == m.positions);
+    CHECK(copy_to_host(b.run_begin, runs + 1) == m.run_begin);
+
+    // replicate_runs: the heads' rows are in place, every other row poisoned; afterwards every
+    // row holds its key's row and nothing beyond the rows was written.
+    std::vector<std::byte> rows((n + 1) * row_bytes, poison);
+    for (std::size_t r = 0; r < runs; ++r) {
+      std::size_t const i = m.run_begin[r];
+      for (std::size_t j = 0; j < row_bytes; ++j) {
+        rows[m.positions[i] * row_bytes + j] = row_byte(static_cast<std::int64_t>(m.keys[i]), j);
+      }
+    }
+    device_bytes out{(n + 1) * row_bytes};
+    out.upload(rows.data(), rows.size());
+    wm::detail::replicate_runs(b, out.ptr, row_bytes, s);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    auto const got    = out.to_host();
+    std::size_t wrong = 0;
+    for (std::size_t p = 0; p < n; ++p) {
+      for (std::size_t j = 0; j < row_bytes; ++j) {
+        wrong += got[p * row_bytes + j] == row_byte(static_cast<std::int64_t>(idx[p]), j) ? 0 : 1;
+      }
+    }
+    CHECK(wrong == 0);
+    bool tail_untouched = true;
+    for (std::size_t j = 0; j < row_bytes; ++j) {
+      tail_untouched = tail_untouched && got[n * row_bytes + j] == poison;
+    }
+    CHECK(tail_untouched);
+  }
+  REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+TEMPLATE_TEST_CASE("plan_distinct and replicate_runs match a host model", "[gpu]", std::int32_t,
+                   std::int64_t) {
+  using Index = TestType;
+  std::mt19937_64 rng{std::random_device{}()};
+  std::size_t const n  = GENERATE(std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{777},
+                                  std::size_t{100'003});
+  std::size_t const rb = GENERATE(std::size_t{512}, std::size_t{36}, std::size_t{6});
+  SECTION("heavy repeats of few keys") {
+    std::size_t const rows = 1000;
+    auto keys              = zipf_keys<Index>(rng, n, rows);
+    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "zipf over 1000 rows");
+  }
+  SECTION("uniform keys over a large range, every bit") {
+    std::vector<Index> keys(n);
+    for (auto& k : keys) {
+      k = static_cast<Index>(rng() % (std::size_t{1} << (sizeof(Index) * 8 - 2)));
+    }
+    check_plan_and_replicate(keys, int{sizeof(Index) * 8}, rb, "uniform, all bits");
+  }
+  SECTION("all keys equal") {
+    std::vector<Index> keys(n, static_cast<Index>(rng() % 1000));
+    check_plan_and_replicate(keys, 10, rb, "all equal");
+  }
+  SECTION("invalid keys sharing low bits with valid ones split runs, never merge them") {
+    std::size_t const rows = 256;  // 8 bits
+    std::vector<Index> keys(n);
+    for (auto& k : keys) {
+      auto const low = static_cast<Index>(rng() % 16);
+      switch (rng() % 4) {
+        case 0: k = static_cast<Index>(low + 256); break;   // same low bits, out of range
+        case 1: k = static_cast<Index>(-256 + low); break;  // negative, same low bits
+        default: k = low; break;
+      }
+    }
+    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "invalid mixed in");
+  }
+}
+
+// ---- host-table gathers through wm::tensor ----------------------------------------------------
+
+// A seed drawn on rank 0, the same on every rank.
+std::uint64_t shared_seed(wm::communicator& comm) {
+  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
+}
+
+// Global row of local row l on rank r.
+template <class M>
+std::size_t global_row(wm::block_partition const& p, int world, int r, std::size_t l) {
+  if constexpr (std::is_same_v<M, wm::block>) {
+    return p.begin(r) + l;
+  } else {
+    return l * static_cast<std::size_t>(world) + static_cast<std::size_t>(r);
+  }
+}
+
+/// A host tensor of @p rows x @p cols floats (row stride @p stride) holding @p table (dense rows).
+template <class Y, class M>
+struct host_table {
+  wm::tensor<float, wm::host, Y, M> t;
+  host_table(wm::communicator& comm, std::vector<std::byte> const& table, std::size_t rows,
+             std::size_t cols, std::size_t stride)
+      : t{comm, rows, cols, stride} {
+    std::size_t const rb = cols * sizeof(float);
+    auto const lv        = t.local_view();
+    if (lv.rows > 0) {  // this rank's rows: a range (block) or every world-th (cyclic)
+      auto const first = global_row<M>(t.storage().partition(), comm.size(), comm.rank(), 0);
+      std::size_t const src_pitch =
+          std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(comm.size()) * rb;
+      WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(float), table.data() + first * rb,
+                               src_pitch, rb, lv.rows, cudaMemcpyDefault));
+    }
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    comm.barrier();
+  }
+};
+
+/// Gathers @p batch (poisoned output) and compares it with @p table: valid keys give their row,
+/// invalid ones a zero row and an error (thrown by gather, when @p expect_error).
+template <class Y, class M, class Index>
+void check_host_gather(host_table<Y, M>& h, std::vector<std::byte> const& table, std::size_t rb,
+                       std::vector<Index> const& batch, bool expect_error, cudaStream_t s,
+                       std::string const& what) {
+  INFO(what << ": " << batch.size() << " keys, index " << sizeof(Index) << " B, row " << rb
+            << " B, " << h.t.rows() << " rows");
+  std::size_t const n = batch.size();
+  device_bytes keys{n * sizeof(Index)};
+  keys.upload(batch.data(), n * sizeof(Index));
+  device_bytes out{(n + 1) * rb};  // one poisoned row past the end
+  bool threw = false;
+  try {
+    h.t.gather(std::span<Index const>{reinterpret_cast<Index const*>(keys.ptr), n},
+               reinterpret_cast<float*>(out.ptr), cuda::stream_ref{s});
+  } catch (wm::logic_error const&) { threw = true; }
+  CHECK(threw == expect_error);
+  auto const got    = out.to_host();
+  std::size_t wrong = 0, first_wrong = n;
+  std::vector<std::byte> const zero(rb, std::byte{0});
+  for (std::size_t i = 0; i < n; ++i) {
+    bool const valid = batch[i] >= 0 && static_cast<std::size_t>(batch[i]) < h.t.rows();
+    std::byte const* want =
+        valid ? table.data() + static_cast<std::size_t>(batch[i]) * rb : zero.data();
+    if (std::memcmp(got.data() + i * rb, want, rb) != 0) {
+      first_wrong = std::min(first_wrong, i);
+      ++wrong;
+    }
+  }
+  INFO("first wrong row " << first_wrong);
+  CHECK(wrong == 0);
+  bool tail_untouched = true;
+  for (std::size_t j = 0; j < rb; ++j) {
+    tail_untouched = tail_untouched && got[n * rb + j] == poison;
+  }
+  CHECK(tail_untouched);
+}
+
+template <class Y, class M, class Index>
+void host_gathers(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols,
+                  std::size_t stride) {
+  std::size_t const rb = cols * sizeof(float);
+  std::mt19937_64 shared{seed};  // the table: the same on every rank
+  auto const table = random_bytes(shared, rows * rb);
+  host_table<Y, M> h{comm, table, rows, cols, stride};
+  std::mt19937_64 rng{seed + 1 + static_cast<std::uint64_t>(comm.rank())};  // batches by rank
+  cudaStream_t s{};
+  REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+  std::size_t const t = wm::detail::host_distinct_threshold;
+  // Every rank makes the same calls (distributed gathers are collective); lengths differ by rank.
+  std::size_t const extra = static_cast<std::size_t>(comm.rank()) * 3;
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{100} + extra, t - 1, t,
+                        t + 1 + extra, std::size_t{70'001} + extra}) {
+    auto const label = std::to_string(n) + " keys";
+    check_host_gather(h, table, rb, zipf_keys<Index>(rng, n, rows), false, s, "zipf " + label);
+    std::vector<Index> uniform(n);
+    for (auto& k : uniform) { k = static_cast<Index>(rng() % rows); }
+    check_host_gather(h, table, rb, uniform, false, s, "uniform " + label);
+    check_host_gather(h, table, rb, std::vector<Index>(n, static_cast<Index>(rng() % rows)), false,
+                      s, "all equal " + label);
+    if (n >= 2) {
+      // Invalid keys mixed in, some sharing low bits with valid hot keys: an error, zero rows
+      // for them, the right rows for the others.
+      auto bad = zipf_keys<Index>(rng, n, rows);
+      for (std::size_t i = 0; i < n; i += 1 + rng() % 97) {
+        auto const k = static_cast<std::size_t>(bad[i]);
+        bad[i]       = rng() % 2 == 0 ? static_cast<Index>(-1 - static_cast<Index>(rng() % 5))
+                                      : static_cast<Index>(rows + k + (std::size_t{1} << 20));
+      }
+      bad[n - 1] = static_cast<Index>(rows);
+      check_host_gather(h, table, rb, bad, true, s, "invalid mixed in " + label);
+      // The error was cleared: the next gather is clean.
+      check_host_gather(h, table, rb, zipf_keys<Index>(rng, n, rows), false, s,
+                        "after an error " + label);
+    }
+  }
+  REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+  comm.barrier();
+}
+
+}  // namespace
+
+#define WM_HOST_KINDS                                                                     \
+  (std::tuple<wm::continuous, wm::block>), (std::tuple<wm::chunked, wm::block>),          \
+      (std::tuple<wm::distributed, wm::block>), (std::tuple<wm::continuous, wm::cyclic>), \
+      (std::tuple<wm::chunked, wm::cyclic>), (std::tuple<wm::distributed, wm::cyclic>)
+
+TEMPLATE_TEST_CASE("ranked: host gathers read distinct rows once and match the table", "[ranked]",
+                   WM_HOST_KINDS) {
+  using Y                  = std::tuple_element_t<0, TestType>;
+  using M                  = std::tuple_element_t<1, TestType>;
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
+  // 512-byte rows (16-byte vectors); 33 floats in a stride of 36 (4-byte vectors, padding).
+  host_gathers<Y, M, std::int32_t>(comm, seed, 50'021, 128, 0);
+  host_gathers<Y, M, std::int64_t>(comm, seed + 1, 50'021, 128, 0);
+  host_gathers<Y, M, std::int64_t>(comm, seed + 2, 3'001, 33, 36);
+  host_gathers<Y, M, std::int32_t>(comm, seed + 3, 1, 4, 0);  // one row: other ranks own none
+}
