@@ -156,12 +156,16 @@ inline constexpr bool is_writable_cache_v = is_writable_cache<C>::value;
 template <class C>
 concept writable_cache = is_writable_cache_v<C>;
 
+/// The compile-time message for an optimizer on a cache that cannot be written (a macro because
+/// a C++20 static_assert takes a string literal).
+#define WM_CACHE_READ_ONLY_MESSAGE                                                            \
+  "this cache policy is read-only (wm::group_cache, or wm::device_cache<wm::read_only>): an " \
+  "embedding with it cannot be trained; use wm::no_optimizer, or "                            \
+  "wm::device_cache<wm::read_write> for a trainable cached table"
+
 namespace detail::cache {
 /// The compile-time message for an optimizer on a cache that cannot be written.
-inline constexpr char const read_only_message[] =
-    "this cache policy is read-only (wm::group_cache, or wm::device_cache<wm::read_only>): an "
-    "embedding with it cannot be trained; use wm::no_optimizer, or "
-    "wm::device_cache<wm::read_write> for a trainable cached table";
+inline constexpr char const read_only_message[] = WM_CACHE_READ_ONLY_MESSAGE;
 }  // namespace detail::cache
 
 // ---------------------------------------------------------------------------------------------

@@ -14,11 +14,25 @@
  *   global step in global row order; they load into any rank count, layout or mapping. All or
  *   nothing: `load` checks every file first, `store` writes temporaries and renames them.
  *
- * Cache policies: only `wm::no_cache` exists yet; a cache plugs in around gather and the
- * owner-side update without changing the optimizer code.
+ * Cache policies (<wm/cache.hpp>), the second template argument:
+ * - `wm::no_cache`: every gather reads the table; the update writes the table.
+ * - `wm::device_cache<wm::read_write, R>` (device-cached host table, trainable): each rank keeps
+ *   rows of its own part in 32-way sets of device memory (replacement R = `wm::lfu` or `wm::lru`);
+ *   a line holds the weight row, its optimizer state and Adam's per-row step, so a hit never
+ *   reads the table. The gather serves hits from lines, reads each distinct missing row once and
+ *   admits it (write-allocate); `apply_gradients` updates cached rows in their lines (marked
+ *   dirty) and other rows in the table (write-around), in one fused pass with the same
+ *   arithmetic, so results are bitwise those of `wm::no_cache`. Dirty lines go back to the table
+ *   on eviction and on `flush()`; `store()` flushes first, `load()` invalidates.
+ * - `wm::device_cache<wm::read_only, R>`: the same for a table that is only read.
+ * - `wm::group_cache<R>` (group-cached global table, read-only): with a group of one rank, a
+ *   read-only device cache of the whole table.
+ * Read-only policies do not compile with an optimizer. Caches run on one rank for now: a cached
+ * table on several ranks, or a group of several ranks, is refused at construction.
  */
 #pragma once
 
+#include <wm/cache.hpp>
 #include <wm/comm.hpp>
 #include <wm/optimizer.hpp>
 #include <wm/tensor.cuh>
@@ -38,7 +52,7 @@ struct no_cache {
   static constexpr char const* name = "no_cache";
 };
 
-/** @brief A cache policy (only `wm::no_cache` so far). */
+/** @brief A cache policy: `wm::no_cache`, `wm::device_cache<A, R>`, `wm::group_cache<R>`. */
 template <class C>
 concept cache_policy = requires {
   { C::name } -> std::convertible_to<char const*>;
@@ -74,15 +88,25 @@ struct embedding_init {
 
 namespace detail {
 struct embedding_scratch;
-template <class CachePolicy>
-struct row_source;  // where gather reads and the update writes rows (detail/embedding/source.cuh)
+/// A policy that puts a cache in front of the table (device_cache, group_cache).
+template <class C>
+concept caching_policy = requires {
+  typename C::access_type;
+  typename C::replacement_type;
+};
+template <class CachePolicy, class T>
+class row_source;  // where gather reads and the update writes rows (detail/embedding/source.cuh)
+template <class T>
+struct table_rows;  // this rank's weights, states and steps (detail/embedding/rows.cuh)
 }  // namespace detail
 
 /**
  * @brief An embedding table of `rows` × `dim` values of T spread over the ranks.
  *
  * @tparam T float, half (`__half`) or bfloat16 (`__nv_bfloat16`)
- * @tparam CachePolicy `wm::no_cache`
+ * @tparam CachePolicy `wm::no_cache`, `wm::device_cache<Access, Replacement>` or
+ * `wm::group_cache<Replacement>` (see the file comment); a read-only policy with a sparse
+ * optimizer does not compile
  * @tparam Optimizer `wm::sgd`, `wm::adam`, `wm::rmsprop`, `wm::adagrad`, `wm::no_optimizer`, or
  * any type satisfying `wm::sparse_optimizer` (see <wm/optimizer.hpp>)
  * @tparam Location, Layout, Mapping the storage, as for `wm::tensor`
@@ -91,8 +115,12 @@ template <class T, cache_policy CachePolicy = no_cache, optimizer_policy Optimiz
           location Location = device, layout Layout = chunked, mapping Mapping = block>
 class embedding {
  public:
-  using value_type     = T;
-  using optimizer_type = Optimizer;
+  using value_type        = T;
+  using optimizer_type    = Optimizer;
+  using cache_policy_type = CachePolicy;
+
+  static_assert(writable_cache<CachePolicy> || !sparse_optimizer<Optimizer>,
+                WM_CACHE_READ_ONLY_MESSAGE);
 
   /**
    * @brief Allocates and initializes the table (collective).
@@ -100,12 +128,15 @@ class embedding {
    * @param rows number of rows; @param dim values per row (>= 1)
    * @param optimizer hyper-parameters (ignored by `no_optimizer`)
    * @param init how to fill the weights
+   * @param cache the cache's ratio and hash seed (ignored by `wm::no_cache`)
    * @throw wm::logic_error on every rank, before anything is allocated, if one rank would hold
-   * more than 2^32 - 1 rows (the update sorts local rows as 32-bit keys)
+   * more than 2^32 - 1 rows (the update sorts local rows as 32-bit keys); with a cache, if
+   * `cache.ratio` is not in (0, 1], or the table or the cache group has several ranks (not built
+   * yet)
    * @throw wm::comm_error on every rank if the ranks passed different @p rows or @p dim
    */
   embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer = {},
-            embedding_init init = {});
+            embedding_init init = {}, cache_options cache = {});
   embedding(embedding&&) noexcept;
   embedding& operator=(embedding&&) noexcept;
   ~embedding();
@@ -113,7 +144,8 @@ class embedding {
   [[nodiscard]] std::size_t rows() const noexcept { return weights_.rows(); }
   [[nodiscard]] std::size_t dim() const noexcept { return weights_.cols(); }
   [[nodiscard]] Optimizer const& optimizer() const noexcept { return opt_; }
-  /// The weight tensor (e.g. to load weights from files or read local rows).
+  /// The weight tensor (e.g. to load weights from files or read local rows). With a
+  /// `read_write` cache, rows in dirty lines are newer than the tensor: `flush()` first.
   [[nodiscard]] tensor<T, Location, Layout, Mapping>& weights() noexcept { return weights_; }
   /// Optimizer state: `Optimizer::states × dim` floats per row (absent if the optimizer has none).
   [[nodiscard]] tensor<float, Location, Layout, Mapping>* states() noexcept {
@@ -126,10 +158,51 @@ class embedding {
   /// Number of `apply_gradients` calls so far (the global step).
   [[nodiscard]] std::int64_t global_step() const noexcept { return global_step_; }
 
-  /** @brief Forward: `out[i, :] = table[indices[i], :]`; see `wm::tensor::gather`. */
+  /**
+   * @brief Forward: `out[i, :] = table[indices[i], :]`; see `wm::tensor::gather`.
+   *
+   * With a cache (one rank): hits are served from lines, each distinct missing row is read once
+   * from the table and admitted (its dirty victim written back), and rows are replicated to
+   * every position that asks for them. Enqueued on @p stream without host synchronization (a CUDA
+   * graph can capture it); an invalid index gives a zero row and is reported by the next
+   * `apply_gradients` (which then updates nothing) or `cache_stats()`, as wm::logic_error.
+   */
   template <index_type Index>
-  void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream) {
-    detail::row_source<CachePolicy>::gather(weights_, indices, out, stream);
+  void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream);
+
+  /**
+   * @brief Admits the rows of @p next_keys that are not cached (as a gather would, without output
+   * and without counting requests), so that the next batch's misses load while the current one
+   * computes. Enqueued on @p stream; invalid keys are reported like the gather's.
+   */
+  template <index_type Index>
+  void prefetch(std::span<Index const> next_keys,
+                cuda::stream_ref stream) requires detail::caching_policy<CachePolicy>;
+
+  /**
+   * @brief Writes every dirty line back to the table (`read_write`); lines stay cached and
+   * clean. Enqueued on @p stream.
+   */
+  void flush(cuda::stream_ref stream) requires detail::caching_policy<CachePolicy>;
+
+  /** @brief `flush()`, then every line emptied. Enqueued on @p stream. */
+  void invalidate(cuda::stream_ref stream) requires detail::caching_policy<CachePolicy>;
+
+  /**
+   * @brief The cache's counters since construction or `reset_cache_stats()` (waits for the
+   * device). `hits + misses == requests`; prefetches add evictions, write-backs and bytes only.
+   * `bytes_from_host` counts the bytes admissions read from the table (weight, state, step).
+   * @throw wm::logic_error if a gather or prefetch since the last report met an invalid index
+   */
+  [[nodiscard]] cache_statistics cache_stats() requires detail::caching_policy<CachePolicy>;
+
+  /** @brief Sets every cache counter to zero (waits for the device). */
+  void reset_cache_stats() requires detail::caching_policy<CachePolicy>;
+
+  /** @brief Lines of this rank's cache (whole 32-way sets). */
+  [[nodiscard]] std::size_t cache_lines()
+      const noexcept requires detail::caching_policy<CachePolicy> {
+    return source_.lines();
   }
 
   /// Read-only rows for user kernels (see `wm::tensor_ref`): this rank's rows on every layout,
@@ -147,7 +220,8 @@ class embedding {
 
   /**
    * @brief Writes the checkpoint `<prefix>.weights.*`, `.states.*`, `.steps.*` and `<prefix>.meta`
-   * (collective). Rows are in global order, so it loads into any rank count or layout.
+   * (collective). Rows are in global order, so it loads into any rank count or layout. A cache is
+   * flushed first, so the checkpoint holds every update.
    *
    * Every file is written under a temporary name (`<file>.tmp`) and flushed; only when every rank
    * has written, the old `.meta` is removed, the parts are renamed and the new `.meta` is renamed
@@ -159,7 +233,8 @@ class embedding {
    */
   void store(std::filesystem::path const& prefix);
   /**
-   * @brief Reads a checkpoint written by `store` (collective), written by any rank count.
+   * @brief Reads a checkpoint written by `store` (collective), written by any rank count. A
+   * cache is invalidated first (flushed and emptied: its lines would be stale).
    *
    * One collective step first checks, on every rank, the meta against this table (rows, dim,
    * element type, optimizer name and `checkpoint_tag()`, state slots, per-row steps) and every
@@ -177,7 +252,11 @@ class embedding {
   std::optional<tensor<float, Location, Layout, Mapping>> states_;
   std::optional<tensor<std::int64_t, Location, Layout, Mapping>> steps_;
   std::int64_t global_step_{0};
+  detail::row_source<CachePolicy, T> source_;
   std::unique_ptr<detail::embedding_scratch> scratch_;
+
+  /// This rank's weights, states and steps as the update and the cache see them.
+  [[nodiscard]] detail::table_rows<T> table_rows();
 };
 
 }  // namespace wm

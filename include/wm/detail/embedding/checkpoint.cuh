@@ -68,6 +68,12 @@ inline void rename_file(std::filesystem::path const& from, std::filesystem::path
 
 WM_CHECKPOINT_TEMPLATE
 void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
+  if constexpr (detail::caching_policy<CachePolicy>) {
+    // Every update is in the table before it is written (lines stay cached, now clean).
+    cudaStream_t const s{};
+    flush(cuda::stream_ref{s});
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+  }
   auto& comm          = *comm_;
   int const world     = comm.size();
   auto const me       = static_cast<std::size_t>(comm.rank());
@@ -146,6 +152,13 @@ WM_CHECKPOINT_TEMPLATE
 void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
   auto& comm          = *comm_;
   std::string const p = prefix.string();
+  if constexpr (detail::caching_policy<CachePolicy>) {
+    // Lines would be stale after the read: flushed (a refused load leaves the table whole) and
+    // emptied first.
+    cudaStream_t const s{};
+    invalidate(cuda::stream_ref{s});
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+  }
   // 1. Everything checked on every rank before anything changes: the meta against this table
   //    (shape, element type, optimizer and the settings its states depend on), then every part
   //    file of every set (present, exact size).

@@ -8,6 +8,7 @@
 #include <wm/detail/dispatch/plan.cuh>
 #include <wm/detail/dispatch/scratch.cuh>
 #include <wm/detail/embedding/kernels.cuh>
+#include <wm/detail/embedding/rows.cuh>
 #include <wm/detail/embedding/source.cuh>
 #include <wm/detail/embedding/update.cuh>
 #include <wm/embedding.cuh>
@@ -70,10 +71,13 @@ struct embedding_scratch {
 
 WM_EMBEDDING_TEMPLATE
 WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer,
-                        embedding_init init)
+                        embedding_init init, cache_options cache)
     : comm_{&comm},
       opt_{optimizer},
-      weights_{comm, detail::embedding_rows(comm, rows, dim), dim},
+      weights_{
+          comm,
+          detail::check_cache<CachePolicy>(comm, detail::embedding_rows(comm, rows, dim), cache),
+          dim},
       scratch_{std::make_unique<detail::embedding_scratch>(comm)} {
   cudaStream_t const s = nullptr;
   // Every rank visits every global row and writes the ones its mapping gives it: the values
@@ -98,6 +102,11 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
     auto const v = steps_->local_view();
     if (v.rows > 0) { WM_CUDA_TRY(cudaMemset(v.data, 0, v.rows * sizeof(std::int64_t))); }
   }
+  if constexpr (detail::caching_policy<CachePolicy>) {
+    source_ = detail::row_source<CachePolicy, T>{weights_.local_view().rows, dim,
+                                                 static_cast<std::size_t>(Optimizer::states) * dim,
+                                                 opt_.needs_steps(), cache};
+  }
   WM_CUDA_TRY(cudaDeviceSynchronize());
   comm.barrier();  // every rank's rows are initialized before anyone gathers
 }
@@ -116,6 +125,7 @@ WM_EMBEDDING& WM_EMBEDDING::operator=(embedding&& other) noexcept {
   states_      = std::move(other.states_);
   steps_       = std::move(other.steps_);
   global_step_ = other.global_step_;
+  source_      = std::move(other.source_);  // its buffers are freed after the device's work
   scratch_     = std::move(other.scratch_);
   return *this;
 }
@@ -124,6 +134,64 @@ WM_EMBEDDING_TEMPLATE
 WM_EMBEDDING::~embedding() {
   // The scratch (declared last) goes first; it waits for the updates with the deadline.
   if (scratch_) { (void)scratch_->plan.drain(); }
+}
+
+WM_EMBEDDING_TEMPLATE
+detail::table_rows<T> WM_EMBEDDING::table_rows() {
+  detail::table_rows<T> t{weights_.local_view(), {}, nullptr};
+  if (states_) { t.st = states_->local_view(); }
+  if (steps_) { t.steps = steps_->local_view().data; }
+  return t;
+}
+
+WM_EMBEDDING_TEMPLATE
+template <index_type Index>
+void WM_EMBEDDING::gather(std::span<Index const> indices, T* out, cuda::stream_ref stream) {
+  if constexpr (detail::caching_policy<CachePolicy>) {
+    WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr),
+               "gather: null indices or output");
+  }
+  source_.gather(weights_, table_rows(), rows(), indices, out, scratch_->plan.err.data(),
+                 stream.get());
+}
+
+WM_EMBEDDING_TEMPLATE
+template <index_type Index>
+void WM_EMBEDDING::prefetch(std::span<Index const> next_keys,
+                            cuda::stream_ref stream) requires detail::caching_policy<CachePolicy> {
+  WM_EXPECTS(next_keys.empty() || next_keys.data() != nullptr, "prefetch: null keys");
+  source_.prefetch(table_rows(), rows(), next_keys, scratch_->plan.err.data(), stream.get());
+}
+
+WM_EMBEDDING_TEMPLATE
+void WM_EMBEDDING::flush(cuda::stream_ref stream) requires detail::caching_policy<CachePolicy> {
+  source_.write_back(table_rows(), false, stream.get());
+}
+
+WM_EMBEDDING_TEMPLATE
+void WM_EMBEDDING::invalidate(
+    cuda::stream_ref stream) requires detail::caching_policy<CachePolicy> {
+  source_.write_back(table_rows(), true, stream.get());
+}
+
+WM_EMBEDDING_TEMPLATE
+cache_statistics WM_EMBEDDING::cache_stats() requires detail::caching_policy<CachePolicy> {
+  auto const stats    = source_.statistics();  // waits for the device
+  unsigned* const err = scratch_->plan.err.data();
+  unsigned bad        = 0;
+  WM_CUDA_TRY(cudaMemcpy(&bad, err, sizeof bad, cudaMemcpyDeviceToHost));
+  if (bad != 0) {
+    WM_CUDA_TRY(cudaMemset(err, 0, sizeof(unsigned)));
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    throw logic_error{"wm: gather/prefetch: an index was outside [0, " + std::to_string(rows()) +
+                      ") (its output row is zero)"};
+  }
+  return stats;
+}
+
+WM_EMBEDDING_TEMPLATE
+void WM_EMBEDDING::reset_cache_stats() requires detail::caching_policy<CachePolicy> {
+  source_.reset_statistics();
 }
 
 WM_EMBEDDING_TEMPLATE
@@ -142,7 +210,8 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   detail::scratch_use const use{scratch_->plan, s};  // its workspaces, after the last call's
   std::size_t const rb       = dim() * sizeof(T);
   std::int64_t const step    = global_step_ + 1;
-  auto const local           = detail::row_source<CachePolicy>::update_rows(weights_.local_view());
+  auto const table           = table_rows();
+  auto const& local          = table.w;
   unsigned* const err        = scratch_->plan.err.data();
   std::size_t const too_many = std::size_t{1} << 31;
 
@@ -195,12 +264,9 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
 
   // 2. Owner side: sort (key, position) stably on the bits of the local row count, find the
   //    runs of equal rows, sum long runs in segments, then one fused update per run.
+  //    Each row is updated where it lives: the table, or (with a cache) its line.
   if (m > 0) {
-    matrix_view<float> st{};
-    if (states_) { st = states_->local_view(); }
-    std::int64_t* steps = nullptr;
-    if (opt_.needs_steps()) { steps = steps_->local_view().data; }
-    detail::update_owner_rows(opt_, local, st, steps, step, keys, g, m,
+    detail::update_owner_rows(opt_, source_.locator(table), table, step, keys, g, m,
                               one_rank ? rows() : local.rows, lr, err, scratch_->owner, s);
   }
   // 3. One rank: a bad key stopped the update kernels; say so. Several: checked before sending.

@@ -4,6 +4,7 @@
 
 #include <wm/detail/cuda/utility.cuh>
 #include <wm/detail/dispatch/kernels.cuh>
+#include <wm/detail/embedding/rows.cuh>
 #include <wm/embedding.cuh>
 #include <wm/optimizer.hpp>
 
@@ -169,19 +170,22 @@ __global__ void __launch_bounds__(256)
  * first gradient wait on no index load of their own (Adam's per-row step count and the
  * positions of further duplicates still do). The run count is read from device memory (no host
  * round trip). Nothing is written when *abort is set (an invalid index was found).
+ *
+ * Rows are found through @p loc (table_rows: the table; a cache's line_locator: the row's line
+ * when it has one, else the table), so the arithmetic is the same code wherever a row lives.
  */
-template <class T, int V, class Opt>
+template <class T, int V, class Opt, class Loc>
 __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
-    update_rows_kernel(Opt opt, matrix_view<T> w, matrix_view<float> st, std::int64_t* steps,
-                       std::int64_t global_step, run_desc const* desc, int const* run_count,
-                       int const* sorted_pos, T const* grads, long_runs lr, float lr_rate,
-                       int group, unsigned const* abort) {
+    update_rows_kernel(Opt opt, Loc loc, std::size_t dim, std::int64_t global_step,
+                       run_desc const* desc, int const* run_count, int const* sorted_pos,
+                       T const* grads, long_runs lr, float lr_rate, int group,
+                       unsigned const* abort) {
   if (*abort != 0) { return; }
   constexpr int S = Opt::states > 0 ? Opt::states : 1;
   // Rows per group in flight: two for stateless SGD; one where state rows fill the registers
   // (two made Adam 8% slower; with the next descriptors held, two spilled for AdaGrad).
   constexpr int U          = Opt::states >= 1 ? 1 : 2;
-  std::size_t const dim    = w.cols;
+  using place_type         = typename Loc::place_type;
   std::size_t const tid    = grid_thread();
   std::size_t const groups = grid_threads() / static_cast<std::size_t>(group);
   std::size_t const round  = groups * U;  // runs one round of the grid covers
@@ -203,10 +207,12 @@ __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
     for (int r = 0; r < U; ++r) {
       next[r] = desc_of(u0 + round + static_cast<std::size_t>(r) * groups);
     }
+    place_type at[U];
     std::int64_t t[U];
 #pragma unroll
     for (int r = 0; r < U; ++r) {
-      t[r] = steps != nullptr && cur[r].len > 0 ? steps[cur[r].key] + 1 : global_step;
+      at[r] = cur[r].len > 0 ? loc.locate(cur[r].key) : place_type{};
+      t[r]  = at[r].step != nullptr ? *at[r].step + 1 : global_step;
     }
     for (std::size_t j = static_cast<std::size_t>(lane) * V; j < dim;
          j += static_cast<std::size_t>(group) * V) {
@@ -218,11 +224,11 @@ __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
 #pragma unroll
         for (int e = 0; e < V; ++e) { g[r][e] = 0.0f; }
         if (cur[r].len > 0) {
-          wv[r] = *reinterpret_cast<wvec const*>(&w(cur[r].key, j));
+          wv[r] = *reinterpret_cast<wvec const*>(at[r].w + j);
 #pragma unroll
           for (int k = 0; k < Opt::states; ++k) {
-            s[r][k] = *reinterpret_cast<fvec const*>(
-                &st(cur[r].key, static_cast<std::size_t>(k) * dim + j));
+            s[r][k] =
+                *reinterpret_cast<fvec const*>(at[r].st + static_cast<std::size_t>(k) * dim + j);
           }
         }
       }
@@ -240,7 +246,10 @@ __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
       for (int r = 0; r < U; ++r) {
         if (cur[r].len > lr.long_run) {
           int const first = lr.first[u0 + static_cast<std::size_t>(r) * groups];
-          for (int q = 0; q < lr.segments(cur[r].len); ++q) {
+          int const segs  = lr.segments(cur[r].len);
+          // Independent loads in flight (the adds keep their order: same sums).
+#pragma unroll 4
+          for (int q = 0; q < segs; ++q) {
             auto const p = *reinterpret_cast<fvec const*>(
                 lr.sums + static_cast<std::size_t>(first + q) * dim + j);
 #pragma unroll
@@ -270,19 +279,20 @@ __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
 #pragma unroll
           for (int k = 0; k < Opt::states; ++k) { s[r][k].v[e] = se[k]; }
         }
-        *reinterpret_cast<wvec*>(&w(cur[r].key, j)) = wv[r];
+        *reinterpret_cast<wvec*>(at[r].w + j) = wv[r];
 #pragma unroll
         for (int k = 0; k < Opt::states; ++k) {
-          *reinterpret_cast<fvec*>(&st(cur[r].key, static_cast<std::size_t>(k) * dim + j)) =
-              s[r][k];
+          *reinterpret_cast<fvec*>(at[r].st + static_cast<std::size_t>(k) * dim + j) = s[r][k];
         }
       }
     }
-    __syncwarp(mask);  // every lane of the group has read steps[key]
-    if (steps != nullptr && lane == 0) {
+    __syncwarp(mask);  // every lane of the group has read the row's step
+    if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < U; ++r) {
-        if (cur[r].len > 0) { steps[cur[r].key] = t[r]; }
+        if (cur[r].len == 0) { continue; }
+        if (at[r].step != nullptr) { *at[r].step = t[r]; }
+        loc.written(at[r]);
       }
     }
 #pragma unroll
@@ -291,12 +301,11 @@ __global__ void __launch_bounds__(256, Opt::states >= 1 ? 4 : 3)
 }
 
 /// The arguments of the two owner-side kernels, launched with V values per access.
-template <class T, class Opt>
+template <class T, class Opt, class Loc>
 struct update_launch {
   Opt opt;
-  matrix_view<T> w;
-  matrix_view<float> st;
-  std::int64_t* steps;
+  Loc loc;
+  std::size_t dim;
   std::int64_t step;
   run_desc const* desc;
   int const* run_count;
@@ -310,19 +319,19 @@ struct update_launch {
   template <int V>
   void run(cudaStream_t s) const {
     int const sms = sm_count();
-    sum_segments_kernel<T, V><<<sms * 4, 256, 0, s>>>(longs, sorted_pos, grads, w.cols, group);
+    sum_segments_kernel<T, V><<<sms * 4, 256, 0, s>>>(longs, sorted_pos, grads, dim, group);
     WM_CHECK_LAUNCH();
     // As many blocks as fit at once: the loop strides over the runs (no second wave).
     static per_device_value resident_blocks;
     int const resident = resident_blocks.get([](int) {
       int per_sm = 0;
       WM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, update_rows_kernel<T, V, Opt>, 256, 0));
+          &per_sm, update_rows_kernel<T, V, Opt, Loc>, 256, 0));
       return std::max(per_sm, 1) * sm_count();
     });
     int const grid     = std::max(1, std::min(blocks, resident));
-    update_rows_kernel<T, V><<<grid, 256, 0, s>>>(opt, w, st, steps, step, desc, run_count,
-                                                  sorted_pos, grads, longs, lr, group, abort);
+    update_rows_kernel<T, V, Opt, Loc><<<grid, 256, 0, s>>>(
+        opt, loc, dim, step, desc, run_count, sorted_pos, grads, longs, lr, group, abort);
     WM_CHECK_LAUNCH();
   }
 };

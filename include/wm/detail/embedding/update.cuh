@@ -5,6 +5,7 @@
 #include <wm/detail/cuda/utility.cuh>
 #include <wm/detail/dispatch/scratch.cuh>
 #include <wm/detail/embedding/kernels.cuh>
+#include <wm/detail/embedding/rows.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_select.cuh>
@@ -19,20 +20,23 @@
 namespace wm::detail {
 
 /**
- * Applies @p m gradient rows @p g (dense, `local.cols` values each) to the local rows @p keys of
- * @p local (and @p st, @p steps) with optimizer @p opt; duplicates are summed first. Keys not
- * below @p key_rows set *err and nothing is written. @p ws: the sort's, runs' and segment sums'
- * room. Enqueued on @p s.
+ * Applies @p m gradient rows @p g (dense, `dim` values each) to the local rows @p keys with
+ * optimizer @p opt; duplicates are summed first. Each row is found through @p loc (table_rows:
+ * the table; a cache's line_locator: its line or the table), whose rows have the table's shape
+ * @p table (row widths and alignment). Keys not below @p key_rows set *err and nothing is
+ * written. @p ws: the sort's, runs' and segment sums' room. Enqueued on @p s.
  */
-template <class T, class Opt, class Index>
-void update_owner_rows(Opt const& opt, matrix_view<T> local, matrix_view<float> st,
-                       std::int64_t* steps, std::int64_t step, Index const* keys, T const* g,
-                       std::size_t m, std::size_t key_rows, float lr, unsigned* err, workspace& ws,
+template <class T, class Opt, class Index, class Loc>
+void update_owner_rows(Opt const& opt, Loc const& loc, table_rows<T> const& table,
+                       std::int64_t step, Index const* keys, T const* g, std::size_t m,
+                       std::size_t key_rows, float lr, unsigned* err, workspace& ws,
                        cudaStream_t s) {
   if (m == 0) { return; }
-  std::size_t const dim = local.cols;
-  int const mi          = static_cast<int>(m);
-  int const bits        = row_bits(key_rows);
+  matrix_view<T> const local  = table.w;
+  matrix_view<float> const st = table.st;
+  std::size_t const dim       = local.cols;
+  int const mi                = static_cast<int>(m);
+  int const bits              = row_bits(key_rows);
   // Runs of more than 128 gradients: segments of 128, so at most 2 m / 129 of them.
   long_runs longs{128, 128, nullptr, nullptr, nullptr, nullptr, nullptr, 0};
   longs.bound          = 2 * m / static_cast<std::size_t>(longs.long_run + 1) + 1;
@@ -106,8 +110,10 @@ void update_owner_rows(Opt const& opt, matrix_view<T> local, matrix_view<float> 
       1, std::min<std::size_t>((m + 256 / static_cast<std::size_t>(group) - 1) /
                                    (256 / static_cast<std::size_t>(group)),
                                static_cast<std::size_t>(sms) * 8)));
-  update_launch<T, Opt> const u{opt,        local, st,    steps, step,  desc,   runs,
-                                sorted_pos, g,     longs, lr,    group, blocks, err};
+  // Cache lines (if any) are dim and states x dim wide from 256-byte aligned bases: the checks
+  // on dim above cover them.
+  update_launch<T, Opt, Loc> const u{opt, loc,   dim, step,  desc,   runs, sorted_pos,
+                                     g,   longs, lr,  group, blocks, err};
   if (vec == 4) {
     u.template run<4>(s);
   } else if (vec == 2) {

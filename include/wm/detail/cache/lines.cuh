@@ -1,0 +1,403 @@
+// A cache's lines and the kernels that move rows between them and the table: the storage of one
+// rank's cache (set metadata, line payloads, device statistics), the admission kernel behind
+// gather and prefetch, the write-back kernel behind flush and invalidate, and the row locator
+// through which the owner-side update finds a row in its line or in the table.
+//
+// Line payload: line (s, w) holds, in slot s * 32 + w, the weight row (dim values of T), every
+// optimizer state of that row (Optimizer::states x dim floats) and Adam's per-row step, so a hit
+// never crosses PCIe and a cached row is updated without touching the table.
+//
+// Concurrency: one warp per distinct key of a batch. Distinct keys can share a set, so a warp
+// takes the set's lock word (set_header::spare) before it probes, and keeps it until the row is
+// in its line and copied out: lane 0 spins with atomicCAS and __nanosleep back-off (acquire),
+// the warp works, lane 0 releases (release store). Locks rather than grouping keys by set: the
+// batch is already sorted by key for the distinct-row plan (detail/dispatch/distinct.cuh); a
+// second sort by set would cost a full radix sort per gather, while with ~10 distinct keys per
+// set a lock is rarely contended. Independent thread scheduling lets the spinning lane wait
+// while another warp holds the lock; a warp holds one lock at a time, so nothing can deadlock.
+#pragma once
+
+#include <wm/cache.hpp>
+#include <wm/detail/cache/kernels.cuh>
+#include <wm/detail/cache/plan.hpp>
+#include <wm/detail/cache/set.hpp>
+#include <wm/detail/cuda/resources.hpp>
+#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/dispatch/distinct.cuh>
+#include <wm/detail/dispatch/kernels.cuh>
+#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/embedding/rows.cuh>
+
+#include <cuda/atomic>
+#include <cuda/cmath>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace wm::detail::cache {
+
+/// One rank's lines as kernels see them (trivially copyable).
+template <class T, class Impl>
+struct lines_ref {
+  cache_ref<Impl> meta;        ///< tags, replacement states, set headers
+  T* w{};                      ///< lines x dim weights
+  float* st{};                 ///< lines x st_cols optimizer states (null: none)
+  std::int64_t* steps{};       ///< lines per-row steps (null: none)
+  std::size_t dim{};           ///< values per weight row
+  std::size_t st_cols{};       ///< state floats per row
+  device_statistics* stats{};  ///< the counters
+
+  /// The payload of data slot @p slot.
+  [[nodiscard]] __device__ row_place<T> line(std::size_t slot) const noexcept {
+    return {w + slot * dim, st != nullptr ? st + slot * st_cols : nullptr,
+            steps != nullptr ? steps + slot : nullptr};
+  }
+  /// Bytes of one row's payload (weight, states, step).
+  [[nodiscard]] WM_HOST_DEVICE std::size_t payload_bytes() const noexcept {
+    return dim * sizeof(T) + st_cols * sizeof(float) +
+           (steps != nullptr ? sizeof(std::int64_t) : 0);
+  }
+};
+
+/// A row found by the update: in a line (then `dirty` names the set's dirty mask) or the table.
+template <class T>
+struct cached_place : row_place<T> {
+  std::uint32_t* dirty{};  ///< the set's dirty mask (null: the row is in the table)
+  std::uint32_t bit{};     ///< the line's bit in it
+};
+
+/**
+ * The update's row locator with a cache: a row held by a line is read and written there (and
+ * the line marked dirty); any other row in the table (write-around: the update admits nothing).
+ * A probe only: the replacement state is the gather's business.
+ */
+template <class T, class Impl>
+struct line_locator {
+  using place_type = cached_place<T>;
+
+  table_rows<T> table;
+  lines_ref<T, Impl> lines;
+
+  [[nodiscard]] __device__ place_type locate(std::uint32_t key) const noexcept {
+    if (lines.meta.sets != 0) {
+      std::uint32_t const s = lines.meta.set_index(key);
+      auto const set        = lines.meta.set(s);
+      int const way         = set.find(key);
+      if (way != no_way) {
+        place_type p{lines.line(cache_ref<Impl>::slot(s, way))};
+        p.dirty = &set.header->dirty;
+        p.bit   = 1u << way;
+        return p;
+      }
+    }
+    return place_type{table.locate(key)};
+  }
+  /// After the update wrote @p p: its line (if any) differs from the table now.
+  __device__ void written(place_type const& p) const noexcept {
+    if (p.dirty != nullptr) { atomicOr(p.dirty, p.bit); }
+  }
+};
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+inline constexpr int line_block = 256;  ///< threads per block of the line kernels (8 warps)
+
+/// Copies @p bytes (a multiple of sizeof(W)) from @p src to @p dst with the warp's lanes.
+template <class W>
+__device__ void warp_copy(void* dst, void const* src, std::size_t bytes, unsigned lane) noexcept {
+  auto* d       = static_cast<W*>(dst);
+  auto const* q = static_cast<W const*>(src);
+  for (std::size_t i = lane; i < bytes / sizeof(W); i += ways) { d[i] = q[i]; }
+}
+
+/// Moves one row's payload (weight, states, step) with the warp.
+template <class W, class T>
+__device__ void warp_move(row_place<T> const& to, row_place<T> const& from, std::size_t dim,
+                          std::size_t st_cols, unsigned lane) noexcept {
+  warp_copy<W>(to.w, from.w, dim * sizeof(T), lane);
+  if (from.st != nullptr) { warp_copy<W>(to.st, from.st, st_cols * sizeof(float), lane); }
+  if (from.step != nullptr && lane == 0) { *to.step = *from.step; }
+}
+
+/// Takes set @p h's lock for the warp (acquire: the last holder's writes are visible).
+__device__ inline void lock_set(set_header* h, unsigned lane) noexcept {
+  if (lane == 0) {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->spare};
+    unsigned wait          = 32;
+    std::uint32_t expected = 0;
+    while (!word.compare_exchange_weak(expected, 1u, cuda::memory_order_acquire,
+                                       cuda::memory_order_relaxed)) {
+      expected = 0;
+      __nanosleep(wait);
+      wait = wait < 1024 ? wait * 2 : wait;
+    }
+  }
+  __syncwarp();
+}
+
+/// Releases set @p h's lock (release: every lane's writes before it are visible to the next).
+__device__ inline void unlock_set(set_header* h, unsigned lane) noexcept {
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence();
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->spare};
+    word.store(0u, cuda::memory_order_release);
+  }
+  __syncwarp();
+}
+
+/**
+ * One warp per distinct key of batch @p b (grid-stride over the runs; the run count is read on
+ * the device): a hit touches the line; a miss admits the key (write-allocate), writes a dirty
+ * victim back to its table row, and loads the row's payload from the table into the line. With
+ * @p out, the line's weight row is copied to the run head's output row (replicate_runs copies it
+ * to the run's other positions). An invalid key (negative or not below @p rows) gives a zero
+ * output row and sets *err; it counts as a miss and admits nothing. With @p count_requests
+ * (gather) requests, distinct keys, hits and misses are counted (a run counts its length);
+ * evictions, write-backs and bytes from the table always (prefetch too).
+ */
+template <class W, class T, class Impl, class Index>
+__global__ void __launch_bounds__(line_block)
+    admit_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::size_t rows,
+                 distinct_batch<Index> b, T* out, bool count_requests, unsigned* err) {
+  unsigned const lane         = threadIdx.x % ways;
+  std::size_t const warp      = grid_thread() / ways;
+  std::size_t const n_warps   = grid_threads() / ways;
+  std::size_t const runs      = *b.runs;
+  std::size_t const row_bytes = c.dim * sizeof(T);
+  unsigned long long requests = 0, distinct = 0, hits = 0, evictions = 0, write_backs = 0,
+                     loaded = 0;
+  for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
+    std::size_t const begin = b.run_begin[r];
+    std::size_t const len   = b.run_begin[r + 1] - begin;
+    Index const key         = b.keys[begin];
+    T* const dst            = out != nullptr ? out + b.positions[begin] * c.dim : nullptr;
+    requests += len;
+    ++distinct;
+    if (!valid_index(key, rows)) {
+      if (dst != nullptr) {
+        for (std::size_t i = lane; i < row_bytes / sizeof(W); i += ways) {
+          reinterpret_cast<W*>(dst)[i] = W{};
+        }
+      }
+      if (lane == 0) { atomicOr(err, 1u); }
+      continue;
+    }
+    auto const k          = static_cast<std::uint32_t>(key);
+    std::uint32_t const s = c.meta.set_index(k);
+    auto const set        = c.meta.set(s);
+    lock_set(set.header, lane);
+    int way = warp_find(set, k, lane);
+    if (way != no_way) {
+      warp_touch(set, way, lane);
+      hits += len;
+    } else {
+      admission const a = warp_admit(set, k, lane);
+      way               = a.way;
+      auto const line   = c.line(cache_ref<Impl>::slot(s, way));
+      if (a.evicted) { ++evictions; }
+      if (a.write_back) {
+        warp_move<W>(table.locate(a.old_key), line, c.dim, c.st_cols, lane);
+        ++write_backs;
+        __syncwarp();
+      }
+      warp_move<W>(line, table.locate(k), c.dim, c.st_cols, lane);
+      loaded += c.payload_bytes();
+      __syncwarp();
+    }
+    if (dst != nullptr) {
+      warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, way)).w, row_bytes, lane);
+    }
+    unlock_set(set.header, lane);
+  }
+  if (lane == 0 && c.stats != nullptr) {
+    if (count_requests && requests != 0) {
+      atomicAdd(&c.stats->requests, requests);
+      atomicAdd(&c.stats->distinct_keys, distinct);
+      atomicAdd(&c.stats->hits, hits);
+      atomicAdd(&c.stats->misses, requests - hits);
+    }
+    if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
+    if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
+    if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
+  }
+}
+
+/// One warp per set: every dirty line is written to its table row and cleaned; with @p drop
+/// every line is invalidated as well.
+template <class W, class T, class Impl>
+__global__ void __launch_bounds__(line_block)
+    write_back_kernel(lines_ref<T, Impl> c, table_rows<T> table, bool drop) {
+  unsigned const lane        = threadIdx.x % ways;
+  std::size_t const warp     = grid_thread() / ways;
+  std::size_t const n_warps  = grid_threads() / ways;
+  unsigned long long written = 0;
+  for (std::size_t s = warp; s < c.meta.sets; s += n_warps) {
+    auto const set      = c.meta.set(static_cast<std::uint32_t>(s));
+    std::uint32_t dirty = set.header->dirty;
+    written += static_cast<unsigned long long>(count_ways(dirty));
+    while (dirty != 0) {
+      int const w = lowest_way(dirty);
+      dirty &= dirty - 1;
+      warp_move<W>(table.locate(set.tags[w]),
+                   c.line(cache_ref<Impl>::slot(static_cast<std::uint32_t>(s), w)), c.dim,
+                   c.st_cols, lane);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      if (drop) {
+        (void)set.invalidate();
+      } else {
+        (void)set.flush();
+      }
+    }
+    __syncwarp();
+  }
+  if (lane == 0 && written != 0 && c.stats != nullptr) {
+    atomicAdd(&c.stats->write_backs, written);
+  }
+}
+
+// ---- the storage --------------------------------------------------------------------------------
+
+/**
+ * One rank's cache: set metadata sized by plan_cache from the rank's rows and the ratio, the
+ * line payloads, the device statistics and the workspace of the distinct-key plan. Device
+ * memory, RAII; move-only. Calls on one cache are ordered by the caller (one stream, or events):
+ * they share the lines and the workspace.
+ */
+template <class T, class Impl>
+class line_storage {
+ public:
+  using state_type = typename Impl::state_type;
+
+  /**
+   * @param rows this rank's rows; @param ratio cache_options::ratio; @param seed the hash seed
+   * @param dim values per row; @param st_cols optimizer state floats per row (0: none)
+   * @param steps whether lines keep the per-row step
+   * @throw wm::logic_error for a ratio outside (0, 1] or more than 2^32 rows
+   */
+  line_storage(std::size_t rows, double ratio, std::uint32_t seed, std::size_t dim,
+               std::size_t st_cols, bool steps)
+      : plan_{plan_cache<Impl>(rows, ratio)},
+        seed_{seed},
+        dim_{dim},
+        st_cols_{st_cols},
+        tags_{plan_.lines},
+        states_{plan_.lines},
+        headers_{plan_.sets},
+        w_{plan_.lines * dim},
+        st_{plan_.lines * st_cols},
+        steps_{steps ? plan_.lines : 0},
+        stats_{1} {
+    if (plan_.sets != 0) {
+      WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
+      WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
+      WM_CUDA_TRY(cudaMemset(headers_.data(), 0, plan_.sets * sizeof(set_header)));
+    }
+    WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+  /// Lines of this rank's cache.
+  [[nodiscard]] std::size_t lines() const noexcept { return plan_.lines; }
+
+  /// The kernels' view.
+  [[nodiscard]] lines_ref<T, Impl> ref() const noexcept {
+    return {cache_ref<Impl>{tags_.data(), states_.data(), headers_.data(), plan_.sets, seed_},
+            w_.data(),
+            st_cols_ != 0 ? st_.data() : nullptr,
+            steps_.data(),
+            dim_,
+            st_cols_,
+            stats_.data()};
+  }
+
+  /// The update's locator over @p table and these lines.
+  [[nodiscard]] line_locator<T, Impl> locator(table_rows<T> const& table) const noexcept {
+    return {table, ref()};
+  }
+
+  /**
+   * Admits the distinct keys of @p keys (write-allocate) and, with @p out, writes row keys[i] to
+   * out[i] (dense rows of dim values). Keys are this rank's local rows, valid below @p rows.
+   * Enqueued on @p s; no host synchronization.
+   */
+  template <class Index>
+  void admit(table_rows<T> const& table, std::size_t rows, std::span<Index const> keys, T* out,
+             bool count_requests, unsigned* err, cudaStream_t s) {
+    std::size_t const n = keys.size();
+    if (n == 0) { return; }
+    auto const b         = plan_distinct(keys.data(), n, row_bits(rows), ws_, s);
+    auto const c         = ref();
+    int const vec        = width(table, out);
+    std::size_t const bl = std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
+                                                 static_cast<std::size_t>(sm_count()) * 8);
+    with_vector(vec, [&]<class W>() {
+      admit_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
+          c, table, rows, b, out, count_requests, err);
+      WM_CHECK_LAUNCH();
+    });
+    if (out != nullptr) {
+      replicate_runs(b, reinterpret_cast<std::byte*>(out), dim_ * sizeof(T), s);
+    }
+  }
+
+  /// Writes every dirty line back to @p table and cleans it; with @p drop empties every line.
+  /// Enqueued on @p s.
+  void write_back(table_rows<T> const& table, bool drop, cudaStream_t s) {
+    if (plan_.sets == 0) { return; }
+    std::size_t const bl = std::min<std::size_t>(
+        cuda::ceil_div(std::size_t{plan_.sets}, std::size_t{line_block / ways}),
+        static_cast<std::size_t>(sm_count()) * 8);
+    with_vector(width(table, nullptr), [&]<class W>() {
+      write_back_kernel<W, T, Impl>
+          <<<static_cast<unsigned>(bl), line_block, 0, s>>>(ref(), table, drop);
+      WM_CHECK_LAUNCH();
+    });
+  }
+
+  /// The counters so far (waits for the device).
+  [[nodiscard]] cache_statistics statistics() const {
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    device_statistics d;
+    WM_CUDA_TRY(cudaMemcpy(&d, stats_.data(), sizeof d, cudaMemcpyDeviceToHost));
+    return d.to_public();
+  }
+
+  /// Sets every counter to zero (waits for the device).
+  void reset_statistics() {
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+ private:
+  /// Widest access dividing every row size, stride and base the kernels copy.
+  [[nodiscard]] int width(table_rows<T> const& table, T const* out) const noexcept {
+    return vector_width({dim_ * sizeof(T), table.w.stride * sizeof(T),
+                         reinterpret_cast<std::uintptr_t>(table.w.data),
+                         reinterpret_cast<std::uintptr_t>(out), st_cols_ * sizeof(float),
+                         table.st.stride * sizeof(float),
+                         reinterpret_cast<std::uintptr_t>(table.st.data)});
+  }
+
+  cache_plan plan_;
+  std::uint32_t seed_;
+  std::size_t dim_;
+  std::size_t st_cols_;
+  device_buffer<std::uint32_t> tags_;
+  device_buffer<state_type> states_;
+  device_buffer<set_header> headers_;
+  device_buffer<T> w_;
+  device_buffer<float> st_;
+  device_buffer<std::int64_t> steps_;
+  device_buffer<device_statistics> stats_;
+  workspace ws_;
+};
+
+}  // namespace wm::detail::cache

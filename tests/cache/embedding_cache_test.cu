@@ -1,0 +1,381 @@
+// GPU tests of the caches in wm::embedding (one rank): training through a read-write device
+// cache (LFU and LRU, float and half, SGD and Adam) equals the uncached table bit for bit over
+// several steps of fresh random keys with repeats, also across flush(), invalidate(), prefetch()
+// and a store() + load() into an uncached table of another layout; read-only caches (group
+// cache of one rank, device_cache<read_only>) gather what the table holds; the statistics add up
+// and match a host count; edge geometries (one set, ratio 1, fewer rows than one set's 32 ways);
+// invalid keys give zero rows and are reported.
+#include <wm/wm.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <set>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "catch.hpp"
+#include "rank_check.hpp"
+
+namespace {
+
+template <class T>
+T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else {
+    return __float2bfloat16_rn(x);
+  }
+}
+
+template <class T>
+struct device_array {
+  T* ptr{};
+  std::size_t n{};
+  explicit device_array(std::vector<T> const& h) : n{h.size()} {
+    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+  }
+  ~device_array() { (void)cudaFree(ptr); }
+  device_array(device_array const&)            = delete;
+  device_array& operator=(device_array const&) = delete;
+  [[nodiscard]] std::vector<T> to_host() const {
+    std::vector<T> h(n);
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost)); }
+    return h;
+  }
+};
+
+/// The bytes of @p v (bitwise comparisons, whatever T is).
+template <class T>
+std::vector<unsigned char> bytes_of(std::vector<T> const& v) {
+  std::vector<unsigned char> b(v.size() * sizeof(T));
+  if (!v.empty()) { std::memcpy(b.data(), v.data(), b.size()); }
+  return b;
+}
+
+/// Every row of a tensor (gathered through the tensor itself, not the cache), as bytes.
+template <class V, class Tensor>
+std::vector<unsigned char> all_rows(Tensor& t, std::size_t rows, std::size_t cols, cudaStream_t s) {
+  std::vector<std::int64_t> idx(rows);
+  for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
+  device_array<std::int64_t> di{idx};
+  std::vector<V> poison(rows * cols);
+  std::memset(static_cast<void*>(poison.data()), 0x5a, poison.size() * sizeof(V));
+  device_array<V> out{poison};
+  t.gather(std::span<std::int64_t const>{di.ptr, rows}, out.ptr, cuda::stream_ref{s});
+  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  return bytes_of(out.to_host());
+}
+
+/// Weights, states, per-row steps and global step of a table, as bytes.
+struct table_state {
+  std::vector<unsigned char> w, st, steps;
+  std::int64_t global{};
+  bool operator==(table_state const&) const = default;
+};
+template <class E>
+table_state snapshot(E& e, cudaStream_t s) {
+  using T = typename E::value_type;
+  table_state t;
+  t.w = all_rows<T>(e.weights(), e.rows(), e.dim(), s);
+  if (e.states() != nullptr) {
+    t.st = all_rows<float>(*e.states(), e.rows(), e.dim() * E::optimizer_type::states, s);
+  }
+  if (e.steps() != nullptr) { t.steps = all_rows<std::int64_t>(*e.steps(), e.rows(), 1, s); }
+  t.global = e.global_step();
+  return t;
+}
+
+/// A batch: keys with repeats (a quarter from a few hot rows) and gradients.
+template <class T>
+struct batch {
+  std::vector<std::int64_t> keys;
+  std::vector<T> grads;
+  float lr{};
+  std::size_t distinct{};
+};
+template <class T>
+batch<T> draw(std::mt19937_64& rng, std::size_t rows, std::size_t dim, std::size_t n, int step) {
+  batch<T> b;
+  b.lr = 0.01f * static_cast<float>(step + 1);
+  b.keys.resize(n);
+  for (auto& k : b.keys) {
+    k = static_cast<std::int64_t>(rng() % 4 == 0 ? rng() % std::min<std::size_t>(rows, 5)
+                                                 : rng() % rows);
+  }
+  b.distinct = std::set<std::int64_t>(b.keys.begin(), b.keys.end()).size();
+  std::uniform_real_distribution<float> g{-1.0f, 1.0f};
+  b.grads.resize(n * dim);
+  for (auto& x : b.grads) { x = from_float<T>(g(rng)); }
+  return b;
+}
+
+/// e.gather(b.keys) into a poisoned buffer, as bytes.
+template <class E, class T>
+std::vector<unsigned char> gather(E& e, batch<T> const& b, cudaStream_t s) {
+  device_array<std::int64_t> dk{b.keys};
+  std::vector<T> poison(b.keys.size() * e.dim());
+  std::memset(static_cast<void*>(poison.data()), 0xa5, poison.size() * sizeof(T));
+  device_array<T> out{poison};
+  e.gather(std::span<std::int64_t const>{dk.ptr, b.keys.size()}, out.ptr, cuda::stream_ref{s});
+  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  return bytes_of(out.to_host());
+}
+
+template <class E, class T>
+void apply(E& e, batch<T> const& b, cudaStream_t s) {
+  device_array<std::int64_t> dk{b.keys};
+  device_array<T> dg{b.grads};
+  e.apply_gradients(std::span<std::int64_t const>{dk.ptr, b.keys.size()}, dg.ptr, b.lr,
+                    cuda::stream_ref{s});
+}
+
+/// Table geometry and cache ratio of one scenario.
+struct geometry {
+  std::size_t rows, dim, batch;
+  double ratio;
+  char const* what;
+};
+
+std::filesystem::path fresh_dir(char const* what) {
+  auto const dir = std::filesystem::temp_directory_path() /
+                   ("wm-cache-" + std::string{what} + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+/**
+ * Trains a host table behind a read-write device cache and an uncached device table side by
+ * side on the same batches; gathers, tables (after flush), statistics and a checkpoint reloaded
+ * into an uncached table of another layout must agree bit for bit.
+ */
+template <class T, class R, class Opt>
+void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t seed) {
+  std::string const what = std::string{g.what} + " T=" + std::to_string(sizeof(T)) + "B " +
+                           R::name + " " + Opt::name + " rows=" + std::to_string(g.rows) +
+                           " dim=" + std::to_string(g.dim) + " ratio=" + std::to_string(g.ratio);
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreate(&s));
+  std::mt19937_64 rng{seed};
+  auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
+  wm::cache_options co;
+  co.ratio     = g.ratio;
+  co.hash_seed = static_cast<std::uint32_t>(rng());
+  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
+      comm, g.rows, g.dim, opt, init, co};
+  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, g.rows, g.dim, opt,
+                                                                     init};
+  RANK_REQUIRE_MSG(cached.cache_lines() >= 32 && cached.cache_lines() % 32 == 0, what);
+  double const wanted = g.ratio * static_cast<double>(g.rows);
+  RANK_REQUIRE_MSG(static_cast<double>(cached.cache_lines()) >= wanted &&
+                       static_cast<double>(cached.cache_lines()) < wanted + 32,
+                   what << ": " << cached.cache_lines() << " lines");
+
+  std::uint64_t requests = 0, distinct = 0, prefetched = 0;
+  auto check_stats = [&](char const* when) {
+    auto const st = cached.cache_stats();
+    RANK_REQUIRE_MSG(st.requests == requests, what << " " << when << ": " << st.requests
+                                                   << " requests, " << requests << " made");
+    RANK_REQUIRE_MSG(st.distinct_keys == distinct, what << " " << when << ": " << st.distinct_keys
+                                                        << " distinct, " << distinct << " made");
+    RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what << " " << when);
+    RANK_REQUIRE_MSG(st.bytes_from_peers == 0, what);
+    // A gather loads each distinct missing row once (distinct misses <= misses); a prefetch
+    // loads at most its distinct keys.
+    std::size_t const payload = g.dim * sizeof(T) + g.dim * Opt::states * sizeof(float) +
+                                (opt.needs_steps() ? sizeof(std::int64_t) : 0);
+    RANK_REQUIRE_MSG(st.bytes_from_host % payload == 0, what << " " << when);
+    RANK_REQUIRE_MSG(st.bytes_from_host / payload <= st.misses + prefetched, what << " " << when);
+    RANK_REQUIRE_MSG(st.evictions <= st.bytes_from_host / payload, what << " " << when);
+    return st;
+  };
+
+  int const steps = 8;
+  for (int k = 0; k < steps; ++k) {
+    auto const b = draw<T>(rng, g.rows, g.dim, g.batch + static_cast<std::size_t>(k) * 7, k);
+    if (k == 5) {  // prefetch: the gather after it sees every key that fits
+      device_array<std::int64_t> dk{b.keys};
+      cached.prefetch(std::span<std::int64_t const>{dk.ptr, b.keys.size()}, cuda::stream_ref{s});
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      prefetched += b.distinct;
+    }
+    auto const before = cached.cache_stats();
+    auto const got    = gather(cached, b, s);
+    RANK_REQUIRE_MSG(got == gather(plain, b, s), what << ": gather of step " << k << " differs");
+    requests += b.keys.size();
+    distinct += b.distinct;
+    auto const after = check_stats("after a gather");
+    if (k == 3) {  // just invalidated: every request misses
+      RANK_REQUIRE_MSG(after.hits == before.hits, what << ": hits right after invalidate()");
+    }
+    if (k == 5 && g.rows <= 32) {  // one set holds every row: the prefetched batch all hits
+      RANK_REQUIRE_MSG(after.hits - before.hits == b.keys.size(),
+                       what << ": a prefetched batch missed though every row fits");
+    }
+    apply(cached, b, s);
+    apply(plain, b, s);
+    if (k == 1 || k == 4) {
+      cached.flush(cuda::stream_ref{s});
+      RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s),
+                       what << ": the flushed table differs after step " << k);
+      // Flushed lines are clean: a second flush writes nothing back.
+      auto const w0 = cached.cache_stats().write_backs;
+      cached.flush(cuda::stream_ref{s});
+      RANK_REQUIRE_MSG(cached.cache_stats().write_backs == w0, what << ": flush twice");
+    }
+    if (k == 2) {
+      cached.invalidate(cuda::stream_ref{s});
+      RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s),
+                       what << ": the table differs after invalidate()");
+    }
+  }
+  // A checkpoint: store() flushes first; the table loads into another layout, uncached.
+  auto const dir = fresh_dir("ckpt");
+  cached.store(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": after store()");
+  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::distributed, wm::cyclic> loaded{
+      comm, g.rows, g.dim, opt, wm::embedding_init::zeros()};
+  loaded.load(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(loaded, s) == snapshot(plain, s), what << ": the reloaded table");
+  // And back into a cached table over stale lines: load() invalidates them.
+  auto const b = draw<T>(rng, g.rows, g.dim, g.batch, steps);
+  (void)gather(cached, b, s);
+  apply(cached, b, s);
+  cached.load(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": load() into the cache");
+  auto const again = draw<T>(rng, g.rows, g.dim, g.batch, steps + 1);
+  RANK_REQUIRE_MSG(gather(cached, again, s) == gather(plain, again, s),
+                   what << ": gather after load()");
+  apply(cached, again, s);
+  apply(plain, again, s);
+  cached.flush(cuda::stream_ref{s});
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": training after load()");
+  std::filesystem::remove_all(dir);
+  WM_CUDA_TRY(cudaStreamDestroy(s));
+}
+
+constexpr geometry geometries[] = {
+    {1000, 16, 400, 0.1, "many sets"},
+    {1000, 13, 300, 0.25, "odd dim"},
+    {20, 8, 40, 1.0, "fewer rows than 32 ways (one set)"},
+    {100, 8, 120, 1.0, "ratio 1"},
+    {3000, 32, 500, 0.01, "one set, many misses"},
+};
+
+template <class T, class R, class Opt>
+void every_geometry(Opt opt) {
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
+  wm::launch(1, [&](wm::communicator& comm) {
+    std::uint64_t sd = seed;
+    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++); }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("device cache: float, LFU, SGD trains bit for bit like no cache", "[gpu]") {
+  every_geometry<float, wm::lfu>(wm::sgd{});
+}
+TEST_CASE("device cache: float, LRU, Adam trains bit for bit like no cache", "[gpu]") {
+  every_geometry<float, wm::lru>(wm::adam{});
+}
+TEST_CASE("device cache: half, LFU, Adam trains bit for bit like no cache", "[gpu]") {
+  every_geometry<__half, wm::lfu>(wm::adam{});
+}
+TEST_CASE("device cache: half, LRU, SGD trains bit for bit like no cache", "[gpu]") {
+  every_geometry<__half, wm::lru>(wm::sgd{0.01f});
+}
+TEST_CASE("device cache: float, LRU, global-step Adam trains bit for bit like no cache", "[gpu]") {
+  wm::adam global;
+  global.bias_correction = wm::adam_bias_correction::global_step;
+  every_geometry<float, wm::lru>(global);
+}
+
+TEST_CASE("read-only caches (group cache of one rank, read-only device cache) gather the table",
+          "[gpu]") {
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
+  wm::launch(1, [&](wm::communicator& comm) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreate(&s));
+    auto check = [&](auto& cached, auto& plain, char const* what, std::uint64_t sd) {
+      std::mt19937_64 rng{sd};
+      std::uint64_t requests = 0, distinct = 0;
+      for (int k = 0; k < 6; ++k) {
+        auto const b = draw<float>(rng, cached.rows(), cached.dim(), 500, k);
+        RANK_REQUIRE_MSG(gather(cached, b, s) == gather(plain, b, s), what << " step " << k);
+        requests += b.keys.size();
+        distinct += b.distinct;
+        auto const st = cached.cache_stats();
+        RANK_REQUIRE_MSG(st.requests == requests && st.distinct_keys == distinct, what);
+        RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what);
+        RANK_REQUIRE_MSG(st.write_backs == 0, what << ": a read-only cache wrote back");
+        RANK_REQUIRE_MSG(st.bytes_from_host <= st.misses * cached.dim() * sizeof(float), what);
+      }
+      cached.reset_cache_stats();
+      auto const z = cached.cache_stats();
+      RANK_REQUIRE_MSG(z.requests == 0 && z.hits == 0 && z.misses == 0 && z.evictions == 0, what);
+    };
+    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
+    wm::embedding<float, wm::no_cache, wm::no_optimizer, wm::device> plain{
+        comm, 2000, 24, {}, init};
+    wm::cache_options co;
+    co.ratio = 0.2;
+    co.group = &comm;  // a group of one rank: a read-only device cache of the whole table
+    wm::embedding<float, wm::group_cache<wm::lru>, wm::no_optimizer, wm::host> group{
+        comm, 2000, 24, {}, init, co};
+    check(group, plain, "group_cache<lru>", seed + 1);
+    wm::cache_options ro;
+    ro.ratio = 0.05;
+    wm::embedding<float, wm::device_cache<wm::read_only, wm::lfu>, wm::no_optimizer, wm::host,
+                  wm::distributed>
+        read_only{comm, 2000, 24, {}, init, ro};
+    check(read_only, plain, "device_cache<read_only, lfu>", seed + 2);
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
+TEST_CASE("device cache: invalid keys give zero rows and are reported; bad ratios are refused",
+          "[gpu]") {
+  wm::launch(1, [&](wm::communicator& comm) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreate(&s));
+    wm::embedding<float, wm::device_cache<>, wm::adam, wm::host> e{comm, 100, 8};
+    batch<float> b;
+    b.keys         = {3, 100, 3, -1, 7};
+    auto const got = gather(e, b, s);
+    std::vector<float> out(got.size() / sizeof(float));
+    std::memcpy(out.data(), got.data(), got.size());
+    for (std::size_t j = 0; j < 8; ++j) {
+      RANK_REQUIRE(out[1 * 8 + j] == 0.0f && out[3 * 8 + j] == 0.0f);
+      RANK_REQUIRE(out[0 * 8 + j] == out[2 * 8 + j] && out[0 * 8 + j] != 0.0f);
+    }
+    bool threw = false;
+    try {
+      (void)e.cache_stats();
+    } catch (wm::logic_error const&) { threw = true; }
+    RANK_REQUIRE_MSG(threw, "cache_stats() did not report the invalid keys");
+    auto const st = e.cache_stats();  // reported once
+    RANK_REQUIRE(st.requests == 5 && st.distinct_keys == 4 && st.hits + st.misses == 5);
+    for (double ratio : {0.0, -0.5, 1.5}) {
+      wm::cache_options co;
+      co.ratio = ratio;
+      bool bad = false;
+      try {
+        wm::embedding<float, wm::device_cache<>, wm::sgd, wm::host> f{comm, 100, 8, {}, {}, co};
+      } catch (wm::logic_error const&) { bad = true; }
+      RANK_REQUIRE_MSG(bad, "ratio " << ratio << " was accepted");
+    }
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
