@@ -664,11 +664,9 @@ int main(int argc, char** argv) {
           };
           guarded("device table", [&] { b.device_cases(); });
           guarded("host table", [&] { b.host_cases(); });
-#ifndef WM_CACHE_BENCH_UNCACHED_ONLY  // defined only to check the rest on a tree without caches
           for (int r = 0; r < n_ratios; ++r) {
             guarded(fmt("cache %.2f", ratios[r]).c_str(), [&] { b.cached_cases(r); });
           }
-#endif
         },
         options);
   } catch (std::exception const& e) {
