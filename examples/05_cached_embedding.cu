@@ -158,7 +158,7 @@ int main() {
         throw std::runtime_error{"after flush() the host table differs from the cache"};
       }
       // 7. The loss must have fallen a lot.
-      if (!(last < 0.25 * first)) {
+      if (!(last < 0.05 * first)) {  // a CPU model of this run ends near 0.011 x first
         throw std::runtime_error{"the loss did not fall: " + std::to_string(first) + " -> " +
                                  std::to_string(last)};
       }
