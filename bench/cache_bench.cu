@@ -482,7 +482,7 @@ peer_result run_wg_peer(key_rings const& keys) {
     return p;
   }
   fs::path const dir{dir_template};
-  std::string cmd = "timeout 420 python3 '" + script.string() + "' --json --steps " +
+  std::string cmd = "timeout 300 python3 '" + script.string() + "' --json --steps " +
                     std::to_string(timed_steps) + " --ratios";
   for (double const r : ratios) { cmd += fmt(" %g", r); }
   for (int d = 0; d < 2; ++d) {
@@ -645,7 +645,7 @@ int main(int argc, char** argv) {
   bool failed = false;
   try {
     wm::launch_options options;
-    options.timeout = std::chrono::seconds{420};
+    options.timeout = std::chrono::seconds{300};  // expected: about two minutes
     wm::launch(
         1,
         [&](wm::communicator& comm) {
