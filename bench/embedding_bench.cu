@@ -8,7 +8,7 @@
  * passes 1M int64 keys per step and 1M x 128 float gradients (uniform in [-1, 1], made on the
  * device, the same every step). Keys are made on the host before any rank starts, so the peer
  * reads the very same keys (rank 0's sets, through temporary files):
- *   uniform: splitmix64(seed + i) mod 10M;
+ *   uniform: splitmix64(splitmix64(seed) + i) mod 10M (generators: bench/keys.hpp);
  *   zipf:    exact discrete Zipf(alpha = 1.05) over ranks 1..10M (inverse CDF: binary search in the
  *            table of cumulative k^-alpha), rank k-1 scattered to row (k-1) * 7368787 mod 10M (a
  *            bijection), so the hot rows are spread over the table and over all owners.
@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "keys.hpp"
 
 namespace {
 
@@ -122,22 +123,14 @@ buffer<T> allocate(std::size_t n) {
 
 std::vector<std::int64_t> uniform_keys(std::uint64_t seed) {
   std::vector<std::int64_t> k(batch);
-  for (std::size_t i = 0; i < batch; ++i) {
-    k[i] = static_cast<std::int64_t>(mix(mix(seed) + i) % table_rows);
-  }
+  wm_bench::uniform_keys(k, table_rows, seed);
   return k;
 }
 
 /// @p cdf: cumulative sums of k^-alpha, k = 1..rows.
 std::vector<std::int64_t> zipf_keys(std::vector<double> const& cdf, std::uint64_t seed) {
   std::vector<std::int64_t> k(batch);
-  for (std::size_t i = 0; i < batch; ++i) {
-    double const u = (static_cast<double>(mix(mix(seed) + i) >> 11) + 0.5) * 0x1p-53 * cdf.back();
-    auto const r =
-        static_cast<std::uint64_t>(std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
-    k[i] = static_cast<std::int64_t>(std::min<std::uint64_t>(r, table_rows - 1) * scatter %
-                                     table_rows);
-  }
+  wm_bench::zipf_keys(k, cdf, scatter, seed);
   return k;
 }
 
@@ -150,11 +143,7 @@ struct key_sets {
 /// The keys of ranks 0..ranks-1.
 key_sets make_keys(int ranks) {
   key_sets s;
-  std::vector<double> cdf(table_rows);
-  double sum = 0;
-  for (std::size_t r = 0; r < table_rows; ++r) {
-    cdf[r] = sum += std::pow(static_cast<double>(r + 1), -zipf_alpha);
-  }
+  std::vector<double> const cdf = wm_bench::zipf_cdf(table_rows, zipf_alpha);
   for (int rank = 0; rank < ranks; ++rank) {
     s.keys[uniform].push_back(uniform_keys(1000 + rank));
     s.keys[zipf].push_back(zipf_keys(cdf, 2000 + rank));
