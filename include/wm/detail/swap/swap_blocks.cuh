@@ -112,6 +112,8 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
                      std::to_string(dev_alloc_.capacity()) +
                      " in use by buffers that are not being paged out");
       on_gpu = true;  // no block can change hands now: copies or released work must finish
+    } else {
+      records_.at(promoted).deferred = false;  // set if its worker finds no room in the slab
     }
     if (clock::now() >= deadline) {
       count_wait(on_gpu, t0);
