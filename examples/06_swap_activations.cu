@@ -140,13 +140,15 @@ int main() {
     std::printf(
         "swap traffic: %.1f MiB out at %.1f GB/s, %.1f MiB in at %.1f GB/s; "
         "%llu page-outs (%llu cancelled), %llu prefetches, %llu passive page-ins; "
-        "compute stream waited %.2f ms; host waited %llu times\n",
+        "compute stream waited %.2f ms; host waited on the GPU %llu times, on the swap "
+        "workers %llu times\n",
         st.bytes_out / mib, st.out_gbps(), st.bytes_in / mib, st.in_gbps(),
         static_cast<unsigned long long>(st.pageouts),
         static_cast<unsigned long long>(st.pageouts_cancelled),
         static_cast<unsigned long long>(st.prefetches),
         static_cast<unsigned long long>(st.passive_pageins), st.consumer_wait_seconds * 1e3,
-        static_cast<unsigned long long>(st.host_blocking_syncs));
+        static_cast<unsigned long long>(st.host_blocking_syncs),
+        static_cast<unsigned long long>(st.worker_waits));
     std::printf("losses bitwise equal with and without swapping: OK\n");
   } catch (std::exception const& e) {
     std::printf("06_swap_activations: FAILED: %s\n", e.what());

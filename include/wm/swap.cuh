@@ -14,10 +14,16 @@
  *   - `need_prefetch()`: queued at the back of the page-in queue, which runs from
  *     `scope.prefetch_all()` on, within the budget and the prefetch lookahead.
  *   - `data(stream)`: the device pointer. Not resident: a passive page-in at the FRONT of the
- *     queue, and @p stream waits on its copy's event (no host block, unless the pool is full and
- *     page-outs must finish first). A page-out still in flight is waited for by @p stream; one
- *     still queued is cancelled.
+ *     queue, and @p stream waits on its copy's event (the host waits only for the worker to
+ *     issue it). A page-out still in flight is waited for by @p stream; one still queued is
+ *     cancelled.
  *   - `pin(stream)` / `unpin()`: an in-use count; a pinned buffer is never paged out.
+ * - Pool blocks change hands stream-ordered: a block whose page-out copy is enqueued, or whose
+ *   buffer was released, goes at once to a new buffer or to a page-in, whose stream (a consumer
+ *   stream, or the page-in copy stream) waits on the copy's or the release's event; a queued
+ *   page-out whose block is needed is issued first. The host waits on the GPU (counted in
+ *   `host_blocking_syncs`) only when no block can change hands that way: the pool fragmented, or
+ *   every block held by buffers nobody pages out.
  * - Page-outs, prefetches and passive page-ins of buffers smaller than 4 MiB travel in batches;
  *   the copies of neighbours in both memories are merged. Several batches are in flight per
  *   direction. The scope counts what it did (`statistics()`): bytes and GB/s per direction,
@@ -70,15 +76,18 @@ struct swap_statistics {
   std::uint64_t prefetches{0};           ///< page-ins started by `need_prefetch()`
   std::uint64_t consumer_waits{0};       ///< times a consumer stream waited on a transfer
   double consumer_wait_seconds{0};       ///< how long those streams waited (CUDA events)
-  std::uint64_t blocks_reused{0};        ///< allocations served stream-ordered (no host wait)
+  std::uint64_t blocks_reused{0};        ///< pool blocks handed over stream-ordered (by events)
   std::uint64_t host_blocking_syncs{0};  ///< waits of a user thread on the GPU
   double host_wait_seconds{0};           ///< how long they took
-  std::size_t resident_bytes{0};         ///< device pool bytes in use now
-  std::size_t peak_resident_bytes{0};    ///< most device pool bytes in use at once
-  std::size_t host_bytes_in_use{0};      ///< host slab bytes in use now
-  std::uint64_t device_allocations{0};   ///< cudaMalloc calls (the pool)
-  std::uint64_t pinned_allocations{0};   ///< cudaHostAlloc calls (the slab)
-  std::uint64_t events_created{0};       ///< cudaEventCreate calls (a pool that grows on demand)
+  /// Waits of a user thread on a worker thread only (for it to issue a copy; no GPU wait).
+  std::uint64_t worker_waits{0};
+  double worker_wait_seconds{0};        ///< how long they took
+  std::size_t resident_bytes{0};        ///< device pool bytes in use now
+  std::size_t peak_resident_bytes{0};   ///< most device pool bytes in use at once
+  std::size_t host_bytes_in_use{0};     ///< host slab bytes in use now
+  std::uint64_t device_allocations{0};  ///< cudaMalloc calls (the pool)
+  std::uint64_t pinned_allocations{0};  ///< cudaHostAlloc calls (the slab)
+  std::uint64_t events_created{0};      ///< cudaEventCreate calls (a pool that grows on demand)
 
   /** @brief Achieved device → host GB/s while copying (0 if nothing moved). */
   [[nodiscard]] double out_gbps() const noexcept {
@@ -116,7 +125,8 @@ class swap_scope {
 
   /**
    * @brief A resident buffer of @p count elements from the pool, usable on @p stream.
-   * Waits (host, counted) for page-outs in flight when the pool is full.
+   * When the pool is full, it takes the block of a page-out in flight or of a released buffer
+   * and @p stream waits for that copy or release (no host wait; see the file comment).
    * @throw wm::logic_error if the pool cannot hold it even after every page-out has finished.
    */
   template <class T = std::byte>
@@ -166,7 +176,7 @@ class swappable {
   /**
    * @brief The device pointer, valid on @p stream. Not resident: a passive page-in at the front
    * of the queue, and @p stream waits on its copy (the host waits only for the worker to issue
-   * it, and for room in the pool if it is full).
+   * it; on the GPU only if no pool block can change hands stream-ordered).
    */
   [[nodiscard]] T* data(cuda::stream_ref stream);
   /**

@@ -5,7 +5,8 @@
  *
  * A task names a buffer (`id`) and its size. `enqueue` puts it at the back (page-outs, active
  * prefetch), `enqueue_front` at the front (a passive page-in: highest priority), `erase` takes a
- * task back while it waits, `dequeue` pops the next one by hand. The worker forms batches from
+ * task back while it waits, `promote` moves a waiting task to the front, `dequeue` pops the next
+ * one by hand. The worker forms batches from
  * the front and hands them to the copier, which starts, defers or drops each task and returns a
  * ticket for what it started; the worker polls the ticket and completes it.
  *
@@ -122,6 +123,10 @@ class transfer_queue {
   /** @brief Removes the waiting task of buffer @p id. @return false if none waits (started,
    * done, being submitted, or never queued). */
   bool erase(std::uint64_t id);
+  /** @brief Moves the waiting task of buffer @p id to the front as a passive task: it goes next,
+   * past the in-flight limit and whether or not the queue is started (a copy whose completion
+   * someone waits for). Works while locked. @return false if none waits. */
+  bool promote(std::uint64_t id);
   /** @brief Pops the task the worker would take next (first passive, else the front), without
    * running it. */
   [[nodiscard]] std::optional<transfer_task> dequeue();

@@ -339,6 +339,42 @@ TEST_CASE("transfer_queue: at most max_in_flight batches in flight", "[host][swa
   CHECK(c.submitted_ids() == std::vector<std::uint64_t>{0, 1, 9, 2, 3, 4});
 }
 
+TEST_CASE("transfer_queue: promote sends a waiting task next, past the limits and the lock",
+          "[host][swap]") {
+  fake_copier c;
+  c.auto_finish = false;
+  wm::transfer_queue q{c, no_coalescing(2)};
+  for (std::uint64_t id = 0; id < 6; ++id) { REQUIRE(q.enqueue(task(id, 8 * mib))); }
+  CHECK_FALSE(q.promote(99));  // never queued
+  REQUIRE(q.promote(4));       // not started yet: it goes all the same
+  REQUIRE(eventually([&] { return c.batch_count() == 1; }));
+  CHECK(c.batches.at(0).at(0).id == 4);
+  CHECK(c.batches.at(0).at(0).passive);
+  CHECK_FALSE(q.promote(4));  // submitted: no longer waiting
+  q.start();
+  REQUIRE(eventually([&] { return c.batch_count() == 2; }));
+  std::this_thread::sleep_for(20ms);
+  CHECK(c.batch_count() == 2);  // the limit: 2 in flight
+  REQUIRE(q.promote(3));        // past the in-flight limit
+  REQUIRE(eventually([&] { return c.batch_count() == 3; }));
+  // While a drain holds the queue locked (new tasks refused), a waiting task can still be
+  // promoted.
+  std::atomic<bool> drained{false};
+  std::thread drainer{[&] { drained = q.wait(deadline()); }};  // Catch2 asserts on this thread
+  REQUIRE(eventually([&] { return q.locked(); }));
+  CHECK_FALSE(q.enqueue(task(7, mib)));
+  REQUIRE(q.promote(5));
+  c.finish_all();
+  drainer.join();
+  CHECK(drained);
+  auto const ids = c.submitted_ids();
+  CHECK(ids.size() == 6);
+  CHECK(std::vector<std::uint64_t>(ids.begin(), ids.begin() + 3) ==
+        std::vector<std::uint64_t>{4, 0, 3});
+  CHECK(std::set<std::uint64_t>(ids.begin(), ids.end()) ==
+        std::set<std::uint64_t>{0, 1, 2, 3, 4, 5});
+}
+
 TEST_CASE("transfer_queue: prefetch stays within the byte lookahead", "[host][swap]") {
   fake_copier c;
   wm::transfer_queue_options o = no_coalescing(8);

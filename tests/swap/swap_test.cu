@@ -2,7 +2,9 @@
 // prefetches and reads from several streams over buffers whose total exceeds the device budget
 // (every read sees the last write: a check kernel and a copy back to the host, fresh random data
 // each write); a passive access while a page-out is in flight; pinned buffers stay resident;
-// small buffers travel together; the scope is destroyed with transfers in flight; statistics.
+// small buffers travel together; the scope is destroyed with transfers in flight; statistics;
+// pool blocks handed over stream-ordered (page-outs in flight, released buffers, prefetches) with
+// no host-blocking sync.
 #include <wm/swap.cuh>
 
 #include <algorithm>
@@ -424,4 +426,139 @@ TEST_CASE("swap: destroying the scope with transfers in flight", "[gpu][swap]") 
   std::size_t free_after = 0;
   WM_CUDA_TRY(cudaMemGetInfo(&free_after, &total));
   CHECK(free_after + 64 * mib >= free_before);  // the pool went back
+}
+
+// Stream-ordered handover of pool blocks: a pool of two blocks, eight buffers, page-outs and
+// passive page-ins in random order over three streams. Each new user of a block writes fresh data
+// into it (poison for the buffer that left it) while the previous owner's page-out copy may still
+// wait for a spin kernel: a handover without the event wait would copy the poison out.
+TEST_CASE("swap: blocks change hands by events: two blocks, eight buffers, three streams",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{3};
+  checker chk{1024};
+  std::size_t const words = 4 * mib;  // 16 MiB each: not coalesced, each copy alone
+  std::size_t const bytes = words * 4;
+  wm::swap_scope scope{small_scope(2 * bytes)};
+  struct buffer {
+    wm::swappable<std::uint32_t> b;
+    std::uint64_t seed;
+    cudaStream_t last;
+  };
+  std::vector<buffer> bufs;
+  for (int k = 0; k < 8; ++k) {
+    cudaStream_t const s = st.s[static_cast<std::size_t>(k) % 3];
+    // From the third on: the block of a page-out still waiting for its producer's spin.
+    buffer x{scope.allocate<std::uint32_t>(words, cuda::stream_ref{s}), rng(), s};
+    fill(x.b.data(cuda::stream_ref{s}), words, x.seed, s);
+    spin(2, s);
+    REQUIRE(x.b.pageout(cuda::stream_ref{s}));
+    bufs.push_back(std::move(x));
+  }
+  std::vector<std::size_t> perm(bufs.size());
+  std::iota(perm.begin(), perm.end(), std::size_t{0});
+  for (int round = 0; round < 8; ++round) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (std::size_t const k : perm) {
+      auto& x              = bufs[k];
+      cudaStream_t const s = st.s[rng() % 3];
+      order(x.last, s);  // the user orders one buffer's streams; the scope orders the blocks
+      std::uint32_t* p = x.b.data(cuda::stream_ref{s});  // a page-in into another's block
+      chk.check(p, words, x.seed, s);
+      x.seed = rng();
+      fill(p, words, x.seed, s);
+      if (rng() % 2 == 0) { spin(1, s); }
+      REQUIRE(x.b.pageout(cuda::stream_ref{s}));
+      x.last = s;
+    }
+  }
+  CHECK(chk.wrong_checks() == 0);
+  std::size_t wrong = 0;
+  for (auto& x : bufs) {
+    order(x.last, st.s[0]);
+    wrong += wrong_on_host(x.b.data(cuda::stream_ref{st.s[0]}), words, x.seed, st.s[0]);
+    x.b.pageout(cuda::stream_ref{st.s[0]});
+    x.last = st.s[0];
+  }
+  CHECK(wrong == 0);
+  auto const stats = scope.statistics();
+  INFO("worker waits " << stats.worker_waits << " blocks reused " << stats.blocks_reused);
+  CHECK(stats.host_blocking_syncs == 0);  // every block changed hands by an event
+  CHECK(stats.blocks_reused >= 1);        // the third allocation, at least (the first spin runs)
+  // A buffer keeps its block only while at most one other was paged in after it: that happens
+  // at round boundaries alone (two per boundary at most).
+  CHECK(stats.passive_pageins >= 8 * 8 - 2 * 7);
+  CHECK(stats.peak_resident_bytes <= 2 * bytes);
+  CHECK(stats.device_allocations == 1);
+}
+
+TEST_CASE("swap: a released buffer's block goes to another stream after the release's work",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{16};
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(words * 4)};  // one block
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  std::uint64_t const sa = rng();
+  std::uint64_t const sb = rng();
+  auto a                 = scope.allocate<std::uint32_t>(words, s0);
+  fill(a.data(s0), words, sa, st.s[0]);
+  spin(50, st.s[0]);
+  chk.check(a.data(s0), words, sa, st.s[0]);          // runs after the spin
+  a.reset();                                          // released after the check, on stream 0
+  auto b = scope.allocate<std::uint32_t>(words, s1);  // its block: stream 1 waits the release
+  fill(b.data(s1), words, sb, st.s[1]);  // without the wait, it would overwrite a before its check
+  chk.check(b.data(s1), words, sb, st.s[1]);
+  CHECK(chk.wrong_checks() == 0);
+  auto const stats = scope.statistics();
+  CHECK(stats.host_blocking_syncs == 0);
+  CHECK(stats.blocks_reused == 1);
+  CHECK(stats.consumer_waits >= 1);
+  CHECK(stats.consumer_wait_seconds > 0.02);  // stream 1 waited for the spin
+}
+
+TEST_CASE("swap: a prefetch takes the block of a page-out in flight (one block, two buffers)",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{16};
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(words * 4)};  // one block
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  std::uint64_t const sa = rng();
+  std::uint64_t const sb = rng();
+  auto a                 = scope.allocate<std::uint32_t>(words, s0);
+  fill(a.data(s0), words, sa, st.s[0]);
+  spin(30, st.s[0]);
+  REQUIRE(a.pageout(s0));
+  auto b = scope.allocate<std::uint32_t>(words, s1);  // a's block, after a's page-out copy
+  fill(b.data(s1), words, sb, st.s[1]);
+  spin(10, st.s[1]);
+  REQUIRE(b.pageout(s1));
+  CHECK_FALSE(a.resident());
+  scope.prefetch_init();
+  a.need_prefetch();
+  scope.prefetch_all();  // a's page-in takes b's block: the copy stream waits b's page-out
+  // The worker issues it without waiting on the GPU (b's page-out still waits for its spin).
+  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (!a.resident() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  REQUIRE(a.resident());
+  std::uint32_t* pa = a.data(s0);
+  chk.check(pa, words, sa, st.s[0]);
+  REQUIRE(a.pageout(s0));
+  std::uint32_t* pb = b.data(s1);  // b's page-in takes the block back from a's page-out
+  chk.check(pb, words, sb, st.s[1]);
+  CHECK(wrong_on_host(pb, words, sb, st.s[1]) == 0);
+  CHECK(chk.wrong_checks() == 0);
+  auto const stats = scope.statistics();
+  CHECK(stats.host_blocking_syncs == 0);
+  CHECK(stats.prefetches == 1);
+  CHECK(stats.passive_pageins == 1);
+  CHECK(stats.blocks_reused == 3);
+  CHECK(stats.peak_resident_bytes <= words * 4);
 }

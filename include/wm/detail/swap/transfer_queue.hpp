@@ -70,6 +70,23 @@ bool transfer_queue<Copier>::erase(std::uint64_t id) {
 }
 
 template <transfer_copier Copier>
+bool transfer_queue<Copier>::promote(std::uint64_t id) {
+  {
+    std::lock_guard lock{mutex_};
+    auto const it = std::find_if(tasks_.begin(), tasks_.end(),
+                                 [id](transfer_task const& t) { return t.id == id; });
+    if (it == tasks_.end()) { return false; }
+    transfer_task t = *it;
+    tasks_.erase(it);
+    t.passive = true;
+    tasks_.push_front(t);
+    blocked_ = false;
+  }
+  work_.notify_one();
+  return true;
+}
+
+template <transfer_copier Copier>
 std::optional<transfer_task> transfer_queue<Copier>::dequeue() {
   std::optional<transfer_task> t;
   {

@@ -1,0 +1,243 @@
+// The device pool of a swap_core: blocks handed over stream-ordered, the waits that go with them
+// (consumer streams on events, user threads on the workers or, as the last resort, on the GPU)
+// and the event pool. Every function here runs with the core's mutex held.
+#pragma once
+
+#include <wm/detail/swap/swap_core.cuh>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace wm::detail {
+
+// The block at @p off can hold @p bytes without wasting more than half of it.
+inline bool swap_core::fits(std::size_t off, std::size_t bytes) const noexcept {
+  std::size_t const size = dev_alloc_.round(bytes);
+  std::size_t const have = dev_alloc_.size_of(off);
+  return have >= size && have <= 2 * size;
+}
+
+// A block for @p bytes, usable on @p stream in stream order from now on, or npos. In this order:
+// free room; a block given back by a released buffer (@p stream waits for its release event, the
+// one released on @p stream itself first); the block of the oldest page-out whose copy is
+// enqueued (@p stream waits for that copy). @p consumer: @p stream is a user stream, whose waits
+// on other streams are timed and counted as consumer waits (else it is a copy stream).
+inline std::size_t swap_core::take_block(std::size_t bytes, cudaStream_t stream, bool consumer) {
+  reclaim();
+  std::size_t off = dev_alloc_.allocate(bytes);
+  if (off != npos) { return off; }
+  auto best = pending_frees_.end();
+  for (auto it = pending_frees_.begin(); it != pending_frees_.end(); ++it) {
+    if (!fits(it->off, bytes)) { continue; }
+    if (best == pending_frees_.end() || (it->stream == stream && best->stream != stream)) {
+      best = it;
+    }
+  }
+  if (best != pending_frees_.end()) {
+    if (consumer && best->stream != stream) {
+      consumer_wait(stream, best->ev);
+    } else {
+      WM_CUDA_TRY(cudaStreamWaitEvent(stream, best->ev, 0));
+    }
+    off = best->off;
+    give_event(best->ev, false);  // the wait is enqueued: the event may be recorded again
+    pending_frees_.erase(best);
+    ++stats_.blocks_reused;
+    return off;
+  }
+  record* oldest = nullptr;
+  for (auto& [id, r] : records_) {
+    if (r.st == state::out_issued && r.dev != npos && !r.cancel_free && !r.destroyed &&
+        fits(r.dev, bytes) && (oldest == nullptr || r.out_seq < oldest->out_seq)) {
+      oldest = &r;
+    }
+  }
+  if (oldest == nullptr) { return npos; }
+  if (consumer) {
+    consumer_wait(stream, oldest->copy);
+  } else {
+    WM_CUDA_TRY(cudaStreamWaitEvent(stream, oldest->copy, 0));
+  }
+  off         = oldest->dev;
+  oldest->dev = npos;  // its page-out completes without it; a page-in of it takes another block
+  ++stats_.blocks_reused;
+  return off;
+}
+
+// A page-out still queued that would free a block for @p bytes goes to the front of the page-out
+// queue (its worker issues it next, past the in-flight limit): then take_block can take its block.
+// Returns its id, or 0 if there is none.
+inline std::uint64_t swap_core::promote_pageout(std::size_t bytes) {
+  std::uint64_t best = 0;
+  record const* br   = nullptr;
+  for (auto const& [id, r] : records_) {
+    if (r.st == state::out_queued && r.dev != npos && !r.destroyed && fits(r.dev, bytes) &&
+        (br == nullptr || r.out_seq < br->out_seq)) {
+      best = id;
+      br   = &r;
+    }
+  }
+  if (best != 0) { (void)out_q_->promote(best); }  // false: its worker is issuing it already
+  return best;
+}
+
+// Device memory for a new buffer used first on @p stream. Stream-ordered when it can be
+// (take_block), after the worker has issued a promoted page-out if that is what frees a block (a
+// wait on the worker, not on the GPU); else the host polls until page-outs or released buffers
+// have finished (a host-blocking sync, counted).
+inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_lock<std::mutex>& lock,
+                                              cudaStream_t stream) {
+  auto const t0       = clock::now();
+  auto const deadline = t0 + options_.timeout;
+  bool waited         = false;
+  bool on_gpu         = false;
+  while (true) {
+    std::size_t const off = take_block(bytes, stream, true);
+    if (off != npos) {
+      if (waited) { count_wait(on_gpu, t0); }
+      return off;
+    }
+    std::uint64_t const promoted = promote_pageout(bytes);
+    if (promoted == 0) {
+      bool const outs = std::any_of(records_.begin(), records_.end(), [](auto const& kv) {
+        record const& r = kv.second;
+        return r.dev != npos && (r.st == state::out_queued || r.st == state::out_issued);
+      });
+      WM_EXPECTS(outs || !pending_frees_.empty(),
+                 "swap_scope: the device budget is exhausted: " + std::to_string(bytes) +
+                     " bytes asked for, " + std::to_string(dev_alloc_.in_use()) + " of " +
+                     std::to_string(dev_alloc_.capacity()) +
+                     " in use by buffers that are not being paged out");
+      on_gpu = true;  // no block can change hands now: copies or released work must finish
+    } else {
+      records_.at(promoted).deferred = false;  // set if its worker finds no room in the slab
+    }
+    if (clock::now() >= deadline) {
+      count_wait(on_gpu, t0);
+      throw_timeout("room in the device pool");
+    }
+    waited = true;
+    // Polls (reclaim() in take_block) rather than blocking in cudaEventSynchronize, so that the
+    // deadline holds; a promoted page-out wakes it when issued.
+    cv_.wait_until(lock, std::min(deadline, clock::now() + std::chrono::microseconds{200}));
+    if (promoted != 0) {
+      auto const it = records_.find(promoted);
+      if (it != records_.end() && it->second.deferred) { on_gpu = true; }  // no room in the slab
+    }
+  }
+}
+
+// A passive page-in was queued: wait until the worker has issued it (a wait on the worker; on the
+// GPU too if it was deferred meanwhile for lack of room), then @p stream waits for its copy.
+inline void swap_core::wait_issued(record& r, cudaStream_t stream,
+                                   std::unique_lock<std::mutex>& lock) {
+  r.deferred    = false;
+  auto const t0 = clock::now();
+  bool const issued =
+      cv_.wait_until(lock, t0 + options_.timeout, [&] { return r.st != state::in_queued; });
+  count_wait(r.deferred, t0);
+  r.deferred = false;
+  if (!issued) { throw_timeout("a page-in to be issued"); }
+  used(r);
+  if (r.st == state::in_issued) { consumer_wait(stream, r.copy); }
+}
+
+// A user thread waited since @p t0: on the GPU (a host-blocking sync) or only on a worker thread.
+inline void swap_core::count_wait(bool on_gpu, clock::time_point t0) {
+  double const s = std::chrono::duration<double>(clock::now() - t0).count();
+  if (on_gpu) {
+    ++stats_.host_blocking_syncs;
+    stats_.host_wait_seconds += s;
+  } else {
+    ++stats_.worker_waits;
+    stats_.worker_wait_seconds += s;
+  }
+}
+
+// @p stream waits for @p ev; the time it waited is measured by two events around the wait.
+inline void swap_core::consumer_wait(cudaStream_t stream, cudaEvent_t ev) {
+  if (ev == nullptr) { return; }
+  cudaEvent_t const a = take_event(true);
+  cudaEvent_t const b = take_event(true);
+  WM_CUDA_TRY(cudaEventRecord(a, stream));
+  WM_CUDA_TRY(cudaStreamWaitEvent(stream, ev, 0));
+  WM_CUDA_TRY(cudaEventRecord(b, stream));
+  waits_.emplace_back(a, b);
+  ++stats_.consumer_waits;
+}
+
+inline void swap_core::collect_waits() {
+  for (auto it = waits_.begin(); it != waits_.end();) {
+    if (cudaEventQuery(it->second) == cudaErrorNotReady) {
+      ++it;
+      continue;
+    }
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, it->first, it->second) == cudaSuccess) {
+      stats_.consumer_wait_seconds += ms * 1e-3;
+    }
+    give_event(it->first, true);
+    give_event(it->second, true);
+    it = waits_.erase(it);
+  }
+}
+
+// Device memory of a dropped buffer: free now, or a pending block after its release event.
+inline void swap_core::free_device(record& r) {
+  if (r.dev == npos) { return; }
+  if (r.release != nullptr) {
+    pending_frees_.push_back(pending_free{r.release, r.dev, r.last});
+    r.release = nullptr;
+  } else {
+    dev_alloc_.free(r.dev);
+  }
+  r.dev = npos;
+  notify_room();
+}
+
+inline void swap_core::free_host(record& r) {
+  if (r.host != npos) {
+    host_alloc_.free(r.host);
+    r.host = npos;
+  }
+}
+
+// Returns pool memory whose release events have completed (so that neighbours join).
+inline void swap_core::reclaim() {
+  for (auto it = pending_frees_.begin(); it != pending_frees_.end();) {
+    if (cudaEventQuery(it->ev) == cudaErrorNotReady) {
+      ++it;
+      continue;
+    }
+    dev_alloc_.free(it->off);
+    give_event(it->ev, false);
+    it = pending_frees_.erase(it);
+  }
+}
+
+// A block may change hands now: wake user threads and the page-in worker (deferred page-ins).
+inline void swap_core::notify_room() {
+  cv_.notify_all();
+  if (in_q_) { in_q_->notify(); }
+}
+
+inline cudaEvent_t swap_core::create_event(bool timing) {
+  cudaEvent_t ev = nullptr;
+  WM_CUDA_TRY(cudaEventCreateWithFlags(&ev, timing ? cudaEventDefault : cudaEventDisableTiming));
+  all_events_.push_back(ev);
+  ++events_created_;
+  return ev;
+}
+
+inline cudaEvent_t swap_core::take_event(bool timing) {
+  auto& free = timing ? timing_free_ : sync_free_;
+  if (free.empty()) { return create_event(timing); }
+  cudaEvent_t const ev = free.back();
+  free.pop_back();
+  return ev;
+}
+
+}  // namespace wm::detail

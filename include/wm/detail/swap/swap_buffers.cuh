@@ -1,0 +1,254 @@
+// What wm::swappable and wm::swap_scope call on a swap_core, on user threads: allocate, data,
+// pageout, need_prefetch, pins, release, the scope operations and the statistics.
+#pragma once
+
+#include <wm/detail/swap/swap_blocks.cuh>
+#include <wm/detail/swap/swap_core.cuh>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+namespace wm::detail {
+
+inline std::uint64_t swap_core::allocate(std::size_t bytes, cudaStream_t stream) {
+  std::unique_lock lock{mutex_};
+  std::size_t const dev  = allocate_device(bytes, lock, stream);
+  std::uint64_t const id = next_id_++;
+  record& r              = records_[id];
+  r.bytes                = bytes;
+  r.dev                  = dev;
+  r.last                 = stream;
+  return id;
+}
+
+// Queues a passive page-in of @p r at the front of the page-in queue and waits until the worker
+// has issued it; @p stream waits for its copy. @p r is in `host` or `out_issued` without a block.
+inline void swap_core::page_in_front(std::uint64_t id, record& r, cudaStream_t stream,
+                                     std::unique_lock<std::mutex>& lock) {
+  state const before = r.st;
+  if (before == state::out_issued) { r.after = r.copy; }  // its block went to another buffer
+  r.st              = state::in_queued;
+  bool const queued = in_q_->enqueue_front(transfer_task{id, r.bytes});
+  if (!queued) {
+    r.st    = before;
+    r.after = nullptr;
+  }
+  WM_EXPECTS(queued, "swappable::data: the page-in queue is locked (wait_prefetches in progress)");
+  wait_issued(r, stream, lock);
+}
+
+inline void* swap_core::data(std::uint64_t id, cudaStream_t stream, bool pin) {
+  std::unique_lock lock{mutex_};
+  record& r = at(id);
+  r.last    = stream;
+  used(r);
+  switch (r.st) {
+    case state::resident: break;
+    case state::out_queued: cancel_queued_pageout(id, r); break;
+    case state::out_issued:
+      if (r.dev == npos) {  // its block went to another buffer: page in after the page-out
+        page_in_front(id, r, stream, lock);
+        break;
+      }
+      r.cancel_free = true;         // a page-in of it waits for its page-out first: the stream does
+      if (r.producer != nullptr) {  // a page-out asked for again is off: it is in use again
+        give_event(r.producer, false);
+        r.producer = nullptr;
+      }
+      consumer_wait(stream, r.copy);
+      ++stats_.pageouts_cancelled;
+      break;
+    case state::host: page_in_front(id, r, stream, lock); break;
+    case state::in_queued:
+      if (in_q_->erase(id)) {  // a queued prefetch goes first now
+        WM_EXPECTS(in_q_->enqueue_front(transfer_task{id, r.bytes}),
+                   "swappable::data: the page-in queue is locked (wait_prefetches in progress)");
+      }
+      wait_issued(r, stream, lock);
+      break;
+    case state::in_issued: consumer_wait(stream, r.copy); break;
+  }
+  if (pin) { ++r.pins; }
+  return pool_ + r.dev;
+}
+
+inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream) {
+  std::unique_lock lock{mutex_};
+  record& r = at(id);
+  r.last    = stream;
+  if (r.pins > 0) { return false; }
+  used(r);
+  switch (r.st) {
+    case state::in_issued:
+      WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0));  // the page-out copies what came in
+      [[fallthrough]];
+    case state::resident: {
+      cudaEvent_t ev = take_event(false);
+      WM_CUDA_TRY(cudaEventRecord(ev, stream));
+      state const before = r.st;
+      r.producer         = ev;
+      r.st               = state::out_queued;
+      r.out_seq          = ++out_seq_;
+      if (!out_q_->enqueue(transfer_task{id, r.bytes})) {
+        r.st       = before;
+        r.producer = nullptr;
+        give_event(ev, false);
+        return false;
+      }
+      in_q_->notify();  // a page-in waiting for room may promote this page-out
+      return true;
+    }
+    case state::out_issued:
+      if (r.cancel_free && r.producer == nullptr) {  // written again since: copy it again after
+        cudaEvent_t ev = take_event(false);
+        WM_CUDA_TRY(cudaEventRecord(ev, stream));
+        r.producer = ev;
+        return true;
+      }
+      return false;
+    case state::in_queued:
+      in_q_->erase(id);  // if the worker holds it already, it drops it: the state says host
+      r.st = state::host;
+      return false;
+    case state::out_queued:
+    case state::host: return false;
+  }
+  return false;
+}
+
+inline void swap_core::need_prefetch(std::uint64_t id) {
+  std::unique_lock lock{mutex_};
+  record& r = at(id);
+  switch (r.st) {
+    case state::host:
+      r.st = state::in_queued;
+      if (!in_q_->enqueue(transfer_task{id, r.bytes})) { r.st = state::host; }
+      break;
+    case state::out_queued: cancel_queued_pageout(id, r); break;
+    case state::out_issued:
+      if (r.dev == npos) {  // its block went to another buffer: page in after the page-out
+        r.after = r.copy;
+        r.st    = state::in_queued;
+        if (!in_q_->enqueue(transfer_task{id, r.bytes})) {
+          r.st    = state::out_issued;
+          r.after = nullptr;
+        }
+        break;
+      }
+      if (!r.cancel_free) { ++stats_.pageouts_cancelled; }
+      r.cancel_free = true;
+      break;
+    default: break;
+  }
+}
+
+inline void swap_core::unpin(std::uint64_t id) {
+  std::lock_guard lock{mutex_};
+  record& r = at(id);
+  WM_EXPECTS(r.pins > 0, "swappable::unpin: the buffer is not pinned");
+  --r.pins;
+}
+
+inline bool swap_core::resident(std::uint64_t id) const {
+  std::lock_guard lock{mutex_};
+  record const& r = records_.at(id);
+  return r.st == state::resident || r.st == state::in_issued ||
+         (r.st == state::out_issued && r.cancel_free && r.producer == nullptr);
+}
+
+inline int swap_core::pins(std::uint64_t id) const {
+  std::lock_guard lock{mutex_};
+  return records_.at(id).pins;
+}
+
+// The owner is gone: the device memory becomes a pending block, free after the last stream's
+// work (the next user's stream waits for that); the host slot goes after the copies in flight.
+inline void swap_core::release(std::uint64_t id) noexcept {
+  try {
+    std::unique_lock lock{mutex_};
+    auto const it = records_.find(id);
+    if (it == records_.end()) { return; }
+    record& r   = it->second;
+    r.destroyed = true;
+    used(r);
+    if (r.st == state::in_issued) {  // r.last may be the legacy stream 0: still a stream
+      WM_CUDA_TRY(cudaStreamWaitEvent(r.last, r.copy, 0));
+    }
+    if (r.dev != npos) {
+      r.release = take_event(false);
+      WM_CUDA_TRY(cudaEventRecord(r.release, r.last));
+    }
+    switch (r.st) {
+      case state::out_queued: out_q_->erase(id); [[fallthrough]];
+      case state::resident:
+        if (r.producer != nullptr) { give_event(r.producer, false); }
+        free_device(r);
+        free_host(r);
+        records_.erase(it);
+        break;
+      case state::in_queued: in_q_->erase(id); [[fallthrough]];
+      case state::host:
+        free_host(r);
+        records_.erase(it);
+        break;
+      case state::in_issued: free_device(r); break;  // host slot: when the copy is done
+      case state::out_issued: break;                 // both: when the copy is done
+    }
+    notify_room();
+  } catch (...) {
+    // Destructors never throw; a CUDA error here resurfaces on the next call that checks.
+  }
+}
+
+// A prefetched buffer is being used (or dropped): its bytes leave the lookahead.
+inline void swap_core::used(record& r) {
+  if (r.prefetched) {
+    r.prefetched = false;
+    in_q_->release(r.bytes);
+  }
+}
+
+inline void swap_core::cancel_queued_pageout(std::uint64_t id, record& r) {
+  out_q_->erase(id);  // if the worker holds it already, it drops it: the state says resident
+  r.st = state::resident;
+  if (r.producer != nullptr) {
+    give_event(r.producer, false);
+    r.producer = nullptr;
+  }
+  ++stats_.pageouts_cancelled;
+}
+
+inline void swap_core::drain(transfer_queue<copier>& q, char const* what) {
+  auto const t0 = clock::now();
+  bool const ok = q.wait(t0 + options_.timeout);
+  {
+    std::lock_guard lock{mutex_};
+    count_wait(true, t0);
+  }
+  if (!ok) { throw_timeout(what); }
+}
+
+inline swap_statistics swap_core::statistics() {
+  std::lock_guard lock{mutex_};
+  collect_waits();
+  swap_statistics s     = stats_;
+  s.resident_bytes      = dev_alloc_.in_use();
+  s.peak_resident_bytes = dev_alloc_.peak();
+  s.host_bytes_in_use   = host_alloc_.in_use();
+  s.device_allocations  = device_allocations_;
+  s.pinned_allocations  = pinned_allocations_;
+  s.events_created      = events_created_;
+  return s;
+}
+
+inline void swap_core::reset_statistics() {
+  std::lock_guard lock{mutex_};
+  collect_waits();
+  stats_ = swap_statistics{};
+  dev_alloc_.reset_peak();
+  device_allocations_ = pinned_allocations_ = events_created_ = 0;
+}
+
+}  // namespace wm::detail

@@ -1,0 +1,180 @@
+// The copiers of a swap_core, called by the transfer queues' worker threads: submit issues the
+// copies of a batch (taking pool blocks stream-ordered for page-ins), poll asks an event, complete
+// books what finished. None of them blocks on CUDA.
+#pragma once
+
+#include <wm/detail/swap/swap_blocks.cuh>
+#include <wm/detail/swap/swap_core.cuh>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace wm::detail {
+
+inline std::optional<swap_core::ticket> swap_core::submit(bool out,
+                                                          std::span<transfer_task> batch) {
+  WM_CUDA_TRY(cudaSetDevice(options_.device));
+  std::optional<ticket> result;
+  {
+    std::lock_guard lock{mutex_};
+    cudaStream_t const s = out ? out_stream_ : in_stream_;
+    ticket t;
+    struct piece {
+      std::byte* dst;
+      std::byte const* src;
+      std::size_t bytes;
+    };
+    std::vector<piece> pieces;
+    bool deferring = false;
+    for (auto& x : batch) {
+      auto const it = records_.find(x.id);
+      if (it == records_.end() || it->second.destroyed ||
+          it->second.st != (out ? state::out_queued : state::in_queued)) {
+        x.admission = transfer_admission::drop;
+        continue;
+      }
+      record& r = it->second;
+      if (deferring) {
+        x.admission = transfer_admission::defer;
+        continue;
+      }
+      if (out) {
+        if (r.host == npos) { r.host = host_alloc_.allocate(r.bytes); }
+        if (r.host == npos) {  // the slab is full until buffers are released
+          r.deferred  = true;
+          x.admission = transfer_admission::defer;
+          deferring   = true;
+          continue;
+        }
+        WM_CUDA_TRY(cudaStreamWaitEvent(s, r.producer, 0));
+        give_event(r.producer, false);
+        r.producer = nullptr;
+        pieces.push_back({slab_ + r.host, pool_ + r.dev, dev_alloc_.round(r.bytes)});
+      } else {
+        // The copy stream waits for the block's previous user (a page-out copy or a release).
+        if (r.dev == npos) { r.dev = take_block(r.bytes, s, false); }
+        if (r.dev == npos) {
+          // A queued page-out would free a block: promoted, it goes next and this retries (a
+          // wait on the other worker). Else only the GPU (or the user) can make room.
+          if (promote_pageout(r.bytes) == 0) { r.deferred = true; }
+          x.admission = transfer_admission::defer;
+          deferring   = true;
+          continue;
+        }
+        if (r.after != nullptr) {  // its own page-out is still running (its block went elsewhere)
+          WM_CUDA_TRY(cudaStreamWaitEvent(s, r.after, 0));
+        }
+        pieces.push_back({pool_ + r.dev, slab_ + r.host, dev_alloc_.round(r.bytes)});
+      }
+      x.admission = transfer_admission::start;
+      t.ids.push_back(x.id);
+    }
+    if (t.ids.empty()) { return std::nullopt; }
+    t.start = take_event(true);
+    t.end   = take_event(true);
+    WM_CUDA_TRY(cudaEventRecord(t.start, s));
+    // Neighbours in both memories travel as one copy.
+    std::uint64_t& copies = out ? stats_.copies_out : stats_.copies_in;
+    for (std::size_t i = 0; i < pieces.size();) {
+      std::size_t j     = i + 1;
+      std::size_t bytes = pieces[i].bytes;
+      while (j < pieces.size() && pieces[j].dst == pieces[i].dst + bytes &&
+             pieces[j].src == pieces[i].src + bytes) {
+        bytes += pieces[j].bytes;
+        ++j;
+      }
+      WM_CUDA_TRY(cudaMemcpyAsync(pieces[i].dst, pieces[i].src, bytes,
+                                  out ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s));
+      ++copies;
+      i = j;
+    }
+    WM_CUDA_TRY(cudaEventRecord(t.end, s));
+    for (auto const& x : batch) {
+      if (x.admission != transfer_admission::start) { continue; }
+      record& r = records_.at(x.id);
+      r.st      = out ? state::out_issued : state::in_issued;
+      r.copy    = t.end;
+      if (out) {
+        r.out_seq = ++out_seq_;
+      } else {
+        r.prefetched = !x.passive;
+        ++(x.passive ? stats_.passive_pageins : stats_.prefetches);
+      }
+    }
+    cv_.notify_all();
+    result = std::move(t);
+  }
+  if (out) { in_q_->notify(); }  // a page-in that promoted this page-out can take its block
+  return result;
+}
+
+inline bool swap_core::poll(ticket const& t) {
+  cudaError_t const e = cudaEventQuery(t.end);
+  return e != cudaErrorNotReady;  // an error: done; the next checked call reports it
+}
+
+inline void swap_core::complete(bool out, ticket const& t) {
+  {
+    std::lock_guard lock{mutex_};
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, t.start, t.end) == cudaSuccess) {
+      (out ? stats_.seconds_out : stats_.seconds_in) += ms * 1e-3;
+    }
+    for (std::uint64_t id : t.ids) {
+      auto const it = records_.find(id);
+      if (it == records_.end()) { continue; }
+      record& r = it->second;
+      if (r.copy == t.end) { r.copy = nullptr; }
+      if (out) {
+        stats_.bytes_out += r.bytes;
+        ++stats_.pageouts;
+        if (r.after == t.end) { r.after = nullptr; }
+        if (r.st != state::out_issued) {  // its block was taken and a page-in followed
+          continue;
+        }
+        if (r.destroyed) {
+          if (r.producer != nullptr) { give_event(r.producer, false); }
+          free_device(r);
+          free_host(r);
+          records_.erase(it);
+        } else if (r.cancel_free) {
+          r.cancel_free = false;
+          r.st          = state::resident;
+          if (r.producer != nullptr) {  // paged out again after it was wanted: go again
+            r.st      = state::out_queued;
+            r.out_seq = ++out_seq_;
+            if (!out_q_->requeue(transfer_task{id, r.bytes})) {
+              r.st = state::resident;
+              give_event(r.producer, false);
+              r.producer = nullptr;
+            }
+          }
+        } else {
+          if (r.dev != npos) { dev_alloc_.free(r.dev); }
+          r.dev = npos;
+          r.st  = state::host;
+        }
+      } else {
+        stats_.bytes_in += r.bytes;
+        if (r.destroyed) {
+          free_device(r);
+          free_host(r);
+          records_.erase(it);
+        } else if (r.st == state::in_issued) {
+          r.st = state::resident;
+        }
+      }
+    }
+    give_event(t.start, true);
+    give_event(t.end, true);
+    collect_waits();
+    cv_.notify_all();
+  }
+  if (out) { in_q_->notify(); }  // room in the pool for deferred page-ins
+}
+
+}  // namespace wm::detail
