@@ -208,6 +208,7 @@ key_rings make_keys() {
 
 struct step_result {
   double ms{nan};         // median ms/step
+  double gather_ms{nan};  // median of the gather part of the same steps
   double hit{nan};        // hits / requests over the timed steps
   double in_bytes{nan};   // per step: bytes_from_host
   double out_bytes{nan};  // per step: write_backs x line_bytes
@@ -238,6 +239,7 @@ class bench {
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream2_, cudaStreamNonBlocking));
     for (auto& e : events_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
+    for (auto& e : mid_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
     WM_CUDA_TRY(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     WM_CUDA_TRY(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     cudaDeviceProp prop{};
@@ -266,6 +268,7 @@ class bench {
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamSynchronize(stream2_);
     for (auto e : events_) { (void)cudaEventDestroy(e); }
+    for (auto e : mid_) { (void)cudaEventDestroy(e); }
     (void)cudaEventDestroy(fork_);
     (void)cudaEventDestroy(join_);
     (void)cudaStreamDestroy(stream2_);
@@ -368,36 +371,42 @@ class bench {
     if constexpr (cached) { e.reset_cache_stats(); }
     for (int i = 0; i < timed_steps; ++i) {
       WM_CUDA_TRY(cudaEventRecord(events_[2 * i], stream_));
-      step(i);
+      e.gather(keys(d, i), out_.get(), s);
+      WM_CUDA_TRY(cudaEventRecord(mid_[i], stream_));
+      e.apply_gradients(keys(d, i), grads_.get(), lr, s);
       WM_CUDA_TRY(cudaEventRecord(events_[2 * i + 1], stream_));
     }
     WM_CUDA_TRY(cudaStreamSynchronize(stream_));
-    std::vector<double> ms(timed_steps);
+    std::vector<double> ms(timed_steps), gms(timed_steps);
     for (int i = 0; i < timed_steps; ++i) {
-      float t = 0;
+      float t = 0, g = 0;
       WM_CUDA_TRY(cudaEventElapsedTime(&t, events_[2 * i], events_[2 * i + 1]));
-      ms[i] = t;
+      WM_CUDA_TRY(cudaEventElapsedTime(&g, events_[2 * i], mid_[i]));
+      ms[i]  = t;
+      gms[i] = g;
     }
     step_result r;
-    r.ran = true;
-    r.ms  = median(ms);
+    r.ran       = true;
+    r.ms        = median(ms);
+    r.gather_ms = median(gms);
     if constexpr (cached) {
       wm::cache_statistics const c = e.cache_stats();
       r.hit                        = c.requests == 0 ? nan : double(c.hits) / double(c.requests);
       r.in_bytes                   = double(c.bytes_from_host) / timed_steps;
       r.out_bytes                  = double(c.write_backs) * line_bytes / timed_steps;
       std::printf(
-          "cache_bench: %-10s %-8s %8.3f ms/step, hit rate %.4f, in %.1f MB/step = %.1f GB/s "
+          "cache_bench: %-10s %-8s %8.3f ms/step (gather %.3f), hit rate %.4f, in %.1f MB/step = %.1f GB/s "
           "(%.2f of H2D), out %.1f MB/step = %.1f GB/s (%.2f of D2H); requests %llu, distinct "
           "%llu, misses %llu, evictions %llu, write-backs %llu\n",
-          name, dist_names[d], r.ms, r.hit, r.in_bytes / 1e6, r.in_bytes / r.ms / 1e6,
+          name, dist_names[d], r.ms, r.gather_ms, r.hit, r.in_bytes / 1e6, r.in_bytes / r.ms / 1e6,
           r.in_bytes / r.ms / 1e6 / res_.h2d, r.out_bytes / 1e6, r.out_bytes / r.ms / 1e6,
           r.out_bytes / r.ms / 1e6 / res_.d2h, static_cast<unsigned long long>(c.requests),
           static_cast<unsigned long long>(c.distinct_keys),
           static_cast<unsigned long long>(c.misses), static_cast<unsigned long long>(c.evictions),
           static_cast<unsigned long long>(c.write_backs));
     } else {
-      std::printf("cache_bench: %-10s %-8s %8.3f ms/step\n", name, dist_names[d], r.ms);
+      std::printf("cache_bench: %-10s %-8s %8.3f ms/step (gather %.3f)\n", name, dist_names[d],
+                  r.ms, r.gather_ms);
     }
     std::fflush(stdout);
     return r;
@@ -452,6 +461,7 @@ class bench {
   int blocks_{};
   cudaStream_t stream_{}, stream2_{};
   cudaEvent_t events_[2 * timed_steps]{};
+  cudaEvent_t mid_[timed_steps]{};  // between each timed step's gather and apply_gradients
   cudaEvent_t fork_{}, join_{};
   buffer<std::int64_t> ring_[2], hot_;
   buffer<float> grads_, out_, out2_;
