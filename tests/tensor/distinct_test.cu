@@ -304,11 +304,13 @@ void host_gathers(wm::communicator& comm, std::uint64_t seed, std::size_t rows, 
     if (n >= 2) {
       // Invalid keys mixed in, some sharing low bits with valid hot keys: an error, zero rows
       // for them, the right rows for the others.
-      auto bad = zipf_keys<Index>(rng, n, rows);
+      // (k + 2^bits has the low bits of k: the sort puts it among the k's.)
+      std::size_t const above = std::size_t{1} << wm::detail::row_bits(rows);
+      auto bad                = zipf_keys<Index>(rng, n, rows);
       for (std::size_t i = 0; i < n; i += 1 + rng() % 97) {
         auto const k = static_cast<std::size_t>(bad[i]);
         bad[i]       = rng() % 2 == 0 ? static_cast<Index>(-1 - static_cast<Index>(rng() % 5))
-                                      : static_cast<Index>(rows + k + (std::size_t{1} << 20));
+                                      : static_cast<Index>(k + above);
       }
       bad[n - 1] = static_cast<Index>(rows);
       check_host_gather(h, table, rb, bad, true, s, "invalid mixed in " + label);
