@@ -69,7 +69,8 @@ concept cache_access = requires {
  * hit adds one; when a count would overflow, every count of the set is halved first (old
  * popularity fades); a newly admitted line starts at the evicted line's count + 1 (LFU with
  * dynamic aging), so a newcomer is not the next victim of its set by construction. The victim
- * is an invalid way if any, else the way with the lowest count (lowest way index on ties).
+ * is an invalid way if any, else the way with the lowest count (lowest way index on ties),
+ * among the ways the current batch has not used (see wm::cache_statistics::bypasses).
  */
 struct lfu {
   static constexpr char const* name = "lfu";
@@ -79,8 +80,8 @@ struct lfu {
 /**
  * @brief Replacement: least recently used. Each set has a 32-bit use clock; a hit or an
  * admission stamps the line with the next clock value; the victim is an invalid way if any, else
- * the way with the oldest stamp. When the clock would wrap, the set's stamps are renumbered
- * 1..32 in their order (rare: 2^32 uses of one set).
+ * the way with the oldest stamp, among the ways the current batch has not used. When the clock
+ * would wrap, the set's stamps are renumbered 1..32 in their order (rare: 2^32 uses of one set).
  */
 struct lru {
   static constexpr char const* name = "lru";
@@ -189,7 +190,14 @@ struct cache_options {
 
 /**
  * @brief Cache statistics, counted on the device and read on the host. Counts add up:
- * `hits + misses == requests` and `write_backs <= evictions + flushed lines`.
+ * `hits + misses == requests`, `bypasses <= misses` and
+ * `write_backs <= evictions + flushed lines`.
+ *
+ * Each gather or prefetch is a batch: a miss never evicts a line that the same batch has hit or
+ * admitted (it would have been loaded for nothing). A key whose set has all 32 lines in use by
+ * its batch (the batch asks for more than 32 rows of one set) bypasses the cache: its weight row
+ * is read from the table straight to the output, nothing is admitted, and `apply_gradients`
+ * updates it in the table.
  */
 struct cache_statistics {
   std::uint64_t requests{};          ///< keys asked for (with repeats)
@@ -198,8 +206,11 @@ struct cache_statistics {
   std::uint64_t misses{};            ///< requests not in the cache
   std::uint64_t evictions{};         ///< valid lines replaced
   std::uint64_t write_backs{};       ///< dirty lines written to the table
-  std::uint64_t bytes_from_host{};   ///< bytes read from the host table
+  std::uint64_t bytes_from_host{};   ///< bytes read from the host table (lines, bypassed rows)
   std::uint64_t bytes_from_peers{};  ///< bytes read from peers' lines (group cache)
+  /// distinct keys of gathers read around the cache (every line of their set in use by the
+  /// same batch; their requests count as misses, their weight rows in bytes_from_host)
+  std::uint64_t bypasses{};
 };
 
 }  // namespace wm

@@ -47,7 +47,7 @@ static_assert(trainable_combination<wm::group_cache<>, wm::no_optimizer>);
 static_assert(trainable_combination<wm::device_cache<wm::read_only>, wm::no_optimizer>);
 static_assert(trainable_combination<wm::device_cache<>, wm::adam>);
 static_assert(trainable_combination<no_cache_like, wm::sgd>);
-static_assert(sizeof(cache::set_header) == 16);
+static_assert(sizeof(cache::set_header) == 24);
 static_assert(sizeof(cache::lfu_impl::state_type) == 2 && sizeof(cache::lru_impl::state_type) == 4);
 
 TEST_CASE("cache policies: names, defaults and options", "[cache]") {
@@ -79,6 +79,7 @@ struct model_step {
   bool evicted{false};
   bool write_back{false};
   std::uint32_t old_key{0};
+  bool bypassed{false};
 };
 
 template <bool Lfu>
@@ -96,7 +97,50 @@ struct set_model {
     return static_cast<int>(std::min_element(lines.begin(), lines.end(), less) - lines.begin());
   }
 
+  // Batches: the ways the current batch has hit or admitted; a miss never takes one of them.
+  std::vector<bool> used = std::vector<bool>(32, false);
+
+  void begin_batch() { used.assign(32, false); }
+
+  // The victim among the ways the batch has not used (-1: none, the key bypasses).
+  int victim_outside_batch() const {
+    for (int w = 0; w < 32; ++w) {
+      if (!used[w] && !lines[w].valid) { return w; }
+    }
+    int best = -1;
+    for (int w = 0; w < 32; ++w) {
+      if (used[w]) { continue; }
+      bool const lower =
+          best < 0 || (Lfu ? lines[w].count < lines[best].count : lines[w].last < lines[best].last);
+      if (lower) { best = w; }
+    }
+    return best;
+  }
+
+  model_step batch_access(std::uint32_t key, bool write) {
+    model_step s = lookup(key);
+    if (!s.hit) {
+      int const w = victim_outside_batch();
+      if (w < 0) {
+        s.bypassed = true;
+        return s;  // nothing changes
+      }
+      admit_at(s, w, key);
+    }
+    used[s.way] = true;
+    if (write) { lines[s.way].dirty = true; }
+    return s;
+  }
+
   model_step access(std::uint32_t key, bool write) {
+    model_step s = lookup(key);
+    if (!s.hit) { admit_at(s, victim(), key); }
+    if (write) { lines[s.way].dirty = true; }
+    return s;
+  }
+
+  // Finds the key; a hit updates the line's count / time.
+  model_step lookup(std::uint32_t key) {
     model_step s;
     for (int w = 0; w < 32; ++w) {
       if (lines[w].valid && lines[w].key == key) { s.way = w; }
@@ -109,20 +153,21 @@ struct set_model {
       }
       l.count += 1;
       l.last = ++time;
-    } else {
-      s.way        = victim();
-      auto& l      = lines[s.way];
-      s.evicted    = l.valid;
-      s.write_back = l.valid && l.dirty;
-      s.old_key    = l.key;
-      l.count      = l.valid ? std::min<std::uint64_t>(l.count + 1, 0xffff) : 1;
-      l.valid      = true;
-      l.dirty      = false;
-      l.key        = key;
-      l.last       = ++time;
     }
-    if (write) { lines[s.way].dirty = true; }
     return s;
+  }
+
+  void admit_at(model_step& s, int way, std::uint32_t key) {
+    s.way        = way;
+    auto& l      = lines[s.way];
+    s.evicted    = l.valid;
+    s.write_back = l.valid && l.dirty;
+    s.old_key    = l.key;
+    l.count      = l.valid ? std::min<std::uint64_t>(l.count + 1, 0xffff) : 1;
+    l.valid      = true;
+    l.dirty      = false;
+    l.key        = key;
+    l.last       = ++time;
   }
 
   std::set<std::uint32_t> flush() {
@@ -301,6 +346,172 @@ TEST_CASE("cache set: edge cases", "[cache]") {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Batches (batch_access): a miss never evicts a line its own batch has hit or admitted; a batch
+// with more than 32 distinct keys of the set bypasses exactly the extra ones; across batches the
+// ordinary policy applies.
+
+template <class Impl, bool Lfu>
+void run_batches(std::uint64_t seed, int universe, bool skewed, int batches, std::uint32_t clock0,
+                 std::size_t max_batch) {
+  std::mt19937_64 rng{seed};
+  std::vector<std::uint32_t> keys(static_cast<std::size_t>(universe));
+  for (auto& k : keys) { k = static_cast<std::uint32_t>(rng()); }
+  std::vector<double> weights(keys.size());
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    weights[i] = skewed ? 1.0 / std::pow(static_cast<double>(i + 1), 1.05) : 1.0;
+  }
+  std::discrete_distribution<std::size_t> pick{weights.begin(), weights.end()};
+
+  set_model<Lfu> model;
+  real_set<Impl> real;
+  real.header.clock     = clock0;
+  real.header.epoch     = 0x5a5a5a5au;  // a stale mask of some old batch
+  real.header.batch     = 0xf0f0f0f0u;
+  auto const s          = real.ref();
+  std::uint32_t epoch   = static_cast<std::uint32_t>(rng());
+  std::uint64_t bypassd = 0, hits = 0, write_backs = 0, evictions = 0;
+  for (int b = 0; b < batches; ++b) {
+    // Between batches: now and then a flush, an invalidation or a single eviction.
+    auto const between = rng() % 100;
+    if (between < 3) {
+      REQUIRE(keys_of(s.flush(), real.tags) == model.flush());
+    } else if (between < 4) {
+      REQUIRE(keys_of(s.invalidate(), real.tags) == model.invalidate());
+    } else if (between < 8) {
+      int const w = static_cast<int>(rng() % 32);
+      if (model.lines[w].valid) { REQUIRE(s.evict(w) == model.evict(w)); }
+    }
+    epoch += 1 + static_cast<std::uint32_t>(rng() % 3);  // any new number starts a batch
+    model.begin_batch();
+    std::size_t const n = 1 + rng() % max_batch;
+    std::set<std::uint32_t> used_keys, bypassed_keys, asked;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uint32_t const key = keys[pick(rng)];
+      bool const write        = rng() % 3 == 0;
+      if (i == 0) {
+        // The batch's first access is the ordinary one (the mask of the last batch is gone).
+        real_set<Impl> plain = real;
+        auto const p         = cache::access(plain.ref(), key, write);
+        auto const r         = cache::batch_access(s, key, write, epoch);
+        REQUIRE(r.hit == p.hit);
+        REQUIRE(r.way == p.way);
+        REQUIRE(!r.bypassed);
+        REQUIRE(r.admitted.evicted == p.admitted.evicted);
+        REQUIRE(r.admitted.old_key == p.admitted.old_key);
+        REQUIRE(plain.tags == real.tags);
+        REQUIRE(plain.states == real.states);
+        REQUIRE(plain.header.valid == real.header.valid);
+        REQUIRE(plain.header.dirty == real.header.dirty);
+        REQUIRE(real.header.batch == 1u << r.way);
+        REQUIRE(real.header.epoch == epoch);
+        (void)model.batch_access(key, write);
+        used_keys.insert(key);
+        asked.insert(key);
+        hits += r.hit;
+        compare_lines(model, real);
+        continue;
+      }
+      auto const r = cache::batch_access(s, key, write, epoch);
+      auto const e = model.batch_access(key, write);
+      REQUIRE(r.hit == e.hit);
+      REQUIRE(r.bypassed == e.bypassed);
+      REQUIRE(r.way == (e.bypassed ? cache::no_way : e.way));
+      if (!e.hit && !e.bypassed) {
+        REQUIRE(r.admitted.evicted == e.evicted);
+        REQUIRE(r.admitted.write_back == e.write_back);
+        if (e.evicted) { REQUIRE(r.admitted.old_key == e.old_key); }
+        write_backs += e.write_back;
+        evictions += e.evicted;
+      }
+      compare_lines(model, real);
+      asked.insert(key);
+      if (r.bypassed) {
+        bypassed_keys.insert(key);
+        REQUIRE(real.header.batch == cache::all_ways);
+      } else {
+        used_keys.insert(key);
+      }
+      hits += r.hit;
+      // No line the batch has used was evicted: each of its keys is still where it was.
+      for (auto const k : used_keys) { REQUIRE(s.find(k) != cache::no_way); }
+      REQUIRE(static_cast<int>(used_keys.size()) == cache::count_ways(real.header.batch));
+    }
+    // The first 32 distinct keys of the batch are served by lines; exactly the others bypass.
+    REQUIRE(used_keys.size() == std::min<std::size_t>(asked.size(), 32));
+    REQUIRE(bypassed_keys.size() == asked.size() - used_keys.size());
+    bypassd += bypassed_keys.size();
+  }
+  // The batches exercised what they claim to test.
+  CHECK(hits > 0);
+  CHECK(evictions > 0);
+  CHECK(write_backs > 0);
+  if (max_batch > 40 && universe > 40) { CHECK(bypassd > 0); }
+}
+
+TEST_CASE("cache set: batches (LFU) against the model; bypass beyond 32 keys of a batch",
+          "[cache]") {
+  auto const skewed   = GENERATE(true, false);
+  auto const universe = GENERATE(33, 64, 500);
+  auto const longest  = GENERATE(std::size_t{20}, std::size_t{90});
+  for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+    run_batches<cache::lfu_impl, true>(seed * 7907 + universe + longest, universe, skewed, 600, 0,
+                                       longest);
+  }
+}
+
+TEST_CASE("cache set: batches (LRU) against the model, clock wrap", "[cache]") {
+  auto const skewed   = GENERATE(true, false);
+  auto const universe = GENERATE(33, 64, 500);
+  auto const clock0   = GENERATE(0u, 0xffffffffu - 10000u);
+  for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+    run_batches<cache::lru_impl, false>(seed * 104723 + universe, universe, skewed, 600, clock0,
+                                        90);
+  }
+}
+
+TEST_CASE("cache set: a batch of 40 new keys evicts the old 32 and bypasses 8", "[cache]") {
+  real_set<cache::lfu_impl> r;
+  auto const s = r.ref();
+  for (std::uint32_t k = 0; k < 32; ++k) { (void)cache::batch_access(s, k, k % 2 == 0, 1); }
+  CHECK(r.header.valid == cache::all_ways);
+  CHECK(r.header.batch == cache::all_ways);
+  // The same batch asks for one more key: every way is in use, so it bypasses; nothing changes.
+  auto const before = r.states;
+  auto const a      = cache::batch_access(s, 1000, true, 1);
+  CHECK(a.bypassed);
+  CHECK(!a.hit);
+  CHECK(a.way == cache::no_way);
+  CHECK(s.find(1000) == cache::no_way);
+  CHECK(r.states == before);
+  CHECK(r.header.dirty == 0x55555555u);
+  // A new batch of 40 new keys: the first 32 replace the old lines (16 write-backs), 8 bypass.
+  int bypasses = 0, write_backs = 0;
+  std::set<std::uint32_t> evicted;
+  for (std::uint32_t k = 100; k < 140; ++k) {
+    auto const b = cache::batch_access(s, k, false, 2);
+    bypasses += b.bypassed;
+    write_backs += b.admitted.write_back;
+    if (b.admitted.evicted) { evicted.insert(b.admitted.old_key); }
+    CHECK(b.bypassed == (k >= 132));
+  }
+  CHECK(bypasses == 8);
+  CHECK(write_backs == 16);
+  CHECK(evicted.size() == 32);
+  CHECK(*evicted.rbegin() == 31);
+  // The next batch admits the 8 that bypassed, by the ordinary policy.
+  for (std::uint32_t k = 132; k < 140; ++k) {
+    auto const c = cache::batch_access(s, k, false, 3);
+    CHECK(!c.bypassed);
+    CHECK(c.admitted.evicted);
+  }
+  for (std::uint32_t k = 132; k < 140; ++k) { CHECK(s.find(k) != cache::no_way); }
+  // The plain functions ignore the batch mask.
+  CHECK(s.victim() == s.victim(0));
+  CHECK(s.victim(cache::all_ways) == cache::no_way);
+  CHECK(s.victim(~1u) == 0);
+}
+
+// ---------------------------------------------------------------------------------------------
 // The key -> set hash.
 
 TEST_CASE("cache hash: consecutive ids spread over many sets", "[cache]") {
@@ -359,8 +570,8 @@ TEST_CASE("cache plan: sets from rows and ratio; edges", "[cache]") {
   auto const p = plan_cache<cache::lfu_impl>(10'000'000, 0.1);
   CHECK(p.sets == 31250);
   CHECK(p.lines == 1'000'000);
-  CHECK(p.metadata_bytes == 31250u * (32 * 6 + 16));  // 6.5 bytes per line, none per row
-  CHECK(plan_cache<cache::lru_impl>(1000, 0.1).metadata_bytes == 4u * (32 * 8 + 16));
+  CHECK(p.metadata_bytes == 31250u * (32 * 6 + 24));  // 6.75 bytes per line, none per row
+  CHECK(plan_cache<cache::lru_impl>(1000, 0.1).metadata_bytes == 4u * (32 * 8 + 24));
   CHECK(plan_cache<cache::lfu_impl>(1, 0.001).sets == 1);  // at least one set
   CHECK(plan_cache<cache::lfu_impl>(10, 1.0).sets == 1);   // cache larger than the table
   CHECK(plan_cache<cache::lfu_impl>(33, 1.0).sets == 2);

@@ -27,11 +27,12 @@ struct device_statistics {
   unsigned long long write_backs{};
   unsigned long long bytes_from_host{};
   unsigned long long bytes_from_peers{};
+  unsigned long long bypasses{};
 
   /// The host-side form.
   [[nodiscard]] wm::cache_statistics to_public() const noexcept {
-    return {requests,        distinct_keys,   hits, misses, evictions, write_backs,
-            bytes_from_host, bytes_from_peers};
+    return {requests,        distinct_keys,    hits,    misses, evictions, write_backs,
+            bytes_from_host, bytes_from_peers, bypasses};
   }
 };
 

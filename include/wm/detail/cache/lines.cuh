@@ -8,13 +8,20 @@
 // never crosses PCIe and a cached row is updated without touching the table.
 //
 // Concurrency: one warp per distinct key of a batch. Distinct keys can share a set, so a warp
-// takes the set's lock word (set_header::spare) before it probes, and keeps it until the row is
+// takes the set's lock word (set_header::lock) before it probes, and keeps it until the row is
 // in its line and copied out: lane 0 spins with atomicCAS and __nanosleep back-off (acquire),
 // the warp works, lane 0 releases (release store). Locks rather than grouping keys by set: the
 // batch is already sorted by key for the distinct-row plan (detail/dispatch/distinct.cuh); a
 // second sort by set would cost a full radix sort per gather, while with ~10 distinct keys per
 // set a lock is rarely contended. Independent thread scheduling lets the spinning lane wait
 // while another warp holds the lock; a warp holds one lock at a time, so nothing can deadlock.
+//
+// Batches (set.hpp): each admission call (a gather or a prefetch) takes the next epoch from a
+// device counter (bumped by a one-thread kernel before the admission kernel, so a call captured
+// in a CUDA graph gets a new epoch at every replay), and its misses never evict a line the same
+// call has hit or admitted; a key whose set has all 32 ways in use by the call bypasses the
+// cache: its weight row goes from the table straight to the output, and the update, a probe,
+// finds it in the table (write-around).
 #pragma once
 
 #include <wm/cache.hpp>
@@ -50,6 +57,7 @@ struct lines_ref {
   std::size_t dim{};           ///< values per weight row
   std::size_t st_cols{};       ///< state floats per row
   device_statistics* stats{};  ///< the counters
+  std::uint32_t* epoch{};      ///< the batch counter (the current admission call's epoch)
 
   /// The payload of data slot @p slot.
   [[nodiscard]] __device__ row_place<T> line(std::size_t slot) const noexcept {
@@ -114,20 +122,50 @@ __device__ void warp_copy(void* dst, void const* src, std::size_t bytes, unsigne
   for (std::size_t i = lane; i < bytes / sizeof(W); i += ways) { d[i] = q[i]; }
 }
 
-/// Moves one row's payload (weight, states, step) with the warp.
+/// Vectors per lane a warp_move loads before it stores (one round for a 128-float Adam row).
+inline constexpr int move_depth = 8;
+
+/// Moves one row's payload (weight, states, step) with the warp. Each lane issues the loads of
+/// up to move_depth vectors of the weight and the states together (and lane 0 the step's) before
+/// any of its stores, so a row read over PCIe costs one round trip rather than one per part.
 template <class W, class T>
 __device__ void warp_move(row_place<T> const& to, row_place<T> const& from, std::size_t dim,
                           std::size_t st_cols, unsigned lane) noexcept {
-  warp_copy<W>(to.w, from.w, dim * sizeof(T), lane);
-  if (from.st != nullptr) { warp_copy<W>(to.st, from.st, st_cols * sizeof(float), lane); }
-  if (from.step != nullptr && lane == 0) { *to.step = *from.step; }
+  std::size_t const nw    = dim * sizeof(T) / sizeof(W);
+  std::size_t const ns    = from.st != nullptr ? st_cols * sizeof(float) / sizeof(W) : 0;
+  std::size_t const total = nw + ns;
+  auto const* const qw    = reinterpret_cast<W const*>(from.w);
+  auto const* const qs    = reinterpret_cast<W const*>(from.st);
+  auto* const dw          = reinterpret_cast<W*>(to.w);
+  auto* const ds          = reinterpret_cast<W*>(to.st);
+  bool const step         = from.step != nullptr && lane == 0;
+  std::int64_t step_value = 0;
+  if (step) { step_value = *from.step; }
+  for (std::size_t base = 0; base < total; base += std::size_t{move_depth} * ways) {
+    W v[move_depth];
+#pragma unroll
+    for (int j = 0; j < move_depth; ++j) {
+      std::size_t const i = base + static_cast<std::size_t>(j) * ways + lane;
+      if (i < total) { v[j] = i < nw ? qw[i] : qs[i - nw]; }
+    }
+#pragma unroll
+    for (int j = 0; j < move_depth; ++j) {
+      std::size_t const i = base + static_cast<std::size_t>(j) * ways + lane;
+      if (i < nw) {
+        dw[i] = v[j];
+      } else if (i < total) {
+        ds[i - nw] = v[j];
+      }
+    }
+  }
+  if (step) { *to.step = step_value; }
 }
 
 /// Takes set @p h's lock for the warp: lane 0 acquires the lock word, then every lane fences
 /// (acquire), so the last holder's writes, by any of its lanes, are visible to every lane.
 __device__ inline void lock_set(set_header* h, unsigned lane) noexcept {
   if (lane == 0) {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->spare};
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->lock};
     unsigned wait          = 32;
     std::uint32_t expected = 0;
     while (!word.compare_exchange_weak(expected, 1u, cuda::memory_order_acquire,
@@ -147,21 +185,30 @@ __device__ inline void unlock_set(set_header* h, unsigned lane) noexcept {
   cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device);
   __syncwarp();
   if (lane == 0) {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->spare};
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> word{h->lock};
     word.store(0u, cuda::memory_order_release);
   }
   __syncwarp();
 }
 
+/// Advances the batch counter: the next admission call's epoch.
+template <class Counter>
+__global__ void next_epoch_kernel(Counter* epoch) {
+  ++*epoch;
+}
+
 /**
  * One warp per distinct key of batch @p b (grid-stride over the runs; the run count is read on
- * the device): a hit touches the line; a miss admits the key (write-allocate), writes a dirty
- * victim back to its table row, and loads the row's payload from the table into the line. With
- * @p out, the line's weight row is copied to the run head's output row (replicate_runs copies it
- * to the run's other positions). An invalid key (negative or not below @p rows) gives a zero
- * output row and sets *err; it counts as a miss and admits nothing. With @p count_requests
- * (gather) requests, distinct keys, hits and misses are counted (a run counts its length);
- * evictions, write-backs and bytes from the table always (prefetch too).
+ * the device), all of one epoch (*c.epoch, see batch_access): a hit touches the line; a miss
+ * admits the key (write-allocate) into a way this batch has not used, writes a dirty victim back
+ * to its table row, and loads the row's payload from the table into the line; a miss whose set
+ * has all 32 ways in use by this batch bypasses the cache (nothing admitted; with @p out the
+ * weight row is read from the table). With @p out, the row is copied to the run head's output
+ * row (replicate_runs copies it to the run's other positions). An invalid key (negative or not
+ * below @p rows) gives a zero output row and sets *err; it counts as a miss and admits nothing.
+ * With @p count_requests (gather) requests, distinct keys, hits, misses and bypasses are counted
+ * (a run counts its length, a bypass one per key); evictions, write-backs and bytes from the
+ * table always (prefetch too).
  */
 template <class W, class T, class Impl, class Index>
 __global__ void __launch_bounds__(line_block)
@@ -172,8 +219,9 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const n_warps   = grid_threads() / ways;
   std::size_t const runs      = *b.runs;
   std::size_t const row_bytes = c.dim * sizeof(T);
+  std::uint32_t const epoch   = *c.epoch;
   unsigned long long requests = 0, distinct = 0, hits = 0, evictions = 0, write_backs = 0,
-                     loaded = 0;
+                     loaded = 0, bypasses = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
     std::size_t const begin = b.run_begin[r];
     std::size_t const len   = b.run_begin[r + 1] - begin;
@@ -194,17 +242,14 @@ __global__ void __launch_bounds__(line_block)
     std::uint32_t const s = c.meta.set_index(k);
     auto const set        = c.meta.set(s);
     lock_set(set.header, lane);
-    int way = warp_find(set, k, lane);
-    if (way != no_way) {
-      warp_touch(set, way, lane);
+    access_result const a = warp_batch_access(set, k, false, epoch, lane);
+    if (a.hit) {
       hits += len;
-    } else {
-      admission const a = warp_admit(set, k, lane);
-      way               = a.way;
-      auto const line   = c.line(cache_ref<Impl>::slot(s, way));
-      if (a.evicted) { ++evictions; }
-      if (a.write_back) {
-        warp_move<W>(table.locate(a.old_key), line, c.dim, c.st_cols, lane);
+    } else if (!a.bypassed) {
+      auto const line = c.line(cache_ref<Impl>::slot(s, a.way));
+      if (a.admitted.evicted) { ++evictions; }
+      if (a.admitted.write_back) {
+        warp_move<W>(table.locate(a.admitted.old_key), line, c.dim, c.st_cols, lane);
         ++write_backs;
         __syncwarp();
       }
@@ -212,10 +257,19 @@ __global__ void __launch_bounds__(line_block)
       loaded += c.payload_bytes();
       __syncwarp();
     }
-    if (dst != nullptr) {
-      warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, way)).w, row_bytes, lane);
+    if (dst != nullptr && !a.bypassed) {
+      warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, a.way)).w, row_bytes, lane);
     }
     unlock_set(set.header, lane);
+    // A bypassed row is in no line (it missed) and no other warp of this batch admits it (keys
+    // are distinct): the table holds it, and the lock is not needed to read it.
+    if (a.bypassed) {
+      if (count_requests) { ++bypasses; }
+      if (dst != nullptr) {
+        warp_copy<W>(dst, table.locate(k).w, row_bytes, lane);
+        loaded += row_bytes;
+      }
+    }
   }
   if (lane == 0 && c.stats != nullptr) {
     if (count_requests && requests != 0) {
@@ -224,6 +278,7 @@ __global__ void __launch_bounds__(line_block)
       atomicAdd(&c.stats->hits, hits);
       atomicAdd(&c.stats->misses, requests - hits);
     }
+    if (count_requests && bypasses != 0) { atomicAdd(&c.stats->bypasses, bypasses); }
     if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
     if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
     if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
@@ -296,13 +351,15 @@ class line_storage {
         w_{plan_.lines * dim},
         st_{plan_.lines * st_cols},
         steps_{steps ? plan_.lines : 0},
-        stats_{1} {
+        stats_{1},
+        epoch_{1} {
     if (plan_.sets != 0) {
       WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
       WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
       WM_CUDA_TRY(cudaMemset(headers_.data(), 0, plan_.sets * sizeof(set_header)));
     }
     WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
+    WM_CUDA_TRY(cudaMemset(epoch_.data(), 0, sizeof(std::uint32_t)));  // headers: epoch 0 too
     WM_CUDA_TRY(cudaDeviceSynchronize());
   }
 
@@ -317,7 +374,8 @@ class line_storage {
             steps_.data(),
             dim_,
             st_cols_,
-            stats_.data()};
+            stats_.data(),
+            epoch_.data()};
   }
 
   /// The update's locator over @p table and these lines.
@@ -340,6 +398,8 @@ class line_storage {
     int const vec        = width(table, out);
     std::size_t const bl = std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
                                                  static_cast<std::size_t>(sm_count()) * 8);
+    next_epoch_kernel<<<1, 1, 0, s>>>(epoch_.data());  // this call is a batch of its own
+    WM_CHECK_LAUNCH();
     with_vector(vec, [&]<class W>() {
       admit_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
           c, table, rows, b, out, count_requests, err);
@@ -400,6 +460,7 @@ class line_storage {
   device_buffer<float> st_;
   device_buffer<std::int64_t> steps_;
   device_buffer<device_statistics> stats_;
+  device_buffer<std::uint32_t> epoch_;  // the batch counter (lines_ref::epoch)
   workspace ws_;
 };
 

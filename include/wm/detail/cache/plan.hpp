@@ -19,7 +19,7 @@ namespace wm::detail::cache {
 struct cache_plan {
   std::uint32_t sets{};          ///< 32-way sets (0 only for a part of 0 rows)
   std::size_t lines{};           ///< sets * 32
-  std::size_t metadata_bytes{};  ///< tags, states and set headers
+  std::size_t metadata_bytes{};  ///< tags, states and set headers (24 bytes per set)
 };
 
 /**

@@ -1,13 +1,21 @@
 // The bookkeeping of one 32-way cache set: probe, victim, admission, dirty bits, eviction, flush,
-// invalidation, and the replacement policies' per-line state (lfu_impl, lru_impl). Every function
-// is host and device (a sequential version: the host model, tests, and a kernel thread that owns
-// a set); the warp_* functions are the warp-cooperative device versions (one lane per way, one
-// __ballot_sync per probe) and give the same results as the sequential ones.
+// invalidation, the batch mask, and the replacement policies' per-line state (lfu_impl, lru_impl).
+// Every function is host and device (a sequential version: the host model, tests, and a kernel
+// thread that owns a set); the warp_* functions are the warp-cooperative device versions (one lane
+// per way, one __ballot_sync per probe) and give the same results as the sequential ones.
 //
 // Layout of a cache of S sets (structure of arrays, so a warp's 32 lanes read one set's tags or
 // states in one coalesced access): tags[S * 32], states[S * 32] (the policy's state_type),
-// headers[S] (valid mask, dirty mask, clock). Line (s, w) holds table row tags[s * 32 + w] in
-// data slot s * 32 + w. Metadata: 8 or 6 bytes per line + 16 per set, nothing per table row.
+// headers[S] (valid mask, dirty mask, clock, lock word, batch mask and its epoch). Line (s, w)
+// holds table row tags[s * 32 + w] in data slot s * 32 + w. Metadata: 8 or 6 bytes per line + 24
+// per set, nothing per table row.
+//
+// Batches: a gather or prefetch is one batch with its own epoch number. The header's batch mask
+// holds the ways the batch `epoch` has used (hit or admitted); a set that sees a new epoch resets
+// the mask first (lazily, no clearing pass). A miss of a batch never evicts a way in the mask (a
+// row that batch just loaded or hit would otherwise be replaced by a later key of the same batch
+// and loaded for nothing); when every way is in the mask the key bypasses the cache (batch_access
+// reports `bypassed`, nothing is admitted). Across batches the ordinary policy applies.
 //
 // Tag: the key itself, 32 bits (keys < 2^32: a device cache holds rows of its own rank's part,
 // which the embedding limits to 2^32 - 1 rows). The set index comes from a hash of the key, so the
@@ -81,12 +89,15 @@ inline constexpr std::uint32_t full_warp = 0xffffffffu;  ///< __*_sync mask
 // ---------------------------------------------------------------------------------------------
 // Per-set header.
 
-/// Valid and dirty bits of the 32 ways, and the set's clock (LRU stamps).
+/// Valid and dirty bits of the 32 ways, the set's clock (LRU stamps), its lock word and the
+/// ways used by the current batch.
 struct set_header {
   std::uint32_t valid{};  ///< bit w: way w holds a row
   std::uint32_t dirty{};  ///< bit w: way w differs from the table (a subset of valid)
   std::uint32_t clock{};  ///< LRU: last stamp given in this set
-  std::uint32_t spare{};  ///< keeps the header 16 bytes
+  std::uint32_t lock{};   ///< the kernels' set lock (detail/cache/lines.cuh); 0: free
+  std::uint32_t batch{};  ///< bit w: way w was hit or admitted by batch `epoch`
+  std::uint32_t epoch{};  ///< the batch that `batch` belongs to
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -199,23 +210,27 @@ struct set_ref {
     Impl::after_decay(*header);
   }
 
-  /// The way an admission would take: the lowest invalid way, else the lowest state (lowest way
-  /// on ties).
-  [[nodiscard]] WM_HOST_DEVICE int victim() const noexcept {
-    std::uint32_t const invalid = ~header->valid;
+  /// The way an admission would take among the ways not in @p exclude: the lowest invalid one,
+  /// else the lowest state (lowest way on ties); no_way when @p exclude holds every way.
+  [[nodiscard]] WM_HOST_DEVICE int victim(std::uint32_t exclude = 0) const noexcept {
+    std::uint32_t const allowed = ~exclude;
+    if (allowed == 0) { return no_way; }
+    std::uint32_t const invalid = ~header->valid & allowed;
     if (invalid != 0) { return lowest_way(invalid); }
-    int best = 0;
-    for (int w = 1; w < ways; ++w) {
-      if (states[w] < states[best]) { best = w; }
+    int best = no_way;
+    for (int w = 0; w < ways; ++w) {
+      if (((allowed >> w) & 1u) != 0 && (best == no_way || states[w] < states[best])) { best = w; }
     }
     return best;
   }
 
-  /// Puts @p key (not present) into the victim way; reports what was replaced.
-  WM_HOST_DEVICE admission admit(std::uint32_t key) const noexcept {
-    if (Impl::admit_needs_decay(*header)) { decay(); }
+  /// Puts @p key (not present) into the victim way among those not in @p exclude; reports what
+  /// was replaced. With every way excluded nothing changes and the admission's way is no_way.
+  WM_HOST_DEVICE admission admit(std::uint32_t key, std::uint32_t exclude = 0) const noexcept {
     admission a;
-    a.way                   = victim();
+    if (exclude == all_ways) { return a; }
+    if (Impl::admit_needs_decay(*header)) { decay(); }
+    a.way                   = victim(exclude);
     std::uint32_t const bit = 1u << a.way;
     a.evicted               = (header->valid & bit) != 0;
     a.write_back            = (header->dirty & bit) != 0;
@@ -225,6 +240,14 @@ struct set_ref {
     header->valid |= bit;
     header->dirty &= ~bit;
     return a;
+  }
+
+  /// Starts batch @p epoch in this set unless it has started: a mask of another epoch is reset.
+  WM_HOST_DEVICE void begin_batch(std::uint32_t epoch) const noexcept {
+    if (header->epoch != epoch) {
+      header->batch = 0;
+      header->epoch = epoch;
+    }
   }
 
   /// Marks a valid line as changed (it is written back on eviction, flush or invalidation).
@@ -293,11 +316,12 @@ struct cache_ref {
   }
 };
 
-/// What one access did (see access()).
+/// What one access did (see access(), batch_access()).
 struct access_result {
   bool hit{false};
-  int way{no_way};
+  int way{no_way};       ///< no_way only when bypassed
   admission admitted{};  ///< on a miss
+  bool bypassed{false};  ///< batch_access: a miss with every way used by the batch; not admitted
 };
 
 /**
@@ -317,6 +341,33 @@ WM_HOST_DEVICE access_result access(set_ref<Impl> const& s, std::uint32_t key,
     r.way      = r.admitted.way;
   }
   if (write) { s.mark_dirty(r.way); }
+  return r;
+}
+
+/**
+ * One access of batch @p epoch with write-allocate: starts the batch in the set (begin_batch);
+ * a hit touches the line; a miss admits the key into a way the batch has not used, or bypasses
+ * the cache when the batch has used all 32 (`bypassed`, way no_way, nothing changes). The line
+ * hit or admitted joins the batch mask; with @p write it is marked dirty.
+ */
+template <class Impl>
+WM_HOST_DEVICE access_result batch_access(set_ref<Impl> const& s, std::uint32_t key, bool write,
+                                          std::uint32_t epoch) noexcept {
+  s.begin_batch(epoch);
+  access_result r;
+  r.way = s.find(key);
+  r.hit = r.way != no_way;
+  if (r.hit) {
+    s.touch(r.way);
+  } else {
+    r.admitted = s.admit(key, s.header->batch);
+    r.way      = r.admitted.way;
+    r.bypassed = r.way == no_way;
+  }
+  if (r.way != no_way) {
+    s.header->batch |= 1u << r.way;
+    if (write) { s.mark_dirty(r.way); }
+  }
   return r;
 }
 

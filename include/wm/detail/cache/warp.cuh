@@ -31,14 +31,20 @@ __device__ int warp_rank(State mine, unsigned lane) noexcept {
   return r;
 }
 
-/// The victim way (set_ref::victim): lowest invalid way, else lowest state, lowest way on ties.
+/// The victim way among those not in @p exclude (set_ref::victim): lowest invalid way, else
+/// lowest state, lowest way on ties; no_way when every way is excluded.
 template <class Impl>
-__device__ int warp_victim(set_ref<Impl> const& s, unsigned lane) noexcept {
-  std::uint32_t const invalid = ~s.header->valid;
+__device__ int warp_victim(set_ref<Impl> const& s, unsigned lane,
+                           std::uint32_t exclude = 0) noexcept {
+  std::uint32_t const allowed = ~exclude;
+  if (allowed == 0) { return no_way; }
+  std::uint32_t const invalid = ~s.header->valid & allowed;
   if (invalid != 0) { return lowest_way(invalid); }
-  auto const mine    = static_cast<unsigned>(s.states[lane]);
+  bool const candidate = ((allowed >> lane) & 1u) != 0;
+  // Excluded lanes offer the largest value; the ballot below skips them even on a tie with it.
+  auto const mine    = candidate ? static_cast<unsigned>(s.states[lane]) : 0xffffffffu;
   unsigned const low = __reduce_min_sync(full_warp, mine);
-  return lowest_way(__ballot_sync(full_warp, mine == low));
+  return lowest_way(__ballot_sync(full_warp, candidate && mine == low));
 }
 
 /// Every line's state decayed (set_ref::decay); the states are stored.
@@ -65,12 +71,15 @@ __device__ void warp_touch(set_ref<Impl> const& s, int way, unsigned lane) noexc
   __syncwarp();
 }
 
-/// Puts @p key (not present) into the victim way (set_ref::admit).
+/// Puts @p key (not present) into the victim way among those not in @p exclude
+/// (set_ref::admit); with every way excluded nothing changes and the way is no_way.
 template <class Impl>
-__device__ admission warp_admit(set_ref<Impl> const& s, std::uint32_t key, unsigned lane) noexcept {
-  if (Impl::admit_needs_decay(*s.header)) { warp_decay(s, lane); }
+__device__ admission warp_admit(set_ref<Impl> const& s, std::uint32_t key, unsigned lane,
+                                std::uint32_t exclude = 0) noexcept {
   admission a;
-  a.way                   = warp_victim(s, lane);
+  if (exclude == all_ways) { return a; }
+  if (Impl::admit_needs_decay(*s.header)) { warp_decay(s, lane); }
+  a.way                   = warp_victim(s, lane, exclude);
   std::uint32_t const bit = 1u << a.way;
   set_header const h      = *s.header;
   a.evicted               = (h.valid & bit) != 0;
@@ -101,6 +110,37 @@ __device__ access_result warp_access(set_ref<Impl> const& s, std::uint32_t key, 
     r.way      = r.admitted.way;
   }
   if (write && lane == 0) { s.mark_dirty(r.way); }
+  __syncwarp();
+  return r;
+}
+
+/// Starts batch @p epoch in the set (set_ref::begin_batch), by lane 0.
+template <class Impl>
+__device__ void warp_begin_batch(set_ref<Impl> const& s, std::uint32_t epoch,
+                                 unsigned lane) noexcept {
+  if (lane == 0) { s.begin_batch(epoch); }
+  __syncwarp();
+}
+
+/// One access of batch @p epoch (batch_access() in set.hpp), by the whole warp.
+template <class Impl>
+__device__ access_result warp_batch_access(set_ref<Impl> const& s, std::uint32_t key, bool write,
+                                           std::uint32_t epoch, unsigned lane) noexcept {
+  warp_begin_batch(s, epoch, lane);
+  access_result r;
+  r.way = warp_find(s, key, lane);
+  r.hit = r.way != no_way;
+  if (r.hit) {
+    warp_touch(s, r.way, lane);
+  } else {
+    r.admitted = warp_admit(s, key, lane, s.header->batch);
+    r.way      = r.admitted.way;
+    r.bypassed = r.way == no_way;
+  }
+  if (r.way != no_way && lane == 0) {
+    s.header->batch |= 1u << r.way;
+    if (write) { s.mark_dirty(r.way); }
+  }
   __syncwarp();
   return r;
 }
