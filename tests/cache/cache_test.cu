@@ -1,7 +1,8 @@
 // GPU tests of the cache foundations: the warp-cooperative set functions (warp.cuh) run a random
 // access sequence step for step like the sequential ones (set.hpp), for LFU and LRU, through
-// count saturation and clock wrap; the batch probe (kernels.cuh) finds exactly what the host
-// finds after random admissions, and its device statistics add up.
+// count saturation and clock wrap, also as batches (batch_access: batch masks, bypasses); the batch
+// probe (kernels.cuh) finds exactly what the host finds after random admissions, and its device
+// statistics add up.
 #include <wm/cache.hpp>
 #include <wm/detail/cache/kernels.cuh>
 #include <wm/error.hpp>
@@ -64,13 +65,13 @@ struct host_cache {
   }
 };
 
-enum op : std::uint8_t { op_read, op_write, op_flush, op_invalidate, op_evict };
+enum op : std::uint8_t { op_read, op_write, op_flush, op_invalidate, op_evict, op_next_batch };
 
 struct step_record {
   int way;
   std::uint32_t old_key;
   std::uint32_t mask;
-  int flags;  // 1 hit, 2 evicted, 4 write-back
+  int flags;  // 1 hit, 2 evicted, 4 write-back, 8 bypassed
 };
 
 bool operator==(step_record const& a, step_record const& b) {
@@ -106,17 +107,26 @@ __host__ __device__ step_record access_record(cache::access_result const& a) {
     r.old_key = a.admitted.old_key;
   }
   if (!a.hit && a.admitted.write_back) { r.flags |= 4; }
+  if (a.bypassed) { r.flags |= 8; }
   return r;
 }
 
-// One warp runs the whole sequence on one set with the warp functions.
+// One warp runs the whole sequence on one set with the warp functions; @p batched: accesses are
+// batch_access of the current epoch (op_next_batch: the next epoch).
 template <class Impl>
 __global__ void sequence_kernel(cache::set_ref<Impl> s, std::uint32_t const* keys,
-                                std::uint8_t const* ops, std::size_t n, step_record* out) {
+                                std::uint8_t const* ops, std::size_t n, step_record* out,
+                                bool batched, std::uint32_t epoch) {
   unsigned const lane = threadIdx.x;
   for (std::size_t i = 0; i < n; ++i) {
     auto const o = static_cast<op>(ops[i]);
-    if (o == op_read || o == op_write) {
+    if (o == op_next_batch) {
+      ++epoch;
+      if (lane == 0) { out[i] = step_record{cache::no_way, 0, 0, 0}; }
+    } else if ((o == op_read || o == op_write) && batched) {
+      auto const a = cache::warp_batch_access(s, keys[i], o == op_write, epoch, lane);
+      if (lane == 0) { out[i] = access_record<Impl>(a); }
+    } else if (o == op_read || o == op_write) {
       auto const a = cache::warp_access(s, keys[i], o == op_write, lane);
       if (lane == 0) { out[i] = access_record<Impl>(a); }
     } else {
@@ -128,7 +138,7 @@ __global__ void sequence_kernel(cache::set_ref<Impl> s, std::uint32_t const* key
 
 template <class Impl>
 void check_warp_against_sequential(std::uint64_t seed, int universe, std::size_t steps,
-                                   std::uint32_t clock0, bool churn) {
+                                   std::uint32_t clock0, bool churn, bool batched = false) {
   std::mt19937_64 rng{seed};
   std::vector<std::uint32_t> pool(static_cast<std::size_t>(universe));
   for (auto& k : pool) { k = static_cast<std::uint32_t>(rng()); }
@@ -139,26 +149,38 @@ void check_warp_against_sequential(std::uint64_t seed, int universe, std::size_t
   std::vector<std::uint8_t> ops(steps);
   for (std::size_t i = 0; i < steps; ++i) {
     auto const r = churn ? rng() % 10000 : 40 + rng() % 9960;  // no flush / invalidate / evict
-    ops[i]       = r < 3      ? op_flush
-                   : r < 5    ? op_invalidate
-                   : r < 40   ? op_evict
-                   : r < 3000 ? op_write
-                              : op_read;
+    ops[i]       = r < 3                ? op_flush
+                   : r < 5              ? op_invalidate
+                   : r < 40             ? op_evict
+                   : batched && r < 140 ? op_next_batch  // batches of ~100 accesses
+                   : r < 3000           ? op_write
+                                        : op_read;
     keys[i]      = ops[i] == op_evict ? static_cast<std::uint32_t>(rng()) : pool[pick(rng)];
   }
 
   host_cache<Impl> host{1, 0};
-  host.headers[0].clock = clock0;
-  auto const hs         = host.ref().set(0);
+  host.headers[0].clock      = clock0;
+  auto const hs              = host.ref().set(0);
+  std::uint32_t const epoch0 = static_cast<std::uint32_t>(rng());
+  std::uint32_t epoch        = epoch0;
   std::vector<step_record> expected(steps);
   int decays = 0;  // LFU: a hit on a saturated count; LRU: the clock renumbered
   for (std::size_t i = 0; i < steps; ++i) {
     auto const o = static_cast<op>(ops[i]);
+    if (o == op_next_batch) {
+      ++epoch;
+      expected[i] = step_record{cache::no_way, 0, 0, 0};
+      continue;
+    }
     if (o == op_read || o == op_write) {
       int const w = hs.find(keys[i]);
       decays += std::is_same_v<Impl, cache::lfu_impl> && w != cache::no_way &&
                 hs.states[w] == cache::lfu_impl::limit;
       decays += std::is_same_v<Impl, cache::lru_impl> && hs.header->clock == 0xffffffffu;
+    }
+    if (batched && (o == op_read || o == op_write)) {
+      expected[i] = access_record<Impl>(cache::batch_access(hs, keys[i], o == op_write, epoch));
+      continue;
     }
     expected[i] = (o == op_read || o == op_write)
                       ? access_record<Impl>(cache::access(hs, keys[i], o == op_write))
@@ -174,7 +196,7 @@ void check_warp_against_sequential(std::uint64_t seed, int universe, std::size_t
   device_array<std::uint8_t> d_ops{ops};
   device_array<step_record> d_out{steps};
   cache::set_ref<Impl> const ds{d_tags.ptr, d_states.ptr, d_headers.ptr};
-  sequence_kernel<Impl><<<1, 32>>>(ds, d_keys.ptr, d_ops.ptr, steps, d_out.ptr);
+  sequence_kernel<Impl><<<1, 32>>>(ds, d_keys.ptr, d_ops.ptr, steps, d_out.ptr, batched, epoch0);
   WM_CHECK_LAUNCH();
   WM_CUDA_TRY(cudaDeviceSynchronize());
 
@@ -192,18 +214,23 @@ void check_warp_against_sequential(std::uint64_t seed, int universe, std::size_t
   CHECK(headers[0].valid == host.headers[0].valid);
   CHECK(headers[0].dirty == host.headers[0].dirty);
   CHECK(headers[0].clock == host.headers[0].clock);
+  CHECK(headers[0].batch == host.headers[0].batch);
+  CHECK(headers[0].epoch == host.headers[0].epoch);
   CHECK(states == host.states);
   for (int w = 0; w < 32; ++w) {
     if ((host.headers[0].valid >> w) & 1u) { CHECK(tags[w] == host.tags[w]); }
   }
   // The sequence did what it claims: hits, write-backs, evictions.
-  int hits = 0, write_backs = 0;
+  int hits = 0, write_backs = 0, bypasses = 0;
   for (auto const& r : expected) {
     hits += (r.flags & 1) != 0;
     write_backs += (r.flags & 4) != 0 && r.way >= 0;
+    bypasses += (r.flags & 8) != 0;
   }
   CHECK(hits > 0);
   CHECK(write_backs > 0);
+  if (!batched) { CHECK(bypasses == 0); }
+  if (batched && universe > 100) { CHECK(bypasses > 0); }     // batches of > 32 distinct keys
   if (!churn || clock0 > 0xffff0000u) { CHECK(decays > 0); }  // the set decayed at least once
 }
 
@@ -220,6 +247,14 @@ TEST_CASE("cache: warp set functions equal the sequential ones (LRU, clock wrap)
   auto const universe = GENERATE(33, 40, 300);
   auto const clock0   = GENERATE(0u, 0xffffffffu - 5000u);
   check_warp_against_sequential<cache::lru_impl>(29 + universe, universe, 100000, clock0, true);
+}
+
+TEST_CASE("cache: warp batch accesses equal the sequential ones (LFU, LRU; bypasses)", "[gpu]") {
+  auto const universe = GENERATE(33, 40, 300);
+  auto const churn    = GENERATE(false, true);
+  check_warp_against_sequential<cache::lfu_impl>(41 + universe, universe, 400000, 0, churn, true);
+  check_warp_against_sequential<cache::lru_impl>(43 + universe, universe, 100000,
+                                                 0xffffffffu - 20000u, churn, true);
 }
 
 TEMPLATE_TEST_CASE("cache: batch probe finds what the host finds; statistics add up", "[gpu]",
