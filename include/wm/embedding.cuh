@@ -170,6 +170,8 @@ class embedding {
    * `apply_gradients` (which then updates nothing) or `cache_stats()`, as wm::logic_error.
    * Several ranks (device cache): collective; rows travel through their owners' caches, and an
    * invalid index throws wm::logic_error on the rank that passed it, as the tensor's gather.
+   * Calls on one cached table (gather, apply_gradients, flush, invalidate) share its lines and
+   * must be ordered by the caller (one stream, or events); see `prefetch` for what may overlap.
    */
   template <index_type Index>
   void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream);
@@ -178,6 +180,11 @@ class embedding {
    * @brief Admits the rows of @p next_keys that are not cached (as a gather would, without output
    * and without counting requests), so that the next batch's misses load while the current one
    * computes. Enqueued on @p stream; invalid keys are reported like the gather's.
+   *
+   * It may run on another stream beside a gather (sets are locked; it has its own workspace),
+   * but not beside `apply_gradients`, `flush`, `invalidate` or another prefetch: order it after
+   * the last `apply_gradients` and before the next (e.g. issue it after `gather` and make the
+   * next `apply_gradients` wait on an event recorded after it).
    * @throw wm::logic_error on a table of several ranks (not built yet)
    */
   template <index_type Index>

@@ -87,12 +87,13 @@ class row_source<CachePolicy, T> {
                                                         cudaStream_t s) const {
     return {lines_.get(), table, rows, err, s};
   }
-  /// prefetch: the gather's admissions without output or request counts.
+  /// prefetch: the gather's admissions without output or request counts (its own workspace, so
+  /// it may run on another stream beside a gather).
   template <class Index>
   void prefetch(table_rows<T> const& table, std::size_t rows, std::span<Index const> keys,
                 unsigned* err, cudaStream_t s) {
     lines_->admit(table, rows, keys.data(), keys.size(), static_cast<std::size_t const*>(nullptr),
-                  packed_rows{nullptr, 0}, false, err, false, s);
+                  packed_rows{nullptr, 0}, false, err, true, s);
   }
   /// The update's row locator: the row's line, else the table.
   [[nodiscard]] cache::line_locator<T, impl_type> locator(table_rows<T> const& table) const {
