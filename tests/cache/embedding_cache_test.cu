@@ -411,6 +411,9 @@ void train_ranks(wm::communicator& comm, Opt opt, std::uint64_t seed) {
     apply(plain, b, s);
     if (k == 2) {
       cached.flush(cuda::stream_ref{s});
+      // Mapped layouts read peers' rows directly: every rank's flush first.
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      comm.barrier();
       RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": after flush()");
     }
     if (k == 3) { cached.invalidate(cuda::stream_ref{s}); }
