@@ -637,7 +637,7 @@ wg_result run_wg_peer(std::vector<host_case> const& cases) {
 void print_host_table(results const& r, std::vector<host_case> const& cases, wg_result const& wg) {
   std::printf(
       "(e) 1 GPU, pinned host tables of 512 B rows, each distinct row read once; floor = distinct "
-      "rows x 512 B / pinned H2D %.1f GB/s (same run)\n",
+      "rows x 512 B / pinned H2D %.1f GB/s (same run); WG/wm > 1: wm faster\n",
       r.e_h2d_gbps);
   if (!wg.note.empty()) { std::printf("   %s\n", wg.note.c_str()); }
   std::printf("%-30s %8s %9s %8s %15s %9s %8s %7s\n", "case", "ms", "distinct", "floor ms",

@@ -184,17 +184,24 @@ void replicate_runs(distinct_batch<Index> const& b, std::byte* out, std::size_t 
 /// the row (these writes overlap the reads of other rows); replicate_runs copies the rest.
 inline constexpr std::size_t fused_copies = 16;
 
+/// Which runs a distinct read takes, by length: [shortest, longest].
+struct run_lengths {
+  std::size_t shortest{1};
+  std::size_t longest{~std::size_t{0}};
+};
+
 /**
- * The distinct read: run r's row rows.row(keys[run_begin[r]]) to the output rows (see
- * output_row) of the run's first min(run length, fused_copies) elements; invalid keys write
- * zero rows and set *err. A group of `group` lanes takes a row in vectors of Vec, `unroll` runs
- * in flight (loads issued before the first store), runs in ascending key order across the grid;
- * the grid is sized from n and the groups past the run count exit at once.
+ * The distinct read: for each run r whose length is in @p take, run r's row
+ * rows.row(keys[run_begin[r]]) to the output rows (see output_row) of the run's first
+ * min(run length, fused_copies) elements; invalid keys write zero rows and set *err. A group of
+ * `group` lanes takes a row in vectors of Vec, `unroll` runs in flight (loads issued before the
+ * first store), runs in ascending key order across the grid; the grid is sized from n and the
+ * groups past the run count exit at once.
  */
 template <class Vec, bool Fresh, class Rows, class Index>
 __global__ void __launch_bounds__(256)
     read_runs_kernel(Rows rows, distinct_batch<Index> b, std::size_t const* order, packed_rows out,
-                     unsigned* err, std::size_t row_vecs, int group) {
+                     unsigned* err, run_lengths take, std::size_t row_vecs, int group) {
   std::size_t const tid    = grid_thread();
   std::size_t const groups = grid_threads() / static_cast<std::size_t>(group);
   std::size_t const g      = tid / static_cast<std::size_t>(group);
@@ -206,15 +213,16 @@ __global__ void __launch_bounds__(256)
     std::size_t copies[unroll];
 #pragma unroll
     for (int u = 0; u < unroll; ++u) {
-      std::size_t const r = r0 + static_cast<std::size_t>(u) * groups;
-      src[u]              = nullptr;
-      first[u]            = 0;
-      copies[u]           = 0;
-      if (r < runs) {
-        first[u]              = b.run_begin[r];
-        std::size_t const len = b.run_begin[r + 1] - first[u];
-        copies[u]             = len < fused_copies ? len : fused_copies;
-        Index const k         = b.keys[first[u]];
+      std::size_t const r   = r0 + static_cast<std::size_t>(u) * groups;
+      src[u]                = nullptr;
+      first[u]              = 0;
+      copies[u]             = 0;
+      std::size_t const at  = r < runs ? b.run_begin[r] : 0;
+      std::size_t const len = r < runs ? b.run_begin[r + 1] - at : 0;
+      if (len >= take.shortest && len <= take.longest) {
+        first[u]      = at;
+        copies[u]     = len < fused_copies ? len : fused_copies;
+        Index const k = b.keys[at];
         if (valid_index(k, rows.rows())) {
           src[u] = reinterpret_cast<Vec const*>(rows.row(static_cast<std::size_t>(k)));
         } else if (lane == 0) {
@@ -240,6 +248,23 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+/// Launches read_runs_kernel over the runs of @p b whose lengths are in @p take.
+template <class Rows, class Index>
+void launch_read_runs(Rows rows, distinct_batch<Index> const& b, std::size_t const* order,
+                      packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
+                      unsigned* err, run_lengths take, cudaStream_t s, bool fresh,
+                      int blocks_per_sm) {
+  launch_rows(
+      b.n, row_bytes,
+      {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
+      [&]<class Vec>(row_launch const& l) {
+        auto* const kernel = fresh ? read_runs_kernel<Vec, true, Rows, Index>
+                                   : read_runs_kernel<Vec, false, Rows, Index>;
+        kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, take, l.row_vecs, l.group);
+      },
+      blocks_per_sm);
+}
+
 /**
  * Reads each run's row of @p b once from @p rows (ascending keys: the rows in flight sit on few
  * pages) into the output rows of the run's first elements (fused_copies of them), then copies
@@ -253,16 +278,39 @@ template <class Rows, class Index>
 void read_distinct(Rows rows, distinct_batch<Index> const& b, std::size_t const* order,
                    packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
                    unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
-  launch_rows(
-      b.n, row_bytes,
-      {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
-      [&]<class Vec>(row_launch const& l) {
-        auto* const kernel = fresh ? read_runs_kernel<Vec, true, Rows, Index>
-                                   : read_runs_kernel<Vec, false, Rows, Index>;
-        kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
-      },
-      blocks_per_sm);
+  launch_read_runs(rows, b, order, out, row_bytes, rows_alignment, err, run_lengths{}, s, fresh,
+                   blocks_per_sm);
   replicate_runs_to(b, order, out, row_bytes, fused_copies, s, blocks_per_sm);
+}
+
+/**
+ * As read_distinct, with the device copies of long runs beside the reads of the short ones: the
+ * runs longer than fused_copies (hot keys: few rows, most of the copies) are read first; then
+ * @p side copies them to the rest of their output rows while @p s reads the short runs (which
+ * need no copies), each kernel on part of every multiprocessor. @p fork, @p join: events this
+ * call may record (the side stream starts after the long runs are read; @p s waits for it at
+ * the end). Skewed batches copy a large share of their rows; this hides that behind PCIe.
+ */
+template <class Rows, class Index>
+void read_distinct_beside(Rows rows, distinct_batch<Index> const& b, std::size_t const* order,
+                          packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
+                          unsigned* err, cudaStream_t s, bool fresh, cudaStream_t side,
+                          cudaEvent_t fork, cudaEvent_t join) {
+  if (b.n == 0) { return; }
+  // Grids small enough to be resident together (both kernels take 40-70 registers a thread, so
+  // a multiprocessor holds 4-6 of their blocks): a late block of a grid-stride kernel would
+  // finish its share late. The copies are launched first; 2 blocks per multiprocessor of reads
+  // keep some 4 MB of rows in flight, far beyond what PCIe needs.
+  int const copy_blocks = 2, read_blocks = 2;
+  launch_read_runs(rows, b, order, out, row_bytes, rows_alignment, err,
+                   run_lengths{fused_copies + 1, ~std::size_t{0}}, s, fresh, 8);
+  WM_CUDA_TRY(cudaEventRecord(fork, s));
+  WM_CUDA_TRY(cudaStreamWaitEvent(side, fork, 0));
+  replicate_runs_to(b, order, out, row_bytes, fused_copies, side, copy_blocks);
+  WM_CUDA_TRY(cudaEventRecord(join, side));
+  launch_read_runs(rows, b, order, out, row_bytes, rows_alignment, err,
+                   run_lengths{1, fused_copies}, s, fresh, read_blocks);
+  WM_CUDA_TRY(cudaStreamWaitEvent(s, join, 0));
 }
 
 /**

@@ -146,9 +146,14 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     if (Location::is_host && n >= detail::host_distinct_threshold) {
       // Host rows: each distinct row crosses PCIe once (fresh, ascending rows), then is copied
       // on the device to the other positions that asked for it (hot keys of skewed batches).
-      detail::gather_distinct(rows, indices.data(), n, detail::row_bits(rows_), scratch_->a,
-                              dst.base, row_bytes(), stride_bytes(), scratch_->err.data(), s,
-                              fresh);
+      // The long runs' device copies run on the aux stream beside the reads of the short runs
+      // (aux() makes the side streams and their events first).
+      cudaStream_t const aux = scratch_->side.aux();
+      auto const b =
+          detail::plan_distinct(indices.data(), n, detail::row_bits(rows_), scratch_->a, s);
+      detail::read_distinct_beside(rows, b, static_cast<std::size_t const*>(nullptr), dst,
+                                   row_bytes(), stride_bytes(), scratch_->err.data(), s, fresh, aux,
+                                   scratch_->side.forked(), scratch_->side.joined());
     } else if (sort_long && n >= detail::host_sort_threshold) {
       // Chunked device rows with block mapping: ascending order starts at the next rank's rows
       // and wraps around; ranks that all began at row 0 read the same owner at the same time
