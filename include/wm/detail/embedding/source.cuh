@@ -48,14 +48,19 @@ template <class CachePolicy>
                      std::to_string(comm.size()) + " ranks, a group of " + std::to_string(group) +
                      "); use a group of one rank on a table of one rank, or wm::device_cache");
     }
-    (void)cache::plan_cache<typename CachePolicy::replacement_type::impl>(rows, cache.ratio);
+    // The ratio (and the 32-bit tags) checked on the largest part a rank can hold; each rank
+    // plans its lines from its own rows when they exist.
+    auto const world = static_cast<std::size_t>(comm.size());
+    (void)cache::plan_cache<typename CachePolicy::replacement_type::impl>(
+        rows / world + (rows % world != 0 ? 1 : 0), cache.ratio);
   }
   return rows;
 }
 
 /**
- * A cache in front of the table (one rank): its lines hold rows with their optimizer state; the
- * gather serves hits from lines and admits misses, the update writes cached rows in their lines.
+ * A cache in front of this rank's rows: its lines hold rows with their optimizer state; the
+ * gather (one rank) or the owner side of the exchange (several) serves hits from lines and admits
+ * misses; the update writes cached rows in their lines.
  */
 template <caching_policy CachePolicy, class T>
 class row_source<CachePolicy, T> {
