@@ -108,10 +108,11 @@ concept replacement_policy = requires {
  */
 template <cache_access Access = read_write, replacement_policy Replacement = lfu>
 struct device_cache {
-  using access_type                 = Access;
-  using replacement_type            = Replacement;
-  static constexpr char const* name = "device_cache";
-  static constexpr bool writable    = Access::writable;  ///< write-back with `read_write`
+  using access_type                     = Access;
+  using replacement_type                = Replacement;
+  static constexpr char const* name     = "device_cache";
+  static constexpr bool writable        = Access::writable;  ///< write-back with `read_write`
+  static constexpr bool caches_own_rows = true;  ///< each rank caches rows of its own part
 };
 
 /**
@@ -122,10 +123,11 @@ struct device_cache {
  */
 template <replacement_policy Replacement = lfu>
 struct group_cache {
-  using access_type                 = read_only;
-  using replacement_type            = Replacement;
-  static constexpr char const* name = "group_cache";
-  static constexpr bool writable    = false;  ///< read-only by nature
+  using access_type                     = read_only;
+  using replacement_type                = Replacement;
+  static constexpr char const* name     = "group_cache";
+  static constexpr bool writable        = false;  ///< read-only by nature
+  static constexpr bool caches_own_rows = false;  ///< the group caches the whole table
 };
 
 /**

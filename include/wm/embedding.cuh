@@ -27,8 +27,10 @@
  * - `wm::device_cache<wm::read_only, R>`: the same for a table that is only read.
  * - `wm::group_cache<R>` (group-cached global table, read-only): with a group of one rank, a
  *   read-only device cache of the whole table.
- * Read-only policies do not compile with an optimizer. Caches run on one rank for now: a cached
- * table on several ranks, or a group of several ranks, is refused at construction.
+ * Read-only policies do not compile with an optimizer. On several ranks a device cache holds rows
+ * of each rank's own part: gathers of any row go through its owner (the exchange engine; the
+ * owner serves them from its cache), updates happen at the owner as without a cache. A group
+ * cache on several ranks (or with a group of several) is refused at construction: not built yet.
  */
 #pragma once
 
@@ -161,11 +163,15 @@ class embedding {
   /**
    * @brief Forward: `out[i, :] = table[indices[i], :]`; see `wm::tensor::gather`.
    *
-   * With a cache (one rank): hits are served from lines, each distinct missing row is read once
-   * from the table and admitted (its dirty victim written back), and rows are replicated to
-   * every position that asks for them. Enqueued on @p stream without host synchronization (a CUDA
-   * graph can capture it); an invalid index gives a zero row and is reported by the next
+   * With a cache: hits are served from lines, each distinct missing row is read once from the
+   * table and admitted (its dirty victim written back), and rows are replicated to every
+   * position that asks for them. One rank: enqueued on @p stream without host synchronization (a
+   * CUDA graph can capture it); an invalid index gives a zero row and is reported by the next
    * `apply_gradients` (which then updates nothing) or `cache_stats()`, as wm::logic_error.
+   * Several ranks (device cache): collective; rows travel through their owners' caches, and an
+   * invalid index throws wm::logic_error on the rank that passed it, as the tensor's gather.
+   * Calls on one cached table (gather, apply_gradients, flush, invalidate) share its lines and
+   * must be ordered by the caller (one stream, or events); see `prefetch` for what may overlap.
    */
   template <index_type Index>
   void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream);
@@ -174,6 +180,12 @@ class embedding {
    * @brief Admits the rows of @p next_keys that are not cached (as a gather would, without output
    * and without counting requests), so that the next batch's misses load while the current one
    * computes. Enqueued on @p stream; invalid keys are reported like the gather's.
+   *
+   * It may run on another stream beside a gather (sets are locked; it has its own workspace),
+   * but not beside `apply_gradients`, `flush`, `invalidate` or another prefetch: order it after
+   * the last `apply_gradients` and before the next (e.g. issue it after `gather` and make the
+   * next `apply_gradients` wait on an event recorded after it).
+   * @throw wm::logic_error on a table of several ranks (not built yet)
    */
   template <index_type Index>
   void prefetch(std::span<Index const> next_keys,
@@ -192,6 +204,8 @@ class embedding {
    * @brief The cache's counters since construction or `reset_cache_stats()` (waits for the
    * device). `hits + misses == requests`; prefetches add evictions, write-backs and bytes only.
    * `bytes_from_host` counts the bytes admissions read from the table (weight, state, step).
+   * Several ranks: each rank counts the requests its cache served (any rank's keys), and
+   * distinct keys per owner-side read (the engine may read a batch in several pieces).
    * @throw wm::logic_error if a gather or prefetch since the last report met an invalid index
    */
   [[nodiscard]] cache_statistics cache_stats() requires detail::caching_policy<CachePolicy>;

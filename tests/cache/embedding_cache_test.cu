@@ -348,6 +348,50 @@ TEST_CASE("read-only caches (group cache of one rank, read-only device cache) ga
   });
 }
 
+TEST_CASE("device cache: the one-rank gather is captured in a CUDA graph and replayed on new keys",
+          "[gpu]") {
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
+  wm::launch(1, [&](wm::communicator& comm) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::size_t const rows = 5000, dim = 32, n = 3000;
+    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
+    wm::cache_options co;
+    co.ratio = 0.1;
+    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
+        comm, rows, dim, {}, init, co};
+    wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
+    std::mt19937_64 rng{seed};
+    auto const warm = draw<float>(rng, rows, dim, n, 0);
+    RANK_REQUIRE(gather(cached, warm, s) == gather(plain, warm, s));  // sizes the workspace
+    // The captured gather reads its keys from `dk` and writes `out`: new keys, same count.
+    device_array<std::int64_t> dk{warm.keys};
+    device_array<float> out{std::vector<float>(n * dim, -7.0f)};
+    cudaGraph_t graph{};
+    WM_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    cached.gather(std::span<std::int64_t const>{dk.ptr, n}, out.ptr, cuda::stream_ref{s});
+    WM_CUDA_TRY(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec{};
+    WM_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
+    for (int k = 1; k <= 3; ++k) {
+      auto const b = draw<float>(rng, rows, dim, n, k);
+      WM_CUDA_TRY(
+          cudaMemcpy(dk.ptr, b.keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+      WM_CUDA_TRY(cudaMemset(out.ptr, 0xa5, n * dim * sizeof(float)));  // poison
+      WM_CUDA_TRY(cudaGraphLaunch(exec, s));
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      RANK_REQUIRE_MSG(bytes_of(out.to_host()) == gather(plain, b, s),
+                       "replay " << k << " of the captured gather differs");
+    }
+    auto const st = cached.cache_stats();
+    RANK_REQUIRE(st.requests == 4 * n && st.hits + st.misses == st.requests);
+    WM_CUDA_TRY(cudaGraphExecDestroy(exec));
+    WM_CUDA_TRY(cudaGraphDestroy(graph));
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
 TEST_CASE("device cache: invalid keys give zero rows and are reported; bad ratios are refused",
           "[gpu]") {
   wm::launch(1, [&](wm::communicator& comm) {
@@ -383,7 +427,85 @@ TEST_CASE("device cache: invalid keys give zero rows and are reported; bad ratio
   });
 }
 
-TEST_CASE("caches on several ranks are refused at construction (not built yet)", "[multi_gpu]") {
+namespace {
+
+/**
+ * Several ranks: a read-write device cache on each rank's own rows against the uncached table of
+ * the same layout; every rank passes its own batches; gathers go through the owners' caches.
+ */
+template <class T, class R, class Opt, class Y, class M>
+void train_ranks(wm::communicator& comm, Opt opt, std::uint64_t seed) {
+  std::string const what = std::string{"ranks="} + std::to_string(comm.size()) + " " + Y::name +
+                           "." + M::name + " T=" + std::to_string(sizeof(T)) + "B " + R::name +
+                           " " + Opt::name;
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreate(&s));
+  std::size_t const rows = 1001, dim = 16;
+  auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, seed);
+  wm::cache_options co;
+  co.ratio = 0.1;
+  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, Y, M> cached{comm, rows, dim,
+                                                                                    opt,  init, co};
+  wm::embedding<T, wm::no_cache, Opt, wm::device, Y, M> plain{comm, rows, dim, opt, init};
+  std::mt19937_64 rng{seed * 31 + static_cast<std::uint64_t>(comm.rank())};  // this rank's keys
+  std::uint64_t requests = 0;
+  for (int k = 0; k < 6; ++k) {
+    auto const b = draw<T>(rng, rows, dim, 300 + 17 * static_cast<std::size_t>(comm.rank()), k);
+    RANK_REQUIRE_MSG(gather(cached, b, s) == gather(plain, b, s),
+                     what << ": gather of step " << k << " differs");
+    requests += b.keys.size();
+    apply(cached, b, s);
+    apply(plain, b, s);
+    if (k == 2) {
+      cached.flush(cuda::stream_ref{s});
+      // Mapped layouts read peers' rows directly: every rank's flush first.
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      comm.barrier();
+      RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": after flush()");
+    }
+    if (k == 3) { cached.invalidate(cuda::stream_ref{s}); }
+  }
+  // Each owner counted the requests it served: together, every key of every rank.
+  auto const st = cached.cache_stats();
+  RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what);
+  std::uint64_t served = 0, made = 0;
+  for (auto x : comm.all_gather(static_cast<std::uint64_t>(st.requests))) { served += x; }
+  for (auto x : comm.all_gather(requests)) { made += x; }
+  RANK_REQUIRE_MSG(served == made, what << ": " << served << " requests served, " << made);
+  // One directory for all ranks (named by the shared seed), made by rank 0 before anyone writes.
+  auto const dir =
+      std::filesystem::temp_directory_path() / ("wm-cache-ranks-" + std::to_string(seed));
+  if (comm.rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  comm.barrier();
+  cached.store(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": after store()");
+  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked, wm::block> loaded{
+      comm, rows, dim, opt, wm::embedding_init::zeros()};
+  loaded.load(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(loaded, s) == snapshot(plain, s), what << ": the reloaded table");
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
+  WM_CUDA_TRY(cudaStreamDestroy(s));
+}
+
+}  // namespace
+
+TEST_CASE("ranks: a device cache on each rank's rows trains bit for bit like no cache",
+          "[multi_gpu]") {
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
+  wm::launch(2, [&](wm::communicator& comm) {
+    train_ranks<float, wm::lfu, wm::adam, wm::distributed, wm::block>(comm, wm::adam{}, seed);
+    train_ranks<float, wm::lru, wm::sgd, wm::chunked, wm::cyclic>(comm, wm::sgd{}, seed + 1);
+    train_ranks<__half, wm::lru, wm::adam, wm::continuous, wm::block>(comm, wm::adam{}, seed + 2);
+  });
+}
+
+TEST_CASE("ranks: group caches on several ranks are refused at construction (not built yet)",
+          "[multi_gpu]") {
   wm::launch(2, [&](wm::communicator& comm) {
     auto refused = [&](auto make) {
       try {
@@ -394,13 +516,13 @@ TEST_CASE("caches on several ranks are refused at construction (not built yet)",
       return false;
     };
     RANK_REQUIRE(refused([&] {
-      wm::embedding<float, wm::device_cache<>, wm::adam, wm::host> e{comm, 100, 8};
-    }));
-    RANK_REQUIRE(refused([&] {
       wm::cache_options co;
       co.group = &comm;
       wm::embedding<float, wm::group_cache<>, wm::no_optimizer, wm::host> e{comm, 100, 8,
                                                                             {},   {},  co};
+    }));
+    RANK_REQUIRE(refused([&] {
+      wm::embedding<float, wm::group_cache<>, wm::no_optimizer, wm::host> e{comm, 100, 8};
     }));
     comm.barrier();
   });

@@ -21,7 +21,9 @@
 // in a CUDA graph gets a new epoch at every replay), and its misses never evict a line the same
 // call has hit or admitted; a key whose set has all 32 ways in use by the call bypasses the
 // cache: its weight row goes from the table straight to the output, and the update, a probe,
-// finds it in the table (write-around).
+// finds it in the table (write-around). Two calls beside each other (the engine's reads on two
+// streams) have different epochs and may reset each other's masks in a set they share: that
+// costs replacement quality only, never correctness (a row is copied out under its set's lock).
 #pragma once
 
 #include <wm/cache.hpp>
@@ -191,10 +193,11 @@ __device__ inline void unlock_set(set_header* h, unsigned lane) noexcept {
   __syncwarp();
 }
 
-/// Advances the batch counter: the next admission call's epoch.
+/// Advances the batch counter: the next admission call's epoch (atomic: calls on two streams
+/// may bump it at once).
 template <class Counter>
 __global__ void next_epoch_kernel(Counter* epoch) {
-  ++*epoch;
+  atomicAdd(epoch, Counter{1});
 }
 
 /**
@@ -202,18 +205,20 @@ __global__ void next_epoch_kernel(Counter* epoch) {
  * the device), all of one epoch (*c.epoch, see batch_access): a hit touches the line; a miss
  * admits the key (write-allocate) into a way this batch has not used, writes a dirty victim back
  * to its table row, and loads the row's payload from the table into the line; a miss whose set
- * has all 32 ways in use by this batch bypasses the cache (nothing admitted; with @p out the
- * weight row is read from the table). With @p out, the row is copied to the run head's output
- * row (replicate_runs copies it to the run's other positions). An invalid key (negative or not
- * below @p rows) gives a zero output row and sets *err; it counts as a miss and admits nothing.
- * With @p count_requests (gather) requests, distinct keys, hits, misses and bypasses are counted
- * (a run counts its length, a bypass one per key); evictions, write-backs and bytes from the
- * table always (prefetch too).
+ * has all 32 ways in use by this batch bypasses the cache (nothing admitted; with an output the
+ * weight row is read from the table). With an output (@p out.base not null), the row is copied to
+ * the output rows (output_row: out row order[position], or position when @p order is null) of
+ * the run's first min(length, fused_copies) elements; replicate_runs_to copies it to the rest. An
+ * invalid key (negative or not below @p rows) gives zero output rows and sets *err; it counts as
+ * a miss and admits nothing. With @p count_requests (gather) requests, distinct keys, hits, misses
+ * and bypasses are counted (a run counts its length, a bypass one per key); evictions,
+ * write-backs and bytes from the table always (prefetch too).
  */
 template <class W, class T, class Impl, class Index>
 __global__ void __launch_bounds__(line_block)
     admit_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::size_t rows,
-                 distinct_batch<Index> b, T* out, bool count_requests, unsigned* err) {
+                 distinct_batch<Index> b, std::size_t const* order, packed_rows out,
+                 bool count_requests, unsigned* err) {
   unsigned const lane         = threadIdx.x % ways;
   std::size_t const warp      = grid_thread() / ways;
   std::size_t const n_warps   = grid_threads() / ways;
@@ -223,17 +228,16 @@ __global__ void __launch_bounds__(line_block)
   unsigned long long requests = 0, distinct = 0, hits = 0, evictions = 0, write_backs = 0,
                      loaded = 0, bypasses = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
-    std::size_t const begin = b.run_begin[r];
-    std::size_t const len   = b.run_begin[r + 1] - begin;
-    Index const key         = b.keys[begin];
-    T* const dst            = out != nullptr ? out + b.positions[begin] * c.dim : nullptr;
+    std::size_t const begin  = b.run_begin[r];
+    std::size_t const len    = b.run_begin[r + 1] - begin;
+    Index const key          = b.keys[begin];
+    std::size_t const copies = out.base != nullptr ? (len < fused_copies ? len : fused_copies) : 0;
     requests += len;
     ++distinct;
     if (!valid_index(key, rows)) {
-      if (dst != nullptr) {
-        for (std::size_t i = lane; i < row_bytes / sizeof(W); i += ways) {
-          reinterpret_cast<W*>(dst)[i] = W{};
-        }
+      for (std::size_t q = 0; q < copies; ++q) {
+        auto* const dst = reinterpret_cast<W*>(output_row(b, order, out, begin + q));
+        for (std::size_t i = lane; i < row_bytes / sizeof(W); i += ways) { dst[i] = W{}; }
       }
       if (lane == 0) { atomicOr(err, 1u); }
       continue;
@@ -257,17 +261,26 @@ __global__ void __launch_bounds__(line_block)
       loaded += c.payload_bytes();
       __syncwarp();
     }
-    if (dst != nullptr && !a.bypassed) {
-      warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, a.way)).w, row_bytes, lane);
+    if (!a.bypassed) {
+      T const* const src = c.line(cache_ref<Impl>::slot(s, a.way)).w;
+      for (std::size_t q = 0; q < copies; ++q) {
+        warp_copy<W>(output_row(b, order, out, begin + q), src, row_bytes, lane);
+      }
     }
     unlock_set(set.header, lane);
-    // A bypassed row is in no line (it missed) and no other warp of this batch admits it (keys
-    // are distinct): the table holds it, and the lock is not needed to read it.
+    // A bypassed row is in no line (it missed; a call beside this one that admits it meanwhile
+    // loads it clean): the table holds it, and the lock is not needed to read it. It is read over
+    // PCIe once, into the run's first output row, and copied from there to the others.
     if (a.bypassed) {
       if (count_requests) { ++bypasses; }
-      if (dst != nullptr) {
-        warp_copy<W>(dst, table.locate(k).w, row_bytes, lane);
+      if (copies != 0) {
+        void* const first = output_row(b, order, out, begin);
+        warp_copy<W>(first, table.locate(k).w, row_bytes, lane);
         loaded += row_bytes;
+        __syncwarp();
+        for (std::size_t q = 1; q < copies; ++q) {
+          warp_copy<W>(output_row(b, order, out, begin + q), first, row_bytes, lane);
+        }
       }
     }
   }
@@ -384,29 +397,34 @@ class line_storage {
   }
 
   /**
-   * Admits the distinct keys of @p keys (write-allocate) and, with @p out, writes row keys[i] to
-   * out[i] (dense rows of dim values). Keys are this rank's local rows, valid below @p rows.
-   * Enqueued on @p s; no host synchronization.
+   * Admits the distinct keys among @p keys (@p n of them; write-allocate) and, with an output
+   * (@p out.base not null), writes row keys[i] to out row (@p order ? order[i] : i). Keys are
+   * this rank's local rows, valid below @p rows. @p aux: use the second workspace (a call on
+   * another stream beside the first, as the exchange engine's own-rows read); @p blocks_per_sm:
+   * the most blocks per multiprocessor (the engine leaves room for its other work). Enqueued on
+   * @p s; no host synchronization.
    */
   template <class Index>
-  void admit(table_rows<T> const& table, std::size_t rows, std::span<Index const> keys, T* out,
-             bool count_requests, unsigned* err, cudaStream_t s) {
-    std::size_t const n = keys.size();
+  void admit(table_rows<T> const& table, std::size_t rows, Index const* keys, std::size_t n,
+             std::size_t const* order, packed_rows out, bool count_requests, unsigned* err,
+             bool aux, cudaStream_t s, int blocks_per_sm = 8) {
     if (n == 0) { return; }
-    auto const b         = plan_distinct(keys.data(), n, row_bits(rows), ws_, s);
-    auto const c         = ref();
-    int const vec        = width(table, out);
-    std::size_t const bl = std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
-                                                 static_cast<std::size_t>(sm_count()) * 8);
+    auto const b  = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
+    auto const c  = ref();
+    int const vec = width(table, out);
+    std::size_t const bl =
+        std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
+                              static_cast<std::size_t>(sm_count()) *
+                                  static_cast<std::size_t>(std::max(blocks_per_sm, 1)));
     next_epoch_kernel<<<1, 1, 0, s>>>(epoch_.data());  // this call is a batch of its own
     WM_CHECK_LAUNCH();
     with_vector(vec, [&]<class W>() {
       admit_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
-          c, table, rows, b, out, count_requests, err);
+          c, table, rows, b, order, out, count_requests, err);
       WM_CHECK_LAUNCH();
     });
-    if (out != nullptr) {
-      replicate_runs(b, reinterpret_cast<std::byte*>(out), dim_ * sizeof(T), s);
+    if (out.base != nullptr) {
+      replicate_runs_to(b, order, out, dim_ * sizeof(T), fused_copies, s);
     }
   }
 
@@ -417,7 +435,7 @@ class line_storage {
     std::size_t const bl = std::min<std::size_t>(
         cuda::ceil_div(std::size_t{plan_.sets}, std::size_t{line_block / ways}),
         static_cast<std::size_t>(sm_count()) * 8);
-    with_vector(width(table, nullptr), [&]<class W>() {
+    with_vector(width(table, packed_rows{nullptr, 0}), [&]<class W>() {
       write_back_kernel<W, T, Impl>
           <<<static_cast<unsigned>(bl), line_block, 0, s>>>(ref(), table, drop);
       WM_CHECK_LAUNCH();
@@ -441,11 +459,11 @@ class line_storage {
 
  private:
   /// Widest access dividing every row size, stride and base the kernels copy.
-  [[nodiscard]] int width(table_rows<T> const& table, T const* out) const noexcept {
+  [[nodiscard]] int width(table_rows<T> const& table, packed_rows out) const noexcept {
     return vector_width({dim_ * sizeof(T), table.w.stride * sizeof(T),
                          reinterpret_cast<std::uintptr_t>(table.w.data),
-                         reinterpret_cast<std::uintptr_t>(out), st_cols_ * sizeof(float),
-                         table.st.stride * sizeof(float),
+                         reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes,
+                         st_cols_ * sizeof(float), table.st.stride * sizeof(float),
                          reinterpret_cast<std::uintptr_t>(table.st.data)});
   }
 
@@ -461,7 +479,27 @@ class line_storage {
   device_buffer<std::int64_t> steps_;
   device_buffer<device_statistics> stats_;
   device_buffer<std::uint32_t> epoch_;  // the batch counter (lines_ref::epoch)
-  workspace ws_;
+  workspace ws_;                        // the distinct-key plan of calls on the caller's stream
+  workspace ws_aux_;                    // the same for the engine's own-rows read beside them
+};
+
+/**
+ * The owner side's reads of a distributed gather (the exchange engine's reader, engine.cuh):
+ * the keys this rank owns, asked for by any rank, are served by its cache (hits from lines,
+ * misses admitted) into the engine's buffers.
+ */
+template <class T, class Impl>
+struct line_reader {
+  line_storage<T, Impl>* lines;
+  table_rows<T> table;
+  std::size_t rows;  ///< this rank's rows
+  unsigned* err;
+  cudaStream_t main_stream;  ///< calls on any other stream use the second workspace
+  template <class Index>
+  void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
+                  cudaStream_t s, int blocks_per_sm) const {
+    lines->admit(table, rows, keys, n, order, dst, true, err, s != main_stream, s, blocks_per_sm);
+  }
 };
 
 }  // namespace wm::detail::cache

@@ -11,8 +11,11 @@
 
 #include <cub/device/device_for.cuh>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
+#include <cuda/functional>
 #include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
 
 #include <cuda_runtime_api.h>
 
@@ -38,6 +41,7 @@ struct distinct_batch {
                                  ///< run_begin[runs] == n
   std::size_t const* runs;  ///< device: the number of runs (distinct keys, invalid ones included)
   std::size_t n;            ///< batch size (host)
+  std::size_t const* heads{};  ///< heads[i]: the first sorted element of i's run (n entries)
 };
 
 /// Selects the first sorted element of each run of equal keys (full equality).
@@ -46,6 +50,15 @@ struct run_head_op {
   Index const* keys;
   [[nodiscard]] __device__ bool operator()(std::size_t i) const {
     return i == 0 || keys[i] != keys[i - 1];
+  }
+};
+
+/// i where sorted element i starts a run, else 0: its running maximum is i's run head.
+template <class Index>
+struct head_index_op {
+  Index const* keys;
+  [[nodiscard]] __device__ std::size_t operator()(std::size_t i) const {
+    return i == 0 || keys[i] != keys[i - 1] ? i : 0;
   }
 };
 
@@ -78,13 +91,18 @@ distinct_batch<Index> plan_distinct(Index const* idx, std::size_t n, int bits, w
                                     static_cast<std::size_t*>(nullptr),
                                     static_cast<std::int64_t>(items), run_head_op<Index>{nullptr},
                                     s));
+  auto const head_index = thrust::make_transform_iterator(first, head_index_op<Index>{nullptr});
+  std::size_t cub_scan  = 0;
+  WM_CUDA_TRY(cub::DeviceScan::InclusiveScan(nullptr, cub_scan, head_index,
+                                             static_cast<std::size_t*>(nullptr), cuda::maximum<>{},
+                                             items, s));
   carver c;
   auto const o_pos   = c.add<std::size_t>(n);
   auto const o_keys  = c.add<Index>(n);
   auto const o_spos  = c.add<std::size_t>(n);
   auto const o_begin = c.add<std::size_t>(n + 1);
   auto const o_runs  = c.add<std::size_t>(1);
-  auto const o_cub   = c.add<std::byte>(std::max(cub_sort, cub_select));
+  auto const o_cub   = c.add<std::byte>(std::max({cub_sort, cub_select, cub_scan}));
   std::byte* base    = ws.reserve(c.total(), s);
   auto* pos          = c.take<std::size_t>(base, o_pos);
   auto* keys         = c.take<Index>(base, o_keys);
@@ -92,7 +110,8 @@ distinct_batch<Index> plan_distinct(Index const* idx, std::size_t n, int bits, w
   auto* run_begin    = c.take<std::size_t>(base, o_begin);
   auto* runs         = c.take<std::size_t>(base, o_runs);
   auto* temp         = c.take<std::byte>(base, o_cub);
-  distinct_batch<Index> const b{keys, spos, run_begin, runs, n};
+  // pos (the sort's input) becomes heads once the sort has read it.
+  distinct_batch<Index> const b{keys, spos, run_begin, runs, n, pos};
   if (n == 0) {
     WM_CUDA_TRY(cudaMemsetAsync(runs, 0, sizeof(std::size_t), s));
     WM_CUDA_TRY(cudaMemsetAsync(run_begin, 0, sizeof(std::size_t), s));
@@ -103,22 +122,10 @@ distinct_batch<Index> plan_distinct(Index const* idx, std::size_t n, int bits, w
   WM_CUDA_TRY(cub::DeviceSelect::If(temp, cub_select, first, run_begin, runs,
                                     static_cast<std::int64_t>(n), run_head_op<Index>{keys}, s));
   WM_CUDA_TRY(cub::DeviceFor::Bulk(1, close_runs_op{run_begin, runs, n}, s));
+  WM_CUDA_TRY(cub::DeviceScan::InclusiveScan(
+      temp, cub_scan, thrust::make_transform_iterator(first, head_index_op<Index>{keys}), pos,
+      cuda::maximum<>{}, n, s));
   return b;
-}
-
-/// The run of sorted element @p i: the last r with run_begin[r] <= i (binary search).
-template <class Index>
-[[nodiscard]] __device__ inline std::size_t run_of(distinct_batch<Index> const& b, std::size_t i) {
-  std::size_t lo = 0, hi = *b.runs;  // run_begin[lo] <= i < run_begin[hi]
-  while (hi - lo > 1) {
-    std::size_t const mid = lo + (hi - lo) / 2;
-    if (b.run_begin[mid] <= i) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
 }
 
 /// Output row of sorted element i: out row order[positions[i]] (positions[i] when order is null).
@@ -131,10 +138,8 @@ template <class Index>
 }
 
 /// Replication: the output row of sorted element i = that of the first of i's run, for the
-/// elements at least `written` past their run's first (those before are in place). Element i
-/// is within `written` of its run's first when i < written or keys[i - written] != keys[i]
-/// (one load); only the others search run_begin, and they lie in long runs of hot keys whose
-/// searches take the same few cached paths.
+/// elements at least `written` past their run's first (those before are in place); the first
+/// comes from heads (one load, no search).
 template <class Index>
 struct replicate_moves {
   distinct_batch<Index> b;
@@ -142,9 +147,8 @@ struct replicate_moves {
   packed_rows out;
   std::size_t written;  // >= 1
   [[nodiscard]] __device__ row_move operator()(std::size_t i, int) const {
-    if (i < written || b.keys[i - written] != b.keys[i]) { return {nullptr, nullptr}; }
-    std::size_t const head = b.run_begin[run_of(b, i)];
-    if (i - head < written) { return {nullptr, nullptr}; }  // equal keys of another run between
+    std::size_t const head = b.heads[i];
+    if (i - head < written) { return {nullptr, nullptr}; }
     return {output_row(b, order, out, head), output_row(b, order, out, i)};
   }
 };
@@ -170,8 +174,8 @@ void replicate_runs_to(distinct_batch<Index> const& b, std::size_t const* order,
  * For every sorted element i that is not its run's first: row positions[i] of @p out =
  * row positions[run_begin[run of i]] of @p out (rows of @p row_bytes, packed). The run heads'
  * rows must already be in @p out. Device-to-device, L2-friendly: one group of lanes per element
- * (long runs of hot keys spread over the whole grid), the head found by a binary search in
- * run_begin. @p blocks_per_sm: see plan_row_launch.
+ * (long runs of hot keys spread over the whole grid), the head read from heads. @p blocks_per_sm:
+ * see plan_row_launch.
  */
 template <class Index>
 void replicate_runs(distinct_batch<Index> const& b, std::byte* out, std::size_t row_bytes,

@@ -73,6 +73,7 @@ void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
     cudaStream_t const s{};
     flush(cuda::stream_ref{s});
     WM_CUDA_TRY(cudaDeviceSynchronize());
+    if (comm_->size() > 1) { comm_->barrier(); }  // every rank's lines are in the table
   }
   auto& comm          = *comm_;
   int const world     = comm.size();
@@ -158,6 +159,7 @@ void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
     cudaStream_t const s{};
     invalidate(cuda::stream_ref{s});
     WM_CUDA_TRY(cudaDeviceSynchronize());
+    if (comm_->size() > 1) { comm_->barrier(); }  // no write-back lands after the read
   }
   // 1. Everything checked on every rank before anything changes: the meta against this table
   //    (shape, element type, optimizer and the settings its states depend on), then every part

@@ -148,10 +148,41 @@ WM_EMBEDDING_TEMPLATE
 template <index_type Index>
 void WM_EMBEDDING::gather(std::span<Index const> indices, T* out, cuda::stream_ref stream) {
   if constexpr (detail::caching_policy<CachePolicy>) {
-    WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr),
-               "gather: null indices or output");
-    source_.gather(weights_, table_rows(), rows(), indices, out, scratch_->plan.err.data(),
-                   stream.get());
+    auto& comm           = *comm_;
+    cudaStream_t const s = stream.get();
+    std::size_t const n  = indices.size();
+    std::size_t const rb = dim() * sizeof(T);
+    auto& sc             = scratch_->plan;
+    if (comm.size() == 1) {
+      WM_EXPECTS(n == 0 || (indices.data() != nullptr && out != nullptr),
+                 "gather: null indices or output");
+      source_.gather(table_rows(), rows(), indices, out, sc.err.data(), s);
+      return;
+    }
+    // Several ranks: every row through its owner's cache. The exchange engine carries the keys to
+    // the owners and the rows back (as apply_gradients carries gradients); its owner-side reads
+    // are the cache's (hits from lines, misses admitted). A null pointer is this rank's fault,
+    // reported to every rank by the count exchange.
+    detail::scratch_use const use{sc, s};
+    detail::exchange_call const call{detail::exchange_op::gather, rb,
+                                     n > 0 && out == nullptr ? detail::exchange_fault::null_pointer
+                                                             : detail::exchange_fault::none};
+    auto const p = detail::plan_exchange(comm, weights_.device_mapping(), indices.data(), n, sc, s,
+                                         call, false);
+    auto const table = table_rows();
+    detail::gather_rows(comm, sc, p, source_.reader(table, table.w.rows, sc.err.data(), s), n,
+                        reinterpret_cast<std::byte*>(out), rb, s);
+    // As the tensor's distributed gather: the exchange synchronizes; invalid indices (zero rows)
+    // throw on the rank that passed them.
+    WM_CUDA_TRY(cudaMemcpyAsync(sc.err_host.data(), sc.err.data(), sizeof(unsigned),
+                                cudaMemcpyDeviceToHost, s));
+    comm.synchronize(stream, "gather");  // a peer that failed: an error, not a hang
+    if (*sc.err_host.data() != 0) {
+      WM_CUDA_TRY(cudaMemsetAsync(sc.err.data(), 0, sizeof(unsigned), s));
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      throw logic_error{"wm: gather: an index was negative or not below the row count " +
+                        std::to_string(rows()) + " (its output row is zero)"};
+    }
   } else {
     weights_.gather(indices, out, stream);  // the tensor's gather (and its checks)
   }
@@ -162,6 +193,9 @@ template <index_type Index>
 void WM_EMBEDDING::prefetch(std::span<Index const> next_keys,
                             cuda::stream_ref stream) requires detail::caching_policy<CachePolicy> {
   WM_EXPECTS(next_keys.empty() || next_keys.data() != nullptr, "prefetch: null keys");
+  WM_EXPECTS(comm_->size() == 1,
+             "prefetch: not built yet for a cached table on several ranks "
+             "(the keys would have to travel to their owners)");
   source_.prefetch(table_rows(), rows(), next_keys, scratch_->plan.err.data(), stream.get());
 }
 

@@ -31,29 +31,36 @@ class row_source {
 };
 
 /**
- * Checks what a cached table can be before anything is allocated: one rank only (the
- * several-rank path, through the row owners, is not built yet), a ratio in (0, 1], and for a
- * group cache a group of one rank. Returns @p rows.
+ * Checks what a cached table can be before anything is allocated: a ratio in (0, 1]; a group
+ * cache only on a table of one rank with a group of one rank (several-rank group caches are not
+ * built yet). A device cache on several ranks caches each rank's own rows; gathers of other
+ * ranks' rows go through their owners. Returns @p rows.
  */
 template <class CachePolicy>
 [[nodiscard]] std::size_t check_cache(communicator& comm, std::size_t rows,
                                       cache_options const& cache) {
   if constexpr (caching_policy<CachePolicy>) {
-    std::string const name = CachePolicy::name;
-    WM_EXPECTS(comm.size() == 1, name + ": caches on several ranks are not built yet (a table of " +
-                                     std::to_string(comm.size()) +
-                                     " ranks); use one rank per table, or wm::no_cache on several");
-    WM_EXPECTS(cache.group == nullptr || cache.group->size() == 1,
-               name + ": a cache group of several ranks is not built yet (group of " +
-                   std::to_string(cache.group == nullptr ? 0 : cache.group->size()) + " ranks)");
-    (void)cache::plan_cache<typename CachePolicy::replacement_type::impl>(rows, cache.ratio);
+    if constexpr (!CachePolicy::caches_own_rows) {
+      std::string const name = CachePolicy::name;
+      int const group        = cache.group == nullptr ? 1 : cache.group->size();
+      WM_EXPECTS(comm.size() == 1 && group == 1,
+                 name + ": a group cache on several ranks is not built yet (a table of " +
+                     std::to_string(comm.size()) + " ranks, a group of " + std::to_string(group) +
+                     "); use a group of one rank on a table of one rank, or wm::device_cache");
+    }
+    // The ratio (and the 32-bit tags) checked on the largest part a rank can hold; each rank
+    // plans its lines from its own rows when they exist.
+    auto const world = static_cast<std::size_t>(comm.size());
+    (void)cache::plan_cache<typename CachePolicy::replacement_type::impl>(
+        rows / world + (rows % world != 0 ? 1 : 0), cache.ratio);
   }
   return rows;
 }
 
 /**
- * A cache in front of the table (one rank): its lines hold rows with their optimizer state; the
- * gather serves hits from lines and admits misses, the update writes cached rows in their lines.
+ * A cache in front of this rank's rows: its lines hold rows with their optimizer state; the
+ * gather (one rank) or the owner side of the exchange (several) serves hits from lines and admits
+ * misses; the update writes cached rows in their lines.
  */
 template <caching_policy CachePolicy, class T>
 class row_source<CachePolicy, T> {
@@ -68,17 +75,30 @@ class row_source<CachePolicy, T> {
       : lines_{std::make_unique<cache::line_storage<T, impl_type>>(
             rows, cache.ratio, cache.hash_seed, dim, st_cols, steps)} {}
 
-  /// The gather: hits from lines, misses admitted (distinct rows read once), then replicated.
-  template <class Table, class Index>
-  void gather(Table&, table_rows<T> const& table, std::size_t rows, std::span<Index const> indices,
-              T* out, unsigned* err, cudaStream_t s) {
-    lines_->admit(table, rows, indices, out, true, err, s);
+  /// The gather of this rank's rows (one rank: every row): hits from lines, misses admitted
+  /// (distinct rows read once), then replicated.
+  template <class Index>
+  void gather(table_rows<T> const& table, std::size_t rows, std::span<Index const> indices, T* out,
+              unsigned* err, cudaStream_t s) {
+    lines_->admit(table, rows, indices.data(), indices.size(),
+                  static_cast<std::size_t const*>(nullptr),
+                  packed_rows{reinterpret_cast<std::byte*>(out), table.w.cols * sizeof(T)}, true,
+                  err, false, s);
   }
-  /// prefetch: the gather's admissions without output or request counts.
+  /// The exchange engine's owner-side reader (several ranks): this rank's rows through its
+  /// cache; calls on @p s use the first workspace, calls beside it the second.
+  [[nodiscard]] cache::line_reader<T, impl_type> reader(table_rows<T> const& table,
+                                                        std::size_t rows, unsigned* err,
+                                                        cudaStream_t s) const {
+    return {lines_.get(), table, rows, err, s};
+  }
+  /// prefetch: the gather's admissions without output or request counts (its own workspace, so
+  /// it may run on another stream beside a gather).
   template <class Index>
   void prefetch(table_rows<T> const& table, std::size_t rows, std::span<Index const> keys,
                 unsigned* err, cudaStream_t s) {
-    lines_->admit(table, rows, keys, static_cast<T*>(nullptr), false, err, s);
+    lines_->admit(table, rows, keys.data(), keys.size(), static_cast<std::size_t const*>(nullptr),
+                  packed_rows{nullptr, 0}, false, err, true, s);
   }
   /// The update's row locator: the row's line, else the table.
   [[nodiscard]] cache::line_locator<T, impl_type> locator(table_rows<T> const& table) const {
