@@ -600,3 +600,53 @@ TEST_CASE(
     train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2);
   });
 }
+
+TEST_CASE("device cache: every replay of a captured gather is a batch of its own (bypass counts)",
+          "[gpu]") {
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
+  wm::launch(1, [&](wm::communicator& comm) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::size_t const rows = 300, dim = 32, n = 120;
+    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
+    wm::cache_options co;
+    co.ratio = 0.1;  // one set: a batch of D > 32 distinct keys bypasses D - 32
+    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
+        comm, rows, dim, {}, init, co};
+    wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
+    RANK_REQUIRE(cached.cache_lines() == 32);
+    std::mt19937_64 rng{seed};
+    auto const warm = draw<float>(rng, rows, dim, n, 0);
+    RANK_REQUIRE(gather(cached, warm, s) == gather(plain, warm, s));  // sizes the workspace
+    std::uint64_t bypasses = warm.distinct > 32 ? warm.distinct - 32 : 0;
+    device_array<std::int64_t> dk{warm.keys};
+    device_array<float> out{std::vector<float>(n * dim, -7.0f)};
+    cudaGraph_t graph{};
+    WM_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    cached.gather(std::span<std::int64_t const>{dk.ptr, n}, out.ptr, cuda::stream_ref{s});
+    WM_CUDA_TRY(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec{};
+    WM_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
+    for (int k = 1; k <= 4; ++k) {
+      auto const b = draw<float>(rng, rows, dim, n, k);
+      WM_CUDA_TRY(
+          cudaMemcpy(dk.ptr, b.keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+      WM_CUDA_TRY(cudaMemset(out.ptr, 0xa5, n * dim * sizeof(float)));  // poison
+      WM_CUDA_TRY(cudaGraphLaunch(exec, s));
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      RANK_REQUIRE_MSG(bytes_of(out.to_host()) == gather(plain, b, s),
+                       "replay " << k << " of the captured gather differs");
+      // With one epoch for every replay the batch masks would stay full: all misses would bypass.
+      bypasses += b.distinct > 32 ? b.distinct - 32 : 0;
+      auto const st = cached.cache_stats();
+      RANK_REQUIRE_MSG(st.bypasses == bypasses, "replay " << k << ": " << st.bypasses
+                                                          << " bypasses, " << bypasses
+                                                          << " expected");
+    }
+    RANK_REQUIRE(bypasses > 0);
+    WM_CUDA_TRY(cudaGraphExecDestroy(exec));
+    WM_CUDA_TRY(cudaGraphDestroy(graph));
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
