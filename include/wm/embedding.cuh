@@ -203,7 +203,9 @@ class embedding {
   /**
    * @brief The cache's counters since construction or `reset_cache_stats()` (waits for the
    * device). `hits + misses == requests`; prefetches add evictions, write-backs and bytes only.
-   * `bytes_from_host` counts the bytes admissions read from the table (weight, state, step).
+   * `bytes_from_host` counts the bytes admissions read from the table (weight, state, step)
+   * and the weight rows of bypassed keys (`bypasses <= misses`: keys of a gather whose set had
+   * all 32 lines in use by the same gather, read around the cache; see wm::cache_statistics).
    * Several ranks: each rank counts the requests its cache served (any rank's keys), and
    * distinct keys per owner-side read (the engine may read a batch in several pieces).
    * @throw wm::logic_error if a gather or prefetch since the last report met an invalid index
