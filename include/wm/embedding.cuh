@@ -181,10 +181,11 @@ class embedding {
    * and without counting requests), so that the next batch's misses load while the current one
    * computes. Enqueued on @p stream; invalid keys are reported like the gather's.
    *
-   * It may run on another stream beside a gather (sets are locked; it has its own workspace),
-   * but not beside `apply_gradients`, `flush`, `invalidate` or another prefetch: order it after
-   * the last `apply_gradients` and before the next (e.g. issue it after `gather` and make the
-   * next `apply_gradients` wait on an event recorded after it).
+   * It may run on another stream beside the computation between `gather` and
+   * `apply_gradients`, but not beside any call on the same table (a one-rank gather writes its
+   * evicted rows back after its admissions, so a prefetch beside it could read a row not yet
+   * written back): issue it after `gather` and make the next `apply_gradients` wait on an event
+   * recorded after it.
    * @throw wm::logic_error on a table of several ranks (not built yet)
    */
   template <index_type Index>

@@ -37,6 +37,7 @@
 #include <wm/detail/dispatch/scratch.cuh>
 #include <wm/detail/embedding/rows.cuh>
 
+#include <cub/device/device_radix_sort.cuh>
 #include <cuda/atomic>
 #include <cuda/cmath>
 
@@ -60,6 +61,20 @@ struct lines_ref {
   std::size_t st_cols{};       ///< state floats per row
   device_statistics* stats{};  ///< the counters
   std::uint32_t* epoch{};      ///< the batch counter (the current admission call's epoch)
+  /// Staged write-backs (null: dirty victims are written back at once, inside the set's lock):
+  /// room for `stage_rows` payloads, their old keys and the count of those taken.
+  T* stage_w{};
+  float* stage_st{};
+  std::int64_t* stage_steps{};
+  std::uint32_t* stage_keys{};
+  unsigned* stage_count{};
+  std::size_t stage_rows{};
+
+  /// The payload of staging slot @p i.
+  [[nodiscard]] __device__ row_place<T> staged(std::size_t i) const noexcept {
+    return {stage_w + i * dim, stage_st != nullptr ? stage_st + i * st_cols : nullptr,
+            stage_steps != nullptr ? stage_steps + i : nullptr};
+  }
 
   /// The payload of data slot @p slot.
   [[nodiscard]] __device__ row_place<T> line(std::size_t slot) const noexcept {
@@ -201,6 +216,56 @@ __global__ void next_epoch_kernel(Counter* epoch) {
 }
 
 /**
+ * Before a staged admission call: every distinct key of batch @p b already cached gets its
+ * way's bit in the set's batch mask for this call's epoch (one 64-bit CAS on the adjacent
+ * batch and epoch words), so no admission of the call can evict a row the call still reads.
+ * One thread per distinct key.
+ */
+template <class T, class Impl, class Index>
+__global__ void protect_kernel(lines_ref<T, Impl> c, std::size_t rows, distinct_batch<Index> b) {
+  static_assert(offsetof(set_header, epoch) == offsetof(set_header, batch) + 4);
+  std::size_t const runs    = *b.runs;
+  std::uint32_t const epoch = *c.epoch;
+  for (std::size_t r = grid_thread(); r < runs; r += grid_threads()) {
+    Index const key = b.keys[b.run_begin[r]];
+    if (!valid_index(key, rows)) { continue; }
+    auto const k   = static_cast<std::uint32_t>(key);
+    auto const set = c.meta.set(c.meta.set_index(k));
+    int const way  = set.find(k);
+    if (way == no_way) { continue; }
+    auto* const word        = reinterpret_cast<unsigned long long*>(&set.header->batch);
+    unsigned long long seen = *reinterpret_cast<unsigned long long volatile*>(word);
+    for (;;) {
+      auto const mask = static_cast<std::uint32_t>(seen);
+      auto const at   = static_cast<std::uint32_t>(seen >> 32);
+      unsigned long long const next =
+          (static_cast<unsigned long long>(epoch) << 32) |
+          ((at == epoch ? mask : 0u) | (1u << static_cast<unsigned>(way)));
+      if (next == seen) { break; }
+      unsigned long long const prev = atomicCAS(word, seen, next);
+      if (prev == seen) { break; }
+      seen = prev;
+    }
+  }
+}
+
+/// The staged write-backs, in ascending key order (@p keys sorted, @p slots their staging slots;
+/// entries at or past *c.stage_count, or past stage_rows, hold no row). One warp per row.
+template <class W, class T, class Impl>
+__global__ void __launch_bounds__(line_block)
+    staged_write_back_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::uint32_t const* keys,
+                             unsigned const* slots) {
+  unsigned const lane      = threadIdx.x % ways;
+  std::size_t const warp   = grid_thread() / ways;
+  std::size_t const warps  = grid_threads() / ways;
+  std::size_t const staged = *c.stage_count;
+  std::size_t const n      = staged < c.stage_rows ? staged : c.stage_rows;
+  for (std::size_t i = warp; i < n; i += warps) {
+    warp_move<W>(table.locate(keys[i]), c.staged(slots[i]), c.dim, c.st_cols, lane);
+  }
+}
+
+/**
  * One warp per distinct key of batch @p b (grid-stride over the runs; the run count is read on
  * the device), all of one epoch (*c.epoch, see batch_access): a hit touches the line; a miss
  * admits the key (write-allocate) into a way this batch has not used, writes a dirty victim back
@@ -253,7 +318,19 @@ __global__ void __launch_bounds__(line_block)
       auto const line = c.line(cache_ref<Impl>::slot(s, a.way));
       if (a.admitted.evicted) { ++evictions; }
       if (a.admitted.write_back) {
-        warp_move<W>(table.locate(a.admitted.old_key), line, c.dim, c.st_cols, lane);
+        // Staged: the victim goes to a device slot now and to the table after this kernel, in
+        // ascending key order (scattered host writes cost far more than their bytes); the
+        // protect pass made sure no key of this batch is a victim, so nothing here reads the
+        // table row before it is written. Without room: to the table at once.
+        unsigned slot = 0;
+        if (c.stage_count != nullptr && lane == 0) { slot = atomicAdd(c.stage_count, 1u); }
+        slot = __shfl_sync(full_warp, slot, 0);
+        if (c.stage_count != nullptr && slot < c.stage_rows) {
+          warp_move<W>(c.staged(slot), line, c.dim, c.st_cols, lane);
+          if (lane == 0) { c.stage_keys[slot] = a.admitted.old_key; }
+        } else {
+          warp_move<W>(table.locate(a.admitted.old_key), line, c.dim, c.st_cols, lane);
+        }
         ++write_backs;
         __syncwarp();
       }
@@ -335,6 +412,21 @@ __global__ void __launch_bounds__(line_block)
 
 // ---- the storage --------------------------------------------------------------------------------
 
+/// The most victims one admission call stages (their payloads take device memory beside the
+/// lines; past this many, victims are written back at once, inside their set's lock).
+inline constexpr std::size_t max_staged = std::size_t{1} << 20;
+
+/// slots[i] = i; keys[i] = the sentinel 2^32 - 1 for the slots at or past *count (not taken).
+template <class Key>
+__global__ void fill_sentinels_kernel(Key* keys, unsigned const* count, std::size_t n,
+                                      unsigned* slots) {
+  std::size_t const taken = *count;
+  for (std::size_t i = grid_thread(); i < n; i += grid_threads()) {
+    slots[i] = static_cast<unsigned>(i);
+    if (i >= taken) { keys[i] = ~Key{}; }
+  }
+}
+
 /**
  * One rank's cache: set metadata sized by plan_cache from the rank's rows and the ratio, the
  * line payloads, the device statistics and the workspace of the distinct-key plan. Device
@@ -353,7 +445,7 @@ class line_storage {
    * @throw wm::logic_error for a ratio outside (0, 1] or more than 2^32 rows
    */
   line_storage(std::size_t rows, double ratio, std::uint32_t seed, std::size_t dim,
-               std::size_t st_cols, bool steps)
+               std::size_t st_cols, bool steps, bool stage_write_backs = false)
       : plan_{plan_cache<Impl>(rows, ratio)},
         seed_{seed},
         dim_{dim},
@@ -365,7 +457,13 @@ class line_storage {
         st_{plan_.lines * st_cols},
         steps_{steps ? plan_.lines : 0},
         stats_{1},
-        epoch_{1} {
+        epoch_{1},
+        stage_cap_{stage_write_backs ? std::min<std::size_t>(plan_.lines, max_staged) : 0},
+        stage_w_{stage_cap_ * dim},
+        stage_st_{stage_cap_ * st_cols},
+        stage_steps_{steps ? stage_cap_ : std::size_t{0}},
+        stage_keys_{stage_cap_},
+        stage_count_{stage_cap_ != 0 ? std::size_t{1} : std::size_t{0}} {
     if (plan_.sets != 0) {
       WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
       WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
@@ -407,10 +505,21 @@ class line_storage {
   template <class Index>
   void admit(table_rows<T> const& table, std::size_t rows, Index const* keys, std::size_t n,
              std::size_t const* order, packed_rows out, bool count_requests, unsigned* err,
-             bool aux, cudaStream_t s, int blocks_per_sm = 8) {
+             bool aux, cudaStream_t s, int blocks_per_sm = 8, bool staged = false) {
     if (n == 0) { return; }
-    auto const b  = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
-    auto const c  = ref();
+    auto const b = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
+    auto c       = ref();
+    // Staged write-backs: at most one victim per distinct key, so n slots are enough.
+    std::size_t const sn = staged ? std::min(stage_cap_, n) : 0;
+    if (sn != 0) {
+      c.stage_w     = stage_w_.data();
+      c.stage_st    = st_cols_ != 0 ? stage_st_.data() : nullptr;
+      c.stage_steps = c.steps != nullptr ? stage_steps_.data() : nullptr;
+      c.stage_keys  = stage_keys_.data();
+      c.stage_count = stage_count_.data();
+      c.stage_rows  = sn;
+      WM_CUDA_TRY(cudaMemsetAsync(stage_count_.data(), 0, sizeof(unsigned), s));
+    }
     int const vec = width(table, out);
     std::size_t const bl =
         std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
@@ -418,14 +527,55 @@ class line_storage {
                                   static_cast<std::size_t>(std::max(blocks_per_sm, 1)));
     next_epoch_kernel<<<1, 1, 0, s>>>(epoch_.data());  // this call is a batch of its own
     WM_CHECK_LAUNCH();
+    if (sn != 0) {
+      protect_kernel<T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, b);
+      WM_CHECK_LAUNCH();
+    }
     with_vector(vec, [&]<class W>() {
       admit_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
           c, table, rows, b, order, out, count_requests, err);
       WM_CHECK_LAUNCH();
     });
+    if (sn != 0) { write_back_staged(c, table, sn, s); }
     if (out.base != nullptr) {
       replicate_runs_to(b, order, out, dim_ * sizeof(T), fused_copies, s);
     }
+  }
+
+  /// The staged victims of the last admission (view @p c, @p sn slots) to @p table in ascending
+  /// key order: the slots' keys sorted (slots past the count hold the sentinel key 2^32 - 1 and
+  /// sort last; the kernel stops at the count), then one warp per row.
+  void write_back_staged(lines_ref<T, Impl> const& c, table_rows<T> const& table, std::size_t sn,
+                         cudaStream_t s) {
+    std::size_t cub_bytes = 0;
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+        nullptr, cub_bytes, static_cast<std::uint32_t const*>(nullptr),
+        static_cast<std::uint32_t*>(nullptr), static_cast<unsigned const*>(nullptr),
+        static_cast<unsigned*>(nullptr), sn, 0, 32, s));
+    carver k;
+    auto const o_skeys  = k.add<std::uint32_t>(sn);
+    auto const o_slots  = k.add<unsigned>(sn);
+    auto const o_sslots = k.add<unsigned>(sn);
+    auto const o_cub    = k.add<std::byte>(cub_bytes);
+    std::byte* base     = stage_ws_.reserve(k.total(), s);
+    auto* sorted_keys   = k.take<std::uint32_t>(base, o_skeys);
+    auto* slots         = k.take<unsigned>(base, o_slots);
+    auto* sorted_slots  = k.take<unsigned>(base, o_sslots);
+    // Slots the kernel did not take keep the sentinel (set here, after the kernel, for the
+    // slots at or past the count: a kernel-side fill would need the count on the host).
+    fill_sentinels_kernel<<<static_cast<unsigned>(elementwise_blocks(sn)), 256, 0, s>>>(
+        c.stage_keys, c.stage_count, sn, slots);
+    WM_CHECK_LAUNCH();
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(k.take<std::byte>(base, o_cub), cub_bytes,
+                                                c.stage_keys, sorted_keys, slots, sorted_slots, sn,
+                                                0, 32, s));
+    std::size_t const bl = std::min<std::size_t>(cuda::ceil_div(sn, std::size_t{line_block / ways}),
+                                                 static_cast<std::size_t>(sm_count()) * 8);
+    with_vector(width(table, packed_rows{nullptr, 0}), [&]<class W>() {
+      staged_write_back_kernel<W, T, Impl>
+          <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, sorted_keys, sorted_slots);
+      WM_CHECK_LAUNCH();
+    });
   }
 
   /// Writes every dirty line back to @p table and cleans it; with @p drop empties every line.
@@ -479,8 +629,15 @@ class line_storage {
   device_buffer<std::int64_t> steps_;
   device_buffer<device_statistics> stats_;
   device_buffer<std::uint32_t> epoch_;  // the batch counter (lines_ref::epoch)
-  workspace ws_;                        // the distinct-key plan of calls on the caller's stream
-  workspace ws_aux_;                    // the same for the engine's own-rows read beside them
+  std::size_t stage_cap_;               // staging slots (0: write-backs are never staged)
+  device_buffer<T> stage_w_;            // staged victims: weights, states, steps, old keys
+  device_buffer<float> stage_st_;
+  device_buffer<std::int64_t> stage_steps_;
+  device_buffer<std::uint32_t> stage_keys_;
+  device_buffer<unsigned> stage_count_;
+  workspace stage_ws_;  // the staged keys' sort
+  workspace ws_;        // the distinct-key plan of calls on the caller's stream
+  workspace ws_aux_;    // the same for the engine's own-rows read beside them
 };
 
 /**
