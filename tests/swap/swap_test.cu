@@ -562,3 +562,48 @@ TEST_CASE("swap: a prefetch takes the block of a page-out in flight (one block, 
   CHECK(stats.blocks_reused == 3);
   CHECK(stats.peak_resident_bytes <= words * 4);
 }
+
+TEST_CASE("swap: pageout_begin copies while the data is read; pageout frees it after the readers",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{16};
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(words * 4)};  // one block
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  std::uint64_t const sa = rng();
+  std::uint64_t const sb = rng();
+  auto a                 = scope.allocate<std::uint32_t>(words, s0);
+  std::uint32_t* pa      = a.data(s0);
+  fill(pa, words, sa, st.s[0]);
+  spin(20, st.s[0]);
+  REQUIRE(a.pageout_begin(s0));  // the copy goes after the spin
+  CHECK_FALSE(a.pageout_begin(s0));
+  order(st.s[0], st.s[1]);
+  CHECK(a.data(s1) == pa);  // still readable; the page-out goes on
+  CHECK(a.resident());
+  chk.check(pa, words, sa, st.s[1]);
+  spin(30, st.s[1]);
+  chk.check(pa, words, sa, st.s[1]);  // a reader well after the copy started
+  REQUIRE(a.pageout(s1));             // the block goes after the copy and stream 1's readers
+  CHECK_FALSE(a.resident());
+  auto b = scope.allocate<std::uint32_t>(words, s0);  // a's block: stream 0 waits for both
+  fill(b.data(s0), words, sb, st.s[0]);  // without the readers' event: overwrites a under them
+  REQUIRE(b.pageout(s0));
+  std::uint32_t* pa2 = a.data(s1);  // paged in from the one copy, into b's block after b's copy
+  chk.check(pa2, words, sa, st.s[1]);
+  CHECK(wrong_on_host(pa2, words, sa, st.s[1]) == 0);
+  CHECK(chk.wrong_checks() == 0);
+  // The workers book the copies a moment after the GPU finished them.
+  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().pageouts < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  }
+  auto const stats = scope.statistics();
+  CHECK(stats.pageouts == 2);  // a once, b once: a's data was not copied again
+  CHECK(stats.bytes_out == 2 * words * 4);
+  CHECK(stats.pageouts_cancelled == 0);
+  CHECK(stats.host_blocking_syncs == 0);
+  CHECK(stats.passive_pageins == 1);
+}
