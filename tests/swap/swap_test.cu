@@ -458,7 +458,14 @@ TEST_CASE("swap: blocks change hands by events: two blocks, eight buffers, three
   std::vector<std::size_t> perm(bufs.size());
   std::iota(perm.begin(), perm.end(), std::size_t{0});
   for (int round = 0; round < 8; ++round) {
-    std::shuffle(perm.begin(), perm.end(), rng);
+    // A buffer used again while its own page-out copy still runs keeps its block (the page-out
+    // is cancelled, then asked for again): with two such buffers holding both blocks, a page-in
+    // must wait for the GPU. Rounds start with buffers not used at the end of the last one.
+    std::vector<std::size_t> const before = perm;
+    do {
+      std::shuffle(perm.begin(), perm.end(), rng);
+    } while (round > 0 && (perm[0] == before[6] || perm[0] == before[7] || perm[1] == before[6] ||
+                           perm[1] == before[7]));
     for (std::size_t const k : perm) {
       auto& x              = bufs[k];
       cudaStream_t const s = st.s[rng() % 3];
@@ -483,11 +490,13 @@ TEST_CASE("swap: blocks change hands by events: two blocks, eight buffers, three
   CHECK(wrong == 0);
   auto const stats = scope.statistics();
   INFO("worker waits " << stats.worker_waits << " blocks reused " << stats.blocks_reused);
-  CHECK(stats.host_blocking_syncs == 0);  // every block changed hands by an event
-  CHECK(stats.blocks_reused >= 1);        // the third allocation, at least (the first spin runs)
-  // A buffer keeps its block only while at most one other was paged in after it: that happens
-  // at round boundaries alone (two per boundary at most).
-  CHECK(stats.passive_pageins >= 8 * 8 - 2 * 7);
+  INFO("page-outs cancelled " << stats.pageouts_cancelled);
+  // Every block changed hands by an event: the host waits on the GPU only when buffers written
+  // again during their page-out copy hold both blocks (see above), never more often than that.
+  CHECK(stats.host_blocking_syncs <= stats.pageouts_cancelled);
+  CHECK(stats.blocks_reused >= 1);  // the third allocation, at least (the first spin runs)
+  // Each access found its buffer on the host or leaving it: paged in, or its page-out cancelled.
+  CHECK(stats.passive_pageins + stats.pageouts_cancelled >= 8 * 8 + 8);
   CHECK(stats.peak_resident_bytes <= 2 * bytes);
   CHECK(stats.device_allocations == 1);
 }
