@@ -6,7 +6,9 @@
  * 16,384, cuBLASLt, loss 0.5 Σ y² / batch, SGD; 17 saved activations of 256 MiB each.
  * Rows:
  *  - wm, no swap: every activation in device memory allocated once.
- *  - wm, swap, keep k, pool s: x_0 .. x_{15-k} paged out after the forward pass read them,
+ *  - wm, swap, keep k, pool s: x_0 .. x_{15-k} paged out during the forward pass (the copy
+ *    starts when the next layer starts reading x_i, pageout_begin, and its memory goes after
+ *    that layer, pageout; ", late": the copy starts after that layer, pageout alone),
  *    prefetched in backward order (lookahead 2 activations); the pool holds s activations.
  *  - torch, and torch with save_on_cpu(pin_memory=True) (bench/peers/torch_swap.py).
  * Columns: median step ms over the timed steps (CUDA events, after 2 warm-ups); ratio to wm's
@@ -99,7 +101,8 @@ double pinned_copy_gbps(std::size_t bytes, cudaMemcpyKind kind, cudaStream_t s) 
 }
 
 /// Trains a fresh model; keep < 0: no swap. Returns the row and the losses of the timed steps.
-row train(config const& c, int keep, int slots, std::vector<float>& losses, cudaStream_t s) {
+row train(config const& c, int keep, int slots, bool early, std::vector<float>& losses,
+          cudaStream_t s) {
   row r;
   WM_CUDA_TRY(cudaDeviceSynchronize());
   std::size_t const base = device_used();
@@ -141,10 +144,11 @@ row train(config const& c, int keep, int slots, std::vector<float>& losses, cuda
       o.host_bytes         = static_cast<std::size_t>(c.layers + 1) * model.activation_bytes();
       o.prefetch_lookahead = 2 * model.activation_bytes();
       wm::swap_scope scope{o};
-      wm_workload::swap_store store{scope, c.layers, model.activation_elements(), keep};
+      wm_workload::swap_store store{scope, c.layers, model.activation_elements(), keep, early};
       run(store, &scope);
-      r.name = keep == 0 ? wm_bench::fmt("wm, swap all, pool %d", slots)
-                         : wm_bench::fmt("wm, swap keep %d, pool %d", keep, slots);
+      r.name = (keep == 0 ? wm_bench::fmt("wm, swap all, pool %d", slots)
+                          : wm_bench::fmt("wm, swap keep %d, pool %d", keep, slots)) +
+               (early ? "" : ", late");
     }
     auto const all = model.losses(total_steps);
     losses.assign(all.begin() + warmups, all.end());
@@ -195,15 +199,22 @@ int main(int argc, char** argv) {
 
     std::vector<row> rows;
     std::vector<float> base_losses;
-    rows.push_back(train(c, -1, 0, base_losses, s));
-    // Policies: (keep the last k inputs resident, pool of s activations).
+    rows.push_back(train(c, -1, 0, false, base_losses, s));
+    // Policies: keep the last k inputs resident, a pool of s activations; late: each page-out
+    // copy starts after the forward pass has read x_i (else while it reads it).
     int const L = c.layers;
-    std::vector<std::pair<int, int>> const policies{
-        {0, 4}, {0, 5}, {0, 6}, {0, 9}, {0, L + 1}, {2, 9}, {4, 11}, {L / 2, L / 2 + 5}};
-    for (auto const& [keep, slots] : policies) {
-      if (keep >= L || slots > L + 1) { continue; }
+    struct policy {
+      int keep;
+      int slots;
+      bool early;
+    };
+    std::vector<policy> const policies{
+        {0, 4, true}, {0, 4, false},    {0, 5, true}, {0, 6, true},  {0, 6, false},
+        {0, 9, true}, {0, L + 1, true}, {2, 9, true}, {4, 11, true}, {L / 2, L / 2 + 5, true}};
+    for (auto const& [keep, slots, early] : policies) {
+      if (keep >= L || slots > L + 1 || slots < 3) { continue; }
       std::vector<float> losses;
-      row r       = train(c, keep, slots, losses, s);
+      row r       = train(c, keep, slots, early, losses, s);
       r.same_loss = losses.size() == base_losses.size() &&
                             std::memcmp(losses.data(), base_losses.data(), losses.size() * 4) == 0
                         ? 1

@@ -6,8 +6,11 @@
  *    slab, a copy stream and a transfer queue with its worker per direction. Nothing is
  *    allocated while training: buffers come from the pool, copies go to the slab.
  *  - `scope.allocate<T>(n, stream)` gives a `wm::swappable<T>`. In the forward pass each layer's
- *    saved activation is `pageout(stream)`-ed once the next layer has read it: the copy waits for
- *    that layer's kernel through an event, the compute stream never waits for the copy.
+ *    saved activation is `pageout_begin(stream)`-ed when the next layer starts reading it (the
+ *    copy waits for the kernel that produced it through an event and runs while the next layer
+ *    reads it) and `pageout(stream)`-ed once that layer has read it (its memory goes back to the
+ *    pool after the copy and the read, with no second copy); the compute stream waits for a copy
+ *    only when it needs the memory the copy frees.
  *  - At the start of the backward pass `prefetch_init()`, `need_prefetch()` on each activation in
  *    the order the backward pass needs them, `prefetch_all()`. `data(stream)` makes the stream
  *    wait for the page-in of that buffer (or pages it in at once, at the front of the queue, if
@@ -79,7 +82,7 @@ run_result train(bool swap, std::size_t budget_slots) {
       o.host_bytes         = (layers + 1) * model.activation_bytes();
       o.prefetch_lookahead = 2 * model.activation_bytes();
       wm::swap_scope scope{o};
-      // 2. The hooks: every layer's input is paged out after the forward pass read it.
+      // 2. The hooks: every layer's input is paged out while the forward pass reads it.
       wm_workload::swap_store store{scope, layers, model.activation_elements()};
       run(store);
       r.stats = scope.statistics();

@@ -11,6 +11,8 @@
  *   - `pageout(stream)`: queued at the back of the page-out queue; the copy waits on an event
  *     recorded on @p stream at the call (after the kernels that produced the data); the device
  *     memory goes back to the pool once the copy's event has completed.
+ *   - `pageout_begin(stream)` ... `pageout(stream)`: the copy starts at the first call while the
+ *     buffer stays readable on the device; the second releases the memory after the readers.
  *   - `need_prefetch()`: queued at the back of the page-in queue, which runs from
  *     `scope.prefetch_all()` on, within the budget and the prefetch lookahead.
  *   - `data(stream)`: the device pointer. Not resident: a passive page-in at the FRONT of the
@@ -180,10 +182,21 @@ class swappable {
    */
   [[nodiscard]] T* data(cuda::stream_ref stream);
   /**
-   * @brief Queues a page-out after the work queued so far on @p stream.
+   * @brief Queues a page-out after the work queued so far on @p stream. After `pageout_begin()`:
+   * ends it (the device memory goes after the copy and the work queued so far on @p stream; the
+   * data is not copied again).
    * @return false (nothing queued) if the buffer is pinned, or already paged out or on its way.
    */
   bool pageout(cuda::stream_ref stream);
+  /**
+   * @brief Starts a page-out that keeps the data on the device for reading: the copy goes after
+   * the work queued so far on @p stream, and `data()` meanwhile gives the pointer without
+   * cancelling it. The data must not change until `pageout()` ends it (a copy made while kernels
+   * still read the buffer: it starts as soon as the producer is done, not after the readers).
+   * `pin()` and `need_prefetch()` cancel it (the buffer stays as if never paged out).
+   * @return false (nothing queued) if the buffer is pinned, not resident, or on its way out.
+   */
+  bool pageout_begin(cuda::stream_ref stream);
   /** @brief Queues a prefetch at the back of the page-in queue (if the buffer is not resident
    * and not on its way; a queued page-out is cancelled instead). */
   void need_prefetch();

@@ -89,7 +89,13 @@ T* swappable<T>::data(cuda::stream_ref stream) {
 template <class T>
 bool swappable<T>::pageout(cuda::stream_ref stream) {
   WM_EXPECTS(core_ != nullptr, "swappable::pageout: empty buffer");
-  return core_->pageout(id_, stream.get());
+  return core_->pageout(id_, stream.get(), false);
+}
+
+template <class T>
+bool swappable<T>::pageout_begin(cuda::stream_ref stream) {
+  WM_EXPECTS(core_ != nullptr, "swappable::pageout_begin: empty buffer");
+  return core_->pageout(id_, stream.get(), true);
 }
 
 template <class T>

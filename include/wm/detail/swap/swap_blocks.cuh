@@ -50,7 +50,7 @@ inline std::size_t swap_core::take_block(std::size_t bytes, cudaStream_t stream,
   }
   record* oldest = nullptr;
   for (auto& [id, r] : records_) {
-    if (r.st == state::out_issued && r.dev != npos && !r.cancel_free && !r.destroyed &&
+    if (r.st == state::out_issued && r.dev != npos && !r.cancel_free && !r.destroyed && !r.kept &&
         fits(r.dev, bytes) && (oldest == nullptr || r.out_seq < oldest->out_seq)) {
       oldest = &r;
     }
@@ -60,6 +60,11 @@ inline std::size_t swap_core::take_block(std::size_t bytes, cudaStream_t stream,
     consumer_wait(stream, oldest->copy);
   } else {
     WM_CUDA_TRY(cudaStreamWaitEvent(stream, oldest->copy, 0));
+  }
+  if (oldest->reader != nullptr) {  // after pageout_begin: the readers' work too (not a transfer)
+    WM_CUDA_TRY(cudaStreamWaitEvent(stream, oldest->reader, 0));
+    give_event(oldest->reader, false);
+    oldest->reader = nullptr;
   }
   off         = oldest->dev;
   oldest->dev = npos;  // its page-out completes without it; a page-in of it takes another block
@@ -74,8 +79,8 @@ inline std::uint64_t swap_core::promote_pageout(std::size_t bytes) {
   std::uint64_t best = 0;
   record const* br   = nullptr;
   for (auto const& [id, r] : records_) {
-    if (r.st == state::out_queued && r.dev != npos && !r.destroyed && fits(r.dev, bytes) &&
-        (br == nullptr || r.out_seq < br->out_seq)) {
+    if (r.st == state::out_queued && r.dev != npos && !r.destroyed && !r.kept &&
+        fits(r.dev, bytes) && (br == nullptr || r.out_seq < br->out_seq)) {
       best = id;
       br   = &r;
     }
@@ -104,7 +109,7 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
     if (promoted == 0) {
       bool const outs = std::any_of(records_.begin(), records_.end(), [](auto const& kv) {
         record const& r = kv.second;
-        return r.dev != npos && (r.st == state::out_queued || r.st == state::out_issued);
+        return r.dev != npos && !r.kept && (r.st == state::out_queued || r.st == state::out_issued);
       });
       WM_EXPECTS(outs || !pending_frees_.empty(),
                  "swap_scope: the device budget is exhausted: " + std::to_string(bytes) +

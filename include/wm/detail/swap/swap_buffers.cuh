@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <utility>
 
 namespace wm::detail {
 
@@ -44,6 +45,10 @@ inline void* swap_core::data(std::uint64_t id, cudaStream_t stream, bool pin) {
   record& r = at(id);
   r.last    = stream;
   used(r);
+  if (r.kept) {
+    if (!pin) { return pool_ + r.dev; }  // read while its copy is made: nothing to wait for
+    drop_kept(r);                        // pinned: the page-out is cancelled below
+  }
   switch (r.st) {
     case state::resident: break;
     case state::out_queued: cancel_queued_pageout(id, r); break;
@@ -52,7 +57,8 @@ inline void* swap_core::data(std::uint64_t id, cudaStream_t stream, bool pin) {
         page_in_front(id, r, stream, lock);
         break;
       }
-      r.cancel_free = true;         // a page-in of it waits for its page-out first: the stream does
+      r.cancel_free = true;  // a page-in of it waits for its page-out first: the stream does
+      drop_kept(r);
       if (r.producer != nullptr) {  // a page-out asked for again is off: it is in use again
         give_event(r.producer, false);
         r.producer = nullptr;
@@ -74,11 +80,15 @@ inline void* swap_core::data(std::uint64_t id, cudaStream_t stream, bool pin) {
   return pool_ + r.dev;
 }
 
-inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream) {
+inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream, bool keep) {
   std::unique_lock lock{mutex_};
   record& r = at(id);
   r.last    = stream;
   if (r.pins > 0) { return false; }
+  if (r.kept) {
+    if (keep) { return false; }  // begun already
+    if (finish_kept_pageout(r, stream)) { return true; }
+  }
   used(r);
   switch (r.st) {
     case state::in_issued:
@@ -91,9 +101,12 @@ inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream) {
       r.producer         = ev;
       r.st               = state::out_queued;
       r.out_seq          = ++out_seq_;
+      r.kept             = keep;
+      r.clean            = false;
       if (!out_q_->enqueue(transfer_task{id, r.bytes})) {
         r.st       = before;
         r.producer = nullptr;
+        r.kept     = false;
         give_event(ev, false);
         return false;
       }
@@ -101,6 +114,7 @@ inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream) {
       return true;
     }
     case state::out_issued:
+      if (keep) { return false; }
       if (r.cancel_free && r.producer == nullptr) {  // written again since: copy it again after
         cudaEvent_t ev = take_event(false);
         WM_CUDA_TRY(cudaEventRecord(ev, stream));
@@ -139,7 +153,9 @@ inline void swap_core::need_prefetch(std::uint64_t id) {
       }
       if (!r.cancel_free) { ++stats_.pageouts_cancelled; }
       r.cancel_free = true;
+      drop_kept(r);
       break;
+    case state::resident: drop_kept(r); break;
     default: break;
   }
 }
@@ -154,7 +170,7 @@ inline void swap_core::unpin(std::uint64_t id) {
 inline bool swap_core::resident(std::uint64_t id) const {
   std::lock_guard lock{mutex_};
   record const& r = records_.at(id);
-  return r.st == state::resident || r.st == state::in_issued ||
+  return r.st == state::resident || r.st == state::in_issued || r.kept ||
          (r.st == state::out_issued && r.cancel_free && r.producer == nullptr);
 }
 
@@ -173,6 +189,7 @@ inline void swap_core::release(std::uint64_t id) noexcept {
     record& r   = it->second;
     r.destroyed = true;
     used(r);
+    drop_kept(r);  // the release event below comes after the readers' work on r.last
     if (r.st == state::in_issued) {  // r.last may be the legacy stream 0: still a stream
       WM_CUDA_TRY(cudaStreamWaitEvent(r.last, r.copy, 0));
     }
@@ -213,11 +230,48 @@ inline void swap_core::used(record& r) {
 inline void swap_core::cancel_queued_pageout(std::uint64_t id, record& r) {
   out_q_->erase(id);  // if the worker holds it already, it drops it: the state says resident
   r.st = state::resident;
+  drop_kept(r);
   if (r.producer != nullptr) {
     give_event(r.producer, false);
     r.producer = nullptr;
   }
   ++stats_.pageouts_cancelled;
+}
+
+// pageout() after pageout_begin(): the block is free after the work queued so far on @p stream
+// (the readers) and after the copy, which is not made again. Returns false if the page-out was
+// dropped meanwhile (the caller pages out as usual).
+inline bool swap_core::finish_kept_pageout(record& r, cudaStream_t stream) {
+  r.kept               = false;
+  bool const clean     = std::exchange(r.clean, false);
+  cudaEvent_t const ev = take_event(false);
+  WM_CUDA_TRY(cudaEventRecord(ev, stream));
+  if (r.st == state::resident && clean) {  // the copy has completed: the block changes hands now
+    pending_frees_.push_back(pending_free{ev, r.dev, stream});
+    r.dev = npos;
+    r.st  = state::host;
+    ++stats_.pageouts;
+    notify_room();
+    return true;
+  }
+  if (r.st == state::out_queued || r.st == state::out_issued) {  // the copy goes on
+    if (r.reader != nullptr) { give_event(r.reader, false); }
+    r.reader = ev;
+    notify_room();  // its block may be taken now
+    return true;
+  }
+  give_event(ev, false);
+  return false;
+}
+
+// The buffer is used again: a pageout_begin() no longer holds (its reader event is dropped).
+inline void swap_core::drop_kept(record& r) {
+  r.kept  = false;
+  r.clean = false;
+  if (r.reader != nullptr) {
+    give_event(r.reader, false);
+    r.reader = nullptr;
+  }
 }
 
 inline void swap_core::drain(transfer_queue<copier>& q, char const* what) {

@@ -136,7 +136,11 @@ inline void swap_core::complete(bool out, ticket const& t) {
         if (r.st != state::out_issued) {  // its block was taken and a page-in followed
           continue;
         }
-        if (r.destroyed) {
+        if (r.kept) {  // pageout_begin: the data stays until pageout(); the host copy is valid
+          r.st    = state::resident;
+          r.clean = true;
+          --stats_.pageouts;  // counted when pageout() releases the block
+        } else if (r.destroyed) {
           if (r.producer != nullptr) { give_event(r.producer, false); }
           free_device(r);
           free_host(r);
@@ -154,7 +158,16 @@ inline void swap_core::complete(bool out, ticket const& t) {
             }
           }
         } else {
-          if (r.dev != npos) { dev_alloc_.free(r.dev); }
+          if (r.dev != npos && r.reader != nullptr) {  // free after the readers' work as well
+            pending_frees_.push_back(pending_free{r.reader, r.dev, r.last});
+            r.reader = nullptr;
+          } else if (r.dev != npos) {
+            dev_alloc_.free(r.dev);
+          }
+          if (r.reader != nullptr) {
+            give_event(r.reader, false);
+            r.reader = nullptr;
+          }
           r.dev = npos;
           r.st  = state::host;
         }

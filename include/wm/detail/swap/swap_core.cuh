@@ -59,12 +59,16 @@ class swap_core {
     bool destroyed{false};    // the owner is gone; free everything when the copies are done
     bool prefetched{false};   // brought in by a prefetch, not yet used (lookahead)
     bool deferred{false};     // a copier deferred it until the GPU frees room (pool or slab)
+    bool kept{false};         // pageout_begin: the block stays (readable) until pageout()
+    bool clean{false};        // kept, and its page-out copy has completed: the host copy is valid
     int pins{0};
     cudaEvent_t producer{nullptr};  // a page-out waits on it (recorded by pageout())
     cudaEvent_t copy{nullptr};      // end of the copy in flight (out_issued / in_issued)
     cudaEvent_t release{nullptr};   // destroyed: the device memory is free after it
     cudaEvent_t after{nullptr};     // its page-out, whose block another buffer took: a page-in
                                     // waits for it on the copy stream
+    cudaEvent_t reader{nullptr};    // pageout() after pageout_begin(): the block is free after
+                                    // it (the readers' work) and after the copy
     std::uint64_t out_seq{0};       // order in which page-outs were asked for, then issued
     cudaStream_t last{nullptr};     // the last stream that used it
   };
@@ -137,7 +141,7 @@ class swap_core {
   // ---- buffers (swap_buffers.cuh) --------------------------------------------------------------
   std::uint64_t allocate(std::size_t bytes, cudaStream_t stream);
   void* data(std::uint64_t id, cudaStream_t stream, bool pin);
-  bool pageout(std::uint64_t id, cudaStream_t stream);
+  bool pageout(std::uint64_t id, cudaStream_t stream, bool keep);
   void need_prefetch(std::uint64_t id);
   void unpin(std::uint64_t id);
   [[nodiscard]] bool resident(std::uint64_t id) const;
@@ -203,6 +207,8 @@ class swap_core {
   // ---- buffers (swap_buffers.cuh) --------------------------------------------------------------
   void used(record& r);
   void cancel_queued_pageout(std::uint64_t id, record& r);
+  bool finish_kept_pageout(record& r, cudaStream_t stream);
+  void drop_kept(record& r);
   void page_in_front(std::uint64_t id, record& r, cudaStream_t stream,
                      std::unique_lock<std::mutex>& lock);
   void drain(transfer_queue<copier>& q, char const* what);
