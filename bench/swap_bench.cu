@@ -52,6 +52,8 @@ struct row {
   double in_gbps{-1};
   double allocs_per_step{-1};
   double syncs_per_step{-1};
+  double syncs_pool_per_step{-1};  // of those: no pool block could change hands
+  double syncs_slab_per_step{-1};  // of those: the host slab was full
   double worker_waits_per_step{-1};
   double pool_peak_gib{-1};
   int same_loss{-1};  // 1 bitwise equal, 0 not, -1 not compared
@@ -130,6 +132,8 @@ row train(config const& c, int keep, int slots, bool early, std::vector<float>& 
             static_cast<double>(st.device_allocations + st.pinned_allocations + st.events_created) /
             c.steps;
         r.syncs_per_step        = static_cast<double>(st.host_blocking_syncs) / c.steps;
+        r.syncs_pool_per_step   = static_cast<double>(st.host_syncs_pool) / c.steps;
+        r.syncs_slab_per_step   = static_cast<double>(st.host_syncs_slab) / c.steps;
         r.worker_waits_per_step = static_cast<double>(st.worker_waits) / c.steps;
         r.pool_peak_gib         = static_cast<double>(st.peak_resident_bytes) / (1 << 30);
       }
@@ -167,9 +171,12 @@ row train(config const& c, int keep, int slots, bool early, std::vector<float>& 
 int main(int argc, char** argv) {
   wm_bench::set_environment();
   config c;
+  std::string csv;
   for (int i = 1; i + 1 < argc; i += 2) {
     int const v = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--layers") == 0) {
+    if (std::strcmp(argv[i], "--csv") == 0) {
+      csv = argv[i + 1];
+    } else if (std::strcmp(argv[i], "--layers") == 0) {
       c.layers = v;
     } else if (std::strcmp(argv[i], "--width") == 0) {
       c.width = v;
@@ -178,7 +185,9 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--steps") == 0) {
       c.steps = v;
     } else {
-      std::fprintf(stderr, "usage: swap_bench [--layers L] [--width W] [--batch B] [--steps S]\n");
+      std::fprintf(stderr,
+                   "usage: swap_bench [--layers L] [--width W] [--batch B] [--steps S] "
+                   "[--csv PATH]\n");
       return 2;
     }
   }
@@ -241,21 +250,26 @@ int main(int argc, char** argv) {
         "   median of %d steps after %d warm-ups; pinned copy of one activation: "
         "D2H %.1f GB/s, H2D %.1f GB/s\n",
         c.steps, warmups, d2h, h2d);
-    std::printf("%-28s %9s %7s %9s %9s %13s %13s %8s %8s %8s %6s\n", "", "step ms", "ratio",
-                "peak GiB", "pool GiB", "out GB/s", "in GB/s", "alloc/st", "sync/st", "wkr/st",
-                "loss");
+    std::printf("%-28s %9s %7s %9s %9s %13s %13s %8s %16s %8s %6s\n", "", "step ms", "ratio",
+                "peak GiB", "pool GiB", "out GB/s", "in GB/s", "alloc/st", "sync/st (p/s)",
+                "wkr/st", "loss");
     for (auto const& r : rows) {
       auto gb = [](double v, double lim) {
         return v < 0 ? std::string{"-"} : wm_bench::fmt("%.1f (%.2f)", v, v / lim);
       };
       auto num = [](double v) { return v < 0 ? std::string{"-"} : wm_bench::fmt("%.2f", v); };
-      std::printf("%-28s %9.1f %7.3f %9.2f %9s %13s %13s %8s %8s %8s %6s\n", r.name.c_str(), r.ms,
+      std::string const syncs = r.syncs_per_step < 0
+                                    ? std::string{"-"}
+                                    : wm_bench::fmt("%.2f (%.2f/%.2f)", r.syncs_per_step,
+                                                    r.syncs_pool_per_step, r.syncs_slab_per_step);
+      std::printf("%-28s %9.1f %7.3f %9.2f %9s %13s %13s %8s %16s %8s %6s\n", r.name.c_str(), r.ms,
                   r.ms / base, r.peak_gib, num(r.pool_peak_gib).c_str(),
                   gb(r.out_gbps, d2h).c_str(), gb(r.in_gbps, h2d).c_str(),
-                  num(r.allocs_per_step).c_str(), num(r.syncs_per_step).c_str(),
+                  num(r.allocs_per_step).c_str(), syncs.c_str(),
                   num(r.worker_waits_per_step).c_str(),
                   r.same_loss == 1 ? "same" : (r.same_loss == 0 ? "DIFF" : "-"));
     }
+    std::vector<row> peers;  // PyTorch's runs, on the same GPU
     if (!p.json.empty()) {
       double const tm = wm_bench::json_number(p.json, "torch_ms");
       double const tp = wm_bench::json_number(p.json, "torch_peak_gib");
@@ -263,6 +277,8 @@ int main(int argc, char** argv) {
       double const op = wm_bench::json_number(p.json, "save_on_cpu_peak_gib");
       std::printf("%-28s %9.1f %7.3f %9.2f\n", "torch", tm, tm / base, tp);
       std::printf("%-28s %9.1f %7.3f %9.2f\n", "torch save_on_cpu(pinned)", om, om / base, op);
+      peers.push_back(row{.name = "torch", .ms = tm, .peak_gib = tp});
+      peers.push_back(row{.name = "torch save_on_cpu(pinned)", .ms = om, .peak_gib = op});
       std::printf("   wm no-swap step / torch step: %.3f (target: within 5%%)\n", base / tm);
     } else {
       std::printf("   %s\n", p.note.c_str());
@@ -270,7 +286,8 @@ int main(int argc, char** argv) {
     std::printf(
         "   ratio: step / wm no-swap step; out/in GB/s: achieved while copying (ratio to "
         "the pinned copy); pool GiB: most of the pool in use; sync/st: host-blocking syncs "
-        "(a user thread waited on the GPU) per step; wkr/st: waits of the user thread on a "
+        "(a user thread waited on the GPU) per step, of those (p/s) for want of a pool block / of "
+        "room in the host slab; wkr/st: waits of the user thread on a "
         "swap worker only (for it to issue a copy) per step\n");
     // The targets of issue 19 on this run's rows.
     std::string met;
@@ -288,6 +305,21 @@ int main(int argc, char** argv) {
                 met.empty() ? "NOT met" : ("met by " + met).c_str());
     std::printf("   target 0 host-blocking syncs per step: %s (most: %.2f)\n",
                 max_syncs == 0 ? "met" : "NOT met", max_syncs);
+    if (!csv.empty()) {  // for bench/plot_swap.py
+      std::FILE* f = std::fopen(csv.c_str(), "w");
+      if (f == nullptr) {
+        std::printf("swap_bench: FAILED: cannot write %s\n", csv.c_str());
+        return 1;
+      }
+      std::fprintf(f, "system,policy,step_ms,ratio,peak_gib\n");
+      auto const put = [&](char const* system, row const& r) {
+        std::fprintf(f, "%s,\"%s\",%.3f,%.4f,%.4f\n", system, r.name.c_str(), r.ms, r.ms / base,
+                     r.peak_gib);
+      };
+      for (auto const& r : rows) { put("wm", r); }
+      for (auto const& r : peers) { put("torch", r); }
+      std::fclose(f);
+    }
     WM_CUDA_TRY(cudaStreamDestroy(s));
     bool const ok =
         std::all_of(rows.begin(), rows.end(), [](row const& r) { return r.same_loss == 1; });

@@ -79,8 +79,13 @@ struct swap_statistics {
   std::uint64_t consumer_waits{0};       ///< times a consumer stream waited on a transfer
   double consumer_wait_seconds{0};       ///< how long those streams waited (CUDA events)
   std::uint64_t blocks_reused{0};        ///< pool blocks handed over stream-ordered (by events)
-  std::uint64_t host_blocking_syncs{0};  ///< waits of a user thread on the GPU
+  std::uint64_t host_blocking_syncs{0};  ///< waits of a user thread on the GPU (all causes)
   double host_wait_seconds{0};           ///< how long they took
+  std::uint64_t host_syncs_pool{0};  ///< of those: no pool block could change hands stream-ordered
+  std::uint64_t host_syncs_slab{0};  ///< of those: the host slab was full
+  /// Host slab ranges of destroyed buffers taken by a page-out while their page-in still ran
+  /// (the page-out copy waits for it on the GPU, the host does not).
+  std::uint64_t slab_ranges_reused{0};
   /// Waits of a user thread on a worker thread only (for it to issue a copy; no GPU wait).
   std::uint64_t worker_waits{0};
   double worker_wait_seconds{0};        ///< how long they took

@@ -572,6 +572,60 @@ TEST_CASE("swap: a prefetch takes the block of a page-out in flight (one block, 
   CHECK(stats.peak_resident_bytes <= words * 4);
 }
 
+TEST_CASE("swap: a page-out takes the slab range of a buffer whose page-in still runs",
+          "[gpu][swap]") {
+  // A host that runs a step ahead of the GPU: the slab holds the previous step's page-ins until
+  // their copies finish. A page-out must take such a range on the copy stream, not on the host.
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{16};
+  std::size_t const words = 4 * mib;
+  std::size_t const bytes = words * 4;
+  wm::swap_options o      = small_scope(bytes);  // one block
+  o.host_bytes            = 2 * bytes;           // two slab ranges
+  wm::swap_scope scope{o};
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  std::uint64_t const sx = rng();
+  std::uint64_t const sa = rng();
+  std::uint64_t const sb = rng();
+  std::uint64_t const sd = rng();
+  auto x                 = scope.allocate<std::uint32_t>(words, s0);  // stays on the host
+  fill(x.data(s0), words, sx, st.s[0]);
+  REQUIRE(x.pageout(s0));
+  auto a = scope.allocate<std::uint32_t>(words, s0);
+  fill(a.data(s0), words, sa, st.s[0]);
+  REQUIRE(a.pageout(s0));
+  scope.wait_pageouts();  // both on the host: the slab is full
+  REQUIRE_FALSE(a.resident());
+  scope.reset_statistics();
+  {
+    auto c = scope.allocate<std::uint32_t>(words, s1);  // the block, released after a spin
+    fill(c.data(s1), words, rng(), st.s[1]);
+    spin(100, st.s[1]);
+  }
+  std::uint32_t* pa = a.data(s0);  // a's page-in waits on the copy stream for the spin
+  chk.check(pa, words, sa, st.s[0]);
+  a.reset();  // its slab range stays taken until its page-in copy has finished
+  auto b = scope.allocate<std::uint32_t>(words, s0);  // a's block, after a's check
+  fill(b.data(s0), words, sb, st.s[0]);
+  REQUIRE(b.pageout(s0));  // slab full: it takes a's range after a's page-in copy, on the GPU
+  auto d = scope.allocate<std::uint32_t>(words, s1);  // b's block, after b's page-out copy
+  fill(d.data(s1), words, sd, st.s[1]);
+  chk.check(d.data(s1), words, sd, st.s[1]);
+  auto const mid = scope.statistics();
+  CHECK(mid.host_blocking_syncs == 0);  // nothing above waited for the spin on the host
+  CHECK(mid.host_syncs_slab == 0);
+  CHECK(mid.slab_ranges_reused == 1);
+  d.reset();
+  std::uint32_t* pb = b.data(s0);
+  chk.check(pb, words, sb, st.s[0]);
+  CHECK(wrong_on_host(pb, words, sb, st.s[0]) == 0);
+  b.reset();
+  chk.check(x.data(s1), words, sx, st.s[1]);
+  CHECK(chk.wrong_checks() == 0);
+}
+
 TEST_CASE("swap: pageout_begin copies while the data is read; pageout frees it after the readers",
           "[gpu][swap]") {
   std::mt19937_64 rng{std::random_device{}()};

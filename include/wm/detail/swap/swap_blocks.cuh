@@ -72,6 +72,27 @@ inline std::size_t swap_core::take_block(std::size_t bytes, cudaStream_t stream,
   return off;
 }
 
+// A host slab range for a page-out of @p bytes that the page-out copy stream @p stream may write
+// in stream order, or npos: that of a destroyed buffer whose page-in copy still reads it (@p
+// stream waits for that copy). Without it, a host that runs a step ahead of the GPU finds the
+// slab full of the previous step's page-ins and must wait for them on the GPU.
+inline std::size_t swap_core::take_host_range(std::size_t bytes, cudaStream_t stream) {
+  std::size_t const size = host_alloc_.round(bytes);
+  for (auto& [id, r] : records_) {
+    if (!r.destroyed || r.st != state::in_issued || r.host == npos || r.copy == nullptr) {
+      continue;
+    }
+    std::size_t const have = host_alloc_.size_of(r.host);
+    if (have < size || have > 2 * size) { continue; }
+    WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0));
+    std::size_t const off = r.host;
+    r.host                = npos;  // its page-in completes without it
+    ++stats_.slab_ranges_reused;
+    return off;
+  }
+  return npos;
+}
+
 // A page-out still queued that would free a block for @p bytes goes to the front of the page-out
 // queue (its worker issues it next, past the in-flight limit): then take_block can take its block.
 // Returns its id, or 0 if there is none.
@@ -98,11 +119,11 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
   auto const t0       = clock::now();
   auto const deadline = t0 + options_.timeout;
   bool waited         = false;
-  bool on_gpu         = false;
+  auto cause          = wait_cause::worker;
   while (true) {
     std::size_t const off = take_block(bytes, stream, true);
     if (off != npos) {
-      if (waited) { count_wait(on_gpu, t0); }
+      if (waited) { count_wait(cause, t0); }
       return off;
     }
     std::uint64_t const promoted = promote_pageout(bytes);
@@ -116,12 +137,12 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
                      " bytes asked for, " + std::to_string(dev_alloc_.in_use()) + " of " +
                      std::to_string(dev_alloc_.capacity()) +
                      " in use by buffers that are not being paged out");
-      on_gpu = true;  // no block can change hands now: copies or released work must finish
+      cause = wait_cause::pool;  // no block can change hands now: copies or releases must finish
     } else {
       records_.at(promoted).deferred = false;  // set if its worker finds no room in the slab
     }
     if (clock::now() >= deadline) {
-      count_wait(on_gpu, t0);
+      count_wait(cause, t0);
       throw_timeout("room in the device pool");
     }
     waited = true;
@@ -130,7 +151,7 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
     cv_.wait_until(lock, std::min(deadline, clock::now() + std::chrono::microseconds{200}));
     if (promoted != 0) {
       auto const it = records_.find(promoted);
-      if (it != records_.end() && it->second.deferred) { on_gpu = true; }  // no room in the slab
+      if (it != records_.end() && it->second.deferred) { cause = wait_cause::slab; }
     }
   }
 }
@@ -143,23 +164,26 @@ inline void swap_core::wait_issued(record& r, cudaStream_t stream,
   auto const t0 = clock::now();
   bool const issued =
       cv_.wait_until(lock, t0 + options_.timeout, [&] { return r.st != state::in_queued; });
-  count_wait(r.deferred, t0);
+  count_wait(r.deferred ? wait_cause::pool : wait_cause::worker, t0);
   r.deferred = false;
   if (!issued) { throw_timeout("a page-in to be issued"); }
   used(r);
   if (r.st == state::in_issued) { consumer_wait(stream, r.copy); }
 }
 
-// A user thread waited since @p t0: on the GPU (a host-blocking sync) or only on a worker thread.
-inline void swap_core::count_wait(bool on_gpu, clock::time_point t0) {
+// A user thread waited since @p t0: only on a worker thread, or on the GPU (a host-blocking sync:
+// for room in the pool or the slab, or to drain a queue).
+inline void swap_core::count_wait(wait_cause cause, clock::time_point t0) {
   double const s = std::chrono::duration<double>(clock::now() - t0).count();
-  if (on_gpu) {
-    ++stats_.host_blocking_syncs;
-    stats_.host_wait_seconds += s;
-  } else {
+  if (cause == wait_cause::worker) {
     ++stats_.worker_waits;
     stats_.worker_wait_seconds += s;
+    return;
   }
+  ++stats_.host_blocking_syncs;
+  stats_.host_wait_seconds += s;
+  if (cause == wait_cause::pool) { ++stats_.host_syncs_pool; }
+  if (cause == wait_cause::slab) { ++stats_.host_syncs_slab; }
 }
 
 // @p stream waits for @p ev; the time it waited is measured by two events around the wait.

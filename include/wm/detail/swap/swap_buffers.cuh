@@ -279,7 +279,7 @@ inline void swap_core::drain(transfer_queue<copier>& q, char const* what) {
   bool const ok = q.wait(t0 + options_.timeout);
   {
     std::lock_guard lock{mutex_};
-    count_wait(true, t0);
+    count_wait(wait_cause::drain, t0);
   }
   if (!ok) { throw_timeout(what); }
 }

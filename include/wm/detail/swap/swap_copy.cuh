@@ -44,6 +44,7 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
       }
       if (out) {
         if (r.host == npos) { r.host = host_alloc_.allocate(r.bytes); }
+        if (r.host == npos) { r.host = take_host_range(r.bytes, s); }
         if (r.host == npos) {  // the slab is full until buffers are released
           r.deferred  = true;
           x.admission = transfer_admission::defer;

@@ -187,11 +187,14 @@ class swap_core {
   // ---- the device pool (swap_blocks.cuh) -------------------------------------------------------
   [[nodiscard]] bool fits(std::size_t off, std::size_t bytes) const noexcept;
   std::size_t take_block(std::size_t bytes, cudaStream_t stream, bool consumer);
+  std::size_t take_host_range(std::size_t bytes, cudaStream_t stream);
   std::uint64_t promote_pageout(std::size_t bytes);
   std::size_t allocate_device(std::size_t bytes, std::unique_lock<std::mutex>& lock,
                               cudaStream_t stream);
   void wait_issued(record& r, cudaStream_t stream, std::unique_lock<std::mutex>& lock);
-  void count_wait(bool on_gpu, clock::time_point t0);
+  /// What a user thread waited for.
+  enum class wait_cause : std::uint8_t { worker, pool, slab, drain };
+  void count_wait(wait_cause cause, clock::time_point t0);
   void consumer_wait(cudaStream_t stream, cudaEvent_t ev);
   void collect_waits();
   void free_device(record& r);
