@@ -62,6 +62,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <nvtx3/nvToolsExt.h>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -369,6 +370,12 @@ class bench {
     for (int i = 0; i < warm_steps; ++i) { step(i); }
     WM_CUDA_TRY(cudaStreamSynchronize(stream_));
     if constexpr (cached) { e.reset_cache_stats(); }
+    // NVTX range "steps_<case>_<dist>" ('.' and ' ' as '_') over the timed steps: a profiler
+    // (ncu --nvtx --nvtx-include "steps_cache_0_10_zipf/") can time their kernels one by one.
+    std::string range = fmt("steps_%s_%s", name, dist_names[d]);
+    std::replace_if(
+        range.begin(), range.end(), [](char ch) { return ch == ' ' || ch == '.'; }, '_');
+    nvtxRangePushA(range.c_str());
     for (int i = 0; i < timed_steps; ++i) {
       WM_CUDA_TRY(cudaEventRecord(events_[2 * i], stream_));
       e.gather(keys(d, i), out_.get(), s);
@@ -376,6 +383,7 @@ class bench {
       e.apply_gradients(keys(d, i), grads_.get(), lr, s);
       WM_CUDA_TRY(cudaEventRecord(events_[2 * i + 1], stream_));
     }
+    nvtxRangePop();
     WM_CUDA_TRY(cudaStreamSynchronize(stream_));
     std::vector<double> ms(timed_steps), gms(timed_steps);
     for (int i = 0; i < timed_steps; ++i) {
@@ -449,7 +457,9 @@ class bench {
     for (int i = 0; i < hot_warm; ++i) { e.gather(k, out_.get(), s); }
     WM_CUDA_TRY(cudaStreamSynchronize(stream_));
     if constexpr (cached) { e.reset_cache_stats(); }
+    nvtxRangePushA(cached ? "hot_cached" : "hot_device");  // as in steps()
     double const ms = events_median_ms(hot_reps, [&] { e.gather(k, out_.get(), s); });
+    nvtxRangePop();
     if constexpr (cached) {
       wm::cache_statistics const c = e.cache_stats();
       res_.hot_hit                 = c.requests == 0 ? nan : double(c.hits) / double(c.requests);
