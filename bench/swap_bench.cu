@@ -217,9 +217,19 @@ int main(int argc, char** argv) {
       int slots;
       bool early;
     };
-    std::vector<policy> const policies{
-        {0, 4, true}, {0, 4, false},    {0, 5, true}, {0, 6, true},  {0, 6, false},
-        {0, 9, true}, {0, L + 1, true}, {2, 9, true}, {4, 11, true}, {L / 2, L / 2 + 5, true}};
+    std::vector<policy> const policies{{0, 4, true},
+                                       {0, 4, false},
+                                       {2, 4, true},
+                                       {3, 4, true},
+                                       {0, 5, true},
+                                       {3, 5, true},
+                                       {0, 6, true},
+                                       {0, 6, false},
+                                       {0, 9, true},
+                                       {0, L + 1, true},
+                                       {2, 9, true},
+                                       {4, 11, true},
+                                       {L / 2, L / 2 + 5, true}};
     for (auto const& [keep, slots, early] : policies) {
       if (keep >= L || slots > L + 1 || slots < 3) { continue; }
       std::vector<float> losses;
