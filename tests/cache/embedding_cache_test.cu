@@ -272,6 +272,8 @@ constexpr geometry geometries[] = {
     {20, 8, 40, 1.0, "fewer rows than 32 ways (one set)"},
     {100, 8, 120, 1.0, "ratio 1"},
     {3000, 32, 500, 0.01, "one set, many misses"},
+    // 75,000 lines and 70,000 keys: many victims staged per gather, sets past 32 keys.
+    {300000, 4, 70000, 0.25, "many lines"},
 };
 
 template <class T, class R, class Opt>

@@ -10,7 +10,9 @@
 // Concurrency: one warp per distinct key of a batch. Distinct keys can share a set, so a warp
 // takes the set's lock word (set_header::lock) before it probes, and keeps it until the row is
 // in its line and copied out: lane 0 spins with atomicCAS and __nanosleep back-off (acquire),
-// the warp works, lane 0 releases (release store). Locks rather than grouping keys by set: the
+// the warp works, lane 0 releases (release store). Staged calls (one-rank gathers, which run
+// alone and first protect every cached key of the batch) copy the row out after the release:
+// the batch rule keeps the line. Locks rather than grouping keys by set: the
 // batch is already sorted by key for the distinct-row plan (detail/dispatch/distinct.cuh); a
 // second sort by set would cost a full radix sort per gather, while with ~10 distinct keys per
 // set a lock is rarely contended. Independent thread scheduling lets the spinning lane wait
@@ -137,6 +139,18 @@ __device__ void warp_copy(void* dst, void const* src, std::size_t bytes, unsigne
   auto* d       = static_cast<W*>(dst);
   auto const* q = static_cast<W const*>(src);
   for (std::size_t i = lane; i < bytes / sizeof(W); i += ways) { d[i] = q[i]; }
+}
+
+/// Copies one row of @p bytes at @p src to the @p copies rows `dst(0)`, ..., `dst(copies - 1)`
+/// with the warp: each lane loads its vectors of the row once and stores them to every copy.
+template <class W, class Dst>
+__device__ void warp_copy_to(Dst const& dst, std::size_t copies, void const* src, std::size_t bytes,
+                             unsigned lane) noexcept {
+  auto const* q = static_cast<W const*>(src);
+  for (std::size_t i = lane; i < bytes / sizeof(W); i += ways) {
+    W const v = q[i];
+    for (std::size_t k = 0; k < copies; ++k) { reinterpret_cast<W*>(dst(k))[i] = v; }
+  }
 }
 
 /// Vectors per lane a warp_move loads before it stores (one round for a 128-float Adam row).
@@ -290,6 +304,7 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const runs      = *b.runs;
   std::size_t const row_bytes = c.dim * sizeof(T);
   std::uint32_t const epoch   = *c.epoch;
+  bool const staged           = c.stage_count != nullptr;
   unsigned long long requests = 0, distinct = 0, hits = 0, evictions = 0, write_backs = 0,
                      loaded = 0, bypasses = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
@@ -338,13 +353,13 @@ __global__ void __launch_bounds__(line_block)
       loaded += c.payload_bytes();
       __syncwarp();
     }
-    if (!a.bypassed) {
-      T const* const src = c.line(cache_ref<Impl>::slot(s, a.way)).w;
-      for (std::size_t q = 0; q < copies; ++q) {
-        warp_copy<W>(output_row(b, order, out, begin + q), src, row_bytes, lane);
-      }
-    }
+    auto const to      = [&](std::size_t q) { return output_row(b, order, out, begin + q); };
+    T const* const src = a.bypassed ? nullptr : c.line(cache_ref<Impl>::slot(s, a.way)).w;
+    // Staged calls run alone and protected every cached key of the batch; the batch rule keeps
+    // the line this warp hit or admitted: its row may be copied out after the lock is gone.
+    if (src != nullptr && !staged) { warp_copy_to<W>(to, copies, src, row_bytes, lane); }
     unlock_set(set.header, lane);
+    if (src != nullptr && staged) { warp_copy_to<W>(to, copies, src, row_bytes, lane); }
     // A bypassed row is in no line (it missed; a call beside this one that admits it meanwhile
     // loads it clean): the table holds it, and the lock is not needed to read it. It is read over
     // PCIe once, into the run's first output row, and copied from there to the others.
