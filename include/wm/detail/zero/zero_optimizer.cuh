@@ -343,7 +343,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
   }
   double* const local  = scratch_ + partials_;
   double* const global = local + 1;
-  z::sum_partials_kernel<<<1, z::norm_block, 0, s>>>(scratch_, partials_, local);
+  z::sum_partials_kernel<z::norm_block><<<1, z::norm_block, 0, s>>>(scratch_, partials_, local);
   WM_CHECK_LAUNCH();
   // 2. One scalar all-reduce: the global norm and the inf/NaN check (an inf or NaN anywhere
   // makes the sum inf or NaN on every rank, so every rank skips the same steps).
