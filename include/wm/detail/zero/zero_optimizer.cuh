@@ -8,6 +8,7 @@
 #include <cub/device/device_for.cuh>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -66,8 +67,8 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
     h = detail::mix64(detail::fnv1a(p.name, h),
                       p.elements * 4 + static_cast<std::uint64_t>(p.type));
   }
-  h = detail::mix64(h, static_cast<std::uint64_t>(options_.loss_scale * 1e6));
-  h = detail::mix64(h, static_cast<std::uint64_t>(options_.max_grad_norm * 1e6));
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.loss_scale));
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.max_grad_norm));
   h = detail::mix64(h, options_.average_gradients ? 1 : 0);
   h = detail::mix64(h, options_.prefetch_bytes);
   for (auto const& g : options_.groups) {
@@ -328,6 +329,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::step (stage 3): release every gathered group first");
     residency_.drop_prefetch();  // its copies would be stale after the update
+    // A prefetch may still be reading the shard weights that the update rewrites.
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
   }
   if (masters_stale_) { widen_masters(s); }
   // 1. Σ g² of this rank's shards in float64 partials, summed in a fixed order.
