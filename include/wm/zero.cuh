@@ -27,15 +27,19 @@
  * and a gradient shard, plus two bucket staging buffers that backward writes into; stage 3 a
  * weight shard, a gradient shard, the two staging buffers and the gather pool.
  *
+ * Checkpoints: `save(dir)` writes one file per rank, its fp32 shard with a fragment table
+ * (parameter name, offset, length); `load(dir)` reads them into any rank count, bucket size or
+ * stage by intersecting the tables with the new plan (detail/zero/reshard.hpp, checkpoint.hpp).
+ *
  * Not implemented yet: `wm::offload_host` (the class refuses to compile with it; the CPU Adam of
- * detail/zero/cpu_adam.hpp exists, tested on the CPU), checkpoints (`save`/`load`; the fragment
- * tables and the resharding reads of detail/zero/reshard.hpp exist, tested on the CPU), fp16
- * dynamic loss scaling (the scale is a fixed option; a step with an inf or NaN gradient is
- * skipped on every rank and `last_step_skipped` says so).
+ * detail/zero/cpu_adam.hpp exists, tested on the CPU), fp16 dynamic loss scaling (the scale is a
+ * fixed option; a step with an inf or NaN gradient is skipped on every rank and `last_step_skipped`
+ * says so).
  */
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/detail/zero/checkpoint.hpp>
 #include <wm/detail/zero/cpu_adam.hpp>
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/reshard.hpp>
@@ -51,7 +55,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -191,6 +197,26 @@ class zero_optimizer {
    */
   void release(std::size_t g) requires(Stage::value == 3);
 
+  /**
+   * @brief Saves this rank's fp32 master weights and optimizer states, with the fragment table
+   * that names what each range holds, to `dir/shard-<rank>.zero` (collective; waits for
+   * @p stream; creates @p dir). A directory saved by any rank count, bucket size or stage loads
+   * into any other (`load`).
+   * @throw wm::io_error on every rank if any rank could not write its file
+   */
+  void save(std::filesystem::path const& dir, cuda::stream_ref stream);
+
+  /**
+   * @brief Loads a directory written by `save` (collective; waits for @p stream): this rank's
+   * master weights and states are read from the stored fragments that intersect its shard (any
+   * rank count, bucket size or stage saved it), the compute weights are made from the masters
+   * (stages 1-2: all-gathered), and the step count is restored. Stage 3: no group may be
+   * gathered.
+   * @throw wm::io_error on every rank if any rank could not load: a file missing or malformed,
+   * a parameter missing or of another size, another optimizer or other optimizer settings
+   */
+  void load(std::filesystem::path const& dir, cuda::stream_ref stream);
+
   /// Whether the last step was skipped for an inf or NaN gradient (waits for @p stream).
   [[nodiscard]] bool last_step_skipped(cuda::stream_ref stream) const;
   /// Steps applied so far, skipped ones not counted (waits for @p stream).
@@ -212,6 +238,7 @@ class zero_optimizer {
   void gather_buckets(std::vector<detail::zero::residency::load> const& loads, cudaStream_t s);
   void read_counters(cuda::stream_ref stream) const;
   void free_all() noexcept;
+  void agree(std::string const& error, char const* what);
 
   communicator* comm_;
   Optimizer opt_;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
@@ -479,6 +480,103 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
     REQUIRE(opt.applied_steps(s) == applied);
     read_all(t);
   }
+}
+
+namespace {
+
+// One training step of @p opt on the gradients of grad_value (bucket by bucket, as backward).
+template <class O>
+void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
+                double loss_scale, wm::communicator& comm, stream_holder const& s) {
+  auto const& plan = opt.layout();
+  for (std::size_t b = 0; b < opt.buckets(); ++b) {
+    for (auto p : plan.buckets[b].params) {
+      std::vector<double> g(elements_of(mp[p]));
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
+      }
+      write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
+    }
+    opt.reduce_gradients(b, s);
+  }
+  opt.step(0.05f * static_cast<float>(1 + t), s);
+}
+
+// Parameter @p p's compute weights (stage 3: gathered; default groups, group p is parameter p).
+template <class O>
+std::vector<double> read_param(O& opt, std::size_t p, model_param const& mp, wm::communicator& comm,
+                               stream_holder const& s) {
+  if constexpr (O::stage == 3) {
+    opt.gather(p, s);
+    auto v = read_typed(mp.type, weights_ptr(opt, p, mp.type), elements_of(mp), comm, s.s);
+    opt.release(p);
+    return v;
+  } else {
+    return read_typed(mp.type, weights_ptr(opt, p, mp.type), elements_of(mp), comm, s.s);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "zero_optimizer checkpoint: saved by stage 2, loaded by another stage and "
+    "bucket size, training continues bitwise identically",
+    "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  auto& comm = wm_test::comm();
+  stream_holder s;
+  std::uint64_t const seed = shared_seed(comm);
+  auto const mp            = model(0);
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  double const loss_scale = 8;
+  wm::zero_options options;
+  options.loss_scale = static_cast<float>(loss_scale);
+  auto const dir     = std::filesystem::temp_directory_path() /
+                   ("wm-zero-ckpt-" + std::to_string(seed % 1000000007));
+  wm::zero_optimizer<wm::zero_stage<2>, wm::adam> a{comm, params, 1024, make_optimizer<wm::adam>(),
+                                                    options};
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::vector<double> w(elements_of(mp[p]));
+    for (auto& x : w) { x = u(rng); }
+    if (mp[p].type == zero_element_type::f32) {
+      std::vector<float> h(w.begin(), w.end());
+      a.set_weights(p, h.data(), s);
+    } else {
+      std::vector<bf16> h(w.size());
+      for (std::size_t i = 0; i < w.size(); ++i) { h[i] = __double2bfloat16(w[i]); }
+      a.set_weights(p, h.data(), s);
+    }
+    comm.synchronize(s);
+  }
+  train_step(a, mp, seed, 0, loss_scale, comm, s);
+  train_step(a, mp, seed, 1, loss_scale, comm, s);
+  a.save(dir, s);
+  REQUIRE(std::filesystem::exists(wm::detail::zero::shard_file(dir, comm.rank())));
+
+  wm::zero_optimizer<TestType, wm::adam> b{comm, params, 4096, make_optimizer<wm::adam>(), options};
+  b.load(dir, s);
+  REQUIRE(b.applied_steps(s) == 2);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    INFO("parameter " << mp[p].name << " right after the load");
+    REQUIRE(read_param(b, p, mp[p], comm, s) == read_param(a, p, mp[p], comm, s));
+  }
+  for (int t = 2; t < 4; ++t) {
+    train_step(a, mp, seed, t, loss_scale, comm, s);
+    train_step(b, mp, seed, t, loss_scale, comm, s);
+  }
+  REQUIRE(b.applied_steps(s) == 4);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    INFO("parameter " << mp[p].name << " two steps after the load");
+    REQUIRE(read_param(b, p, mp[p], comm, s) == read_param(a, p, mp[p], comm, s));
+  }
+  // Another optimizer, or no checkpoint at all: every rank gets the error.
+  wm::zero_optimizer<TestType, wm::sgd> c{comm, params, 4096, wm::sgd{}, options};
+  REQUIRE_THROWS_AS(c.load(dir, s), wm::io_error);
+  REQUIRE_THROWS_AS(b.load(dir / "missing", s), wm::io_error);
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
 }
 
 TEMPLATE_TEST_CASE("zero_optimizer memory against the formula of DESIGN §8", "[ranked]",

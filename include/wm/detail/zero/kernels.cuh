@@ -139,6 +139,14 @@ struct widen_op {
   __device__ void operator()(std::size_t i) const { out[i] = static_cast<float>(in[i]); }
 };
 
+/// out[i] = T(in[i]): compute weights from master weights (after a load).
+template <class T>
+struct narrow_op {
+  float const* in;
+  T* out;
+  __device__ void operator()(std::size_t i) const { out[i] = static_cast<T>(in[i]); }
+};
+
 /// out[i] = value.
 struct fill_op {
   float* out;
