@@ -31,8 +31,12 @@
  * (parameter name, offset, length); `load(dir)` reads them into any rank count, bucket size or
  * stage by intersecting the tables with the new plan (detail/zero/reshard.hpp, checkpoint.hpp).
  *
- * Not implemented yet: `wm::offload_host` (the class refuses to compile with it; the CPU Adam of
- * detail/zero/cpu_adam.hpp exists, tested on the CPU), fp16 dynamic loss scaling (the scale is a
+ * Offload (`wm::offload_host`, with `wm::adam`): the fp32 master weights and moments live in
+ * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once,
+ * `step` waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights
+ * back (and all-gathers them) while the CPU updates the next.
+ *
+ * Not implemented yet: fp16 dynamic loss scaling (the scale is a
  * fixed option; a step with an inf or NaN gradient is skipped on every rank and `last_step_skipped`
  * says so).
  */
@@ -44,6 +48,7 @@
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/detail/zero/residency.hpp>
+#include <wm/detail/zero/thread_pool.hpp>
 #include <wm/optimizer.hpp>
 #include <wm/zero_policy.hpp>
 
@@ -56,6 +61,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -84,13 +90,17 @@ namespace wm {
  * @tparam Stage     `wm::zero_stage<1|2|3>`
  * @tparam Optimizer an optimizer policy of optimizer.hpp (`wm::adam`, `wm::sgd`, ...); every
  *                   element is updated every step, so its step count is the global one
- * @tparam Offload   `wm::no_offload` (`wm::offload_host` is not implemented yet)
+ * @tparam Offload   `wm::no_offload`, or `wm::offload_host` (with `wm::adam`, bf16 or fp32
+ *                   parameters): master weights and moments on the host, updated by the CPU
+ *                   Adam bucket by bucket in `step` (which then waits for the norm on the host),
+ *                   each bucket's weights sent back and all-gathered while the next is updated
  */
 template <zero_stage_policy Stage, sparse_optimizer Optimizer = adam,
           offload_policy Offload = no_offload>
 class zero_optimizer {
-  static_assert(!Offload::host,
-                "wm::zero_optimizer: wm::offload_host is not implemented yet (issue 20)");
+  static_assert(!Offload::host || std::same_as<Optimizer, adam>,
+                "wm::zero_optimizer: wm::offload_host runs the CPU Adam; the optimizer must be "
+                "wm::adam");
 
  public:
   static constexpr int stage = Stage::value;  ///< 1, 2 or 3
@@ -222,8 +232,8 @@ class zero_optimizer {
   /// Steps applied so far, skipped ones not counted (waits for @p stream).
   [[nodiscard]] std::int64_t applied_steps(cuda::stream_ref stream) const;
 
-  /// This rank's fp32 master weights: `layout().state_elements` floats on the device, in the
-  /// order of `layout().fragments(rank)` (state offsets).
+  /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
+  /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`.
   [[nodiscard]] float const* master_shard() const noexcept { return master_; }
   /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
   [[nodiscard]] float const* state_shard(int k) const noexcept {
@@ -239,6 +249,8 @@ class zero_optimizer {
   void read_counters(cuda::stream_ref stream) const;
   void free_all() noexcept;
   void agree(std::string const& error, char const* what);
+  void step_offload(float lr, cuda::stream_ref stream);
+  double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
 
   communicator* comm_;
   Optimizer opt_;
@@ -259,6 +271,10 @@ class zero_optimizer {
   double* scratch_{nullptr};         // partials, then [local Σ g², global Σ g²]
   std::int64_t* counters_{nullptr};  // applied, last skipped, skipped
   std::int64_t* host_counters_{nullptr};
+  double* host_sumsq_{nullptr};       // offload: the global sum of squares of the step
+  std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
+  std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
+  std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads
   cudaStream_t gather_stream_{nullptr};
   cudaEvent_t gather_done_{nullptr};
   cudaEvent_t user_ready_{nullptr};

@@ -30,9 +30,11 @@ struct no_offload {
   static constexpr bool host = false;
 };
 
-/// fp32 master weights and optimizer states in pinned host memory, updated by the CPU Adam;
-/// bf16 weights come back to the GPU per bucket. NOT IMPLEMENTED in `wm::zero_optimizer` yet
-/// (it refuses to compile with it); the CPU Adam itself exists (detail/zero/cpu_adam.hpp).
+/// fp32 master weights and Adam moments in pinned host memory, updated by the CPU Adam
+/// (detail/zero/cpu_adam.hpp: threads, AVX-512 / AVX2 chosen at run time); each bucket's reduced
+/// gradient shard goes to the host as soon as it is reduced, and its new weights come back and
+/// are all-gathered while the CPU updates the next bucket. `wm::zero_optimizer` takes it with
+/// `wm::adam` only.
 struct offload_host {
   static constexpr bool host = true;
 };
@@ -87,12 +89,14 @@ struct zero_memory {
   std::size_t optimizer_states{};  ///< fp32 optimizer states of this rank's shard
   std::size_t buffers{};           ///< bucket staging (stages 2-3) and the gather pool (stage 3)
   std::size_t scratch{};           ///< norm partials and step counters
+  std::size_t host{};  ///< pinned host bytes (`wm::offload_host`: fp32 master weights, Adam
+                       ///< moments, gradient and weight shards); not part of total()
 
   /// The terms of the formula of DESIGN.md §8 (weights, gradients, master weights, states).
   [[nodiscard]] constexpr std::size_t model_states() const noexcept {
     return weights + gradients + master_weights + optimizer_states;
   }
-  /// Everything.
+  /// Every device byte.
   [[nodiscard]] constexpr std::size_t total() const noexcept {
     return model_states() + buffers + scratch;
   }

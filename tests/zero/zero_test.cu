@@ -30,10 +30,11 @@
 // A stage and an optimizer (in a named namespace: nvcc's kernel stubs name template arguments
 // through it, which an anonymous namespace breaks).
 namespace zero_cases {
-template <class Stage, class Opt>
+template <class Stage, class Opt, class Off = wm::no_offload>
 struct combo {
   using stage     = Stage;
   using optimizer = Opt;
+  using offload   = Off;
 };
 }  // namespace zero_cases
 
@@ -331,10 +332,14 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
                            "[ranked]", zero_cases::combo,
                            ((wm::zero_stage<1>, wm::adam), (wm::zero_stage<1>, wm::sgd),
                             (wm::zero_stage<2>, wm::adam), (wm::zero_stage<2>, wm::sgd),
-                            (wm::zero_stage<3>, wm::adam), (wm::zero_stage<3>, wm::sgd))) {
-  using stage_t = typename TestType::stage;
-  using opt_t   = typename TestType::optimizer;
-  auto& comm    = wm_test::comm();
+                            (wm::zero_stage<3>, wm::adam), (wm::zero_stage<3>, wm::sgd),
+                            (wm::zero_stage<1>, wm::adam, wm::offload_host),
+                            (wm::zero_stage<2>, wm::adam, wm::offload_host),
+                            (wm::zero_stage<3>, wm::adam, wm::offload_host))) {
+  using stage_t   = typename TestType::stage;
+  using opt_t     = typename TestType::optimizer;
+  using offload_t = typename TestType::offload;
+  auto& comm      = wm_test::comm();
   stream_holder s;
   int const world          = comm.size();
   std::uint64_t const seed = shared_seed(comm);
@@ -353,7 +358,8 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
     if (which == 0) { options.groups = {{0, 1}, {2, 3, 4}, {5, 6}, {7}}; }
   }
   // 1 KiB buckets: several buckets, w1 (4 KiB) in one of its own.
-  wm::zero_optimizer<stage_t, opt_t> opt{comm, params, 1024, make_optimizer<opt_t>(), options};
+  wm::zero_optimizer<stage_t, opt_t, offload_t> opt{comm, params, 1024, make_optimizer<opt_t>(),
+                                                    options};
   auto const& plan = opt.layout();
   REQUIRE(opt.parameters() == mp.size());
 
@@ -418,7 +424,7 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
     std::vector<float> master(plan.state_elements);
     comm.synchronize(s);
     WM_CUDA_TRY(cudaMemcpyAsync(master.data(), opt.master_shard(), master.size() * sizeof(float),
-                                cudaMemcpyDeviceToHost, s.s));
+                                cudaMemcpyDefault, s.s));  // device, or pinned host (offload)
     comm.synchronize(s);
     std::vector<char> covered(master.size(), 0);
     for (auto const& f : plan.fragments(comm.rank())) {
@@ -624,6 +630,43 @@ TEMPLATE_TEST_CASE("zero_optimizer memory against the formula of DESIGN §8", "[
   REQUIRE(mem.scratch < (std::size_t{1} << 20));
   // The device really has it: reading the weights of every parameter works (stages 1-2).
   if constexpr (TestType::value < 3) { REQUIRE(opt.template weights<bf16>(1).size() == 100001); }
+}
+
+TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DESIGN §8",
+                   "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  auto& comm      = wm_test::comm();
+  int const world = comm.size();
+  std::vector<wm::zero_parameter> params{
+      {"a", {300, 257}}, {"b", {100001}}, {"c", {64, 1000}}, {"d", {3}}};
+  wm::zero_optimizer<TestType, wm::adam, wm::offload_host> opt{comm, params, std::size_t{1} << 17};
+  auto const& plan              = opt.layout();
+  auto const mem                = opt.memory();
+  std::size_t const shard_arena = plan.arena_bytes / static_cast<std::size_t>(world);
+  REQUIRE(mem.master_weights == 0);  // on the host
+  REQUIRE(mem.optimizer_states == 0);
+  REQUIRE(mem.host == 3 * plan.state_elements * 4 + 2 * shard_arena);
+  std::vector<wm::detail::zero::param_spec> specs;
+  for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
+  auto const est      = wm::detail::zero::zero_memory_estimate(TestType::value, specs, world, true);
+  double const device = static_cast<double>(mem.model_states());
+  double const host   = static_cast<double>(mem.host);
+  INFO("device " << device << " formula " << est.device_bytes << "; host " << host << " formula "
+                 << est.host_bytes);
+  REQUIRE(device >= est.device_bytes);
+  REQUIRE(device <= est.device_bytes * 1.03);
+  // The formula's host terms (states, gradient shard) plus the weight shard sent back.
+  REQUIRE(host >= est.host_bytes);
+  REQUIRE(host <= est.host_bytes * 1.03 + static_cast<double>(shard_arena));
+  REQUIRE(opt.master_shard() != nullptr);
+  // The CPU Adam reads no fp16 and has only torch's epsilon form.
+  std::vector<wm::zero_parameter> half{{"h", {10}, wm::zero_element_type::f16}};
+  REQUIRE_THROWS_AS((wm::zero_optimizer<TestType, wm::adam, wm::offload_host>{comm, half, 1024}),
+                    wm::logic_error);
+  wm::adam sparse;
+  sparse.epsilon = wm::adam_epsilon::sparse_adam;
+  REQUIRE_THROWS_AS(
+      (wm::zero_optimizer<TestType, wm::adam, wm::offload_host>{comm, params, 1024, sparse}),
+      wm::logic_error);
 }
 
 TEST_CASE("zero_optimizer rejects bad input", "[ranked]") {

@@ -77,18 +77,24 @@ struct step_args {
   std::int64_t const* applied;  ///< steps applied before this one
 };
 
-/// The gradient multiplier of this step: unscale · min(1, max / (‖g · unscale‖ + 1e-6)), as
-/// torch.nn.utils.clip_grad_norm_ after GradScaler.unscale_; 0 marks a step to skip.
-__device__ inline float grad_factor(step_args const& a) {
-  double const s = *a.sumsq;
-  if (!isfinite(s)) { return 0.0f; }
-  double f = a.unscale;
-  if (a.max_norm > 0.0f) {
-    double const norm = sqrt(s) * static_cast<double>(a.unscale);
-    double const coef = static_cast<double>(a.max_norm) / (norm + 1e-6);
+/// The gradient multiplier of a step whose raw gradients have Σ g² = @p sumsq (finite):
+/// unscale · min(1, max / (‖g · unscale‖ + 1e-6)), as torch.nn.utils.clip_grad_norm_ after
+/// GradScaler.unscale_ (no clipping when @p max_norm <= 0).
+__host__ __device__ inline float grad_factor_of(double sumsq, float unscale, float max_norm) {
+  double f = unscale;
+  if (max_norm > 0.0f) {
+    double const norm = sqrt(sumsq) * static_cast<double>(unscale);
+    double const coef = static_cast<double>(max_norm) / (norm + 1e-6);
     if (coef < 1.0) { f *= coef; }
   }
   return static_cast<float>(f);
+}
+
+/// grad_factor_of this step's global sum; 0 marks a step to skip.
+__device__ inline float grad_factor(step_args const& a) {
+  double const s = *a.sumsq;
+  if (!isfinite(s)) { return 0.0f; }
+  return grad_factor_of(s, a.unscale, a.max_norm);
 }
 
 /**

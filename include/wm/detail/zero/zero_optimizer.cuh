@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -121,35 +122,71 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
     residency_ = z::residency{group_buckets_, bucket_bytes_of, pool_bytes};
   }
 
+  if constexpr (Offload::host) {
+    WM_EXPECTS(opt_.epsilon == adam_epsilon::torch_adam,
+               "zero_optimizer with offload_host: wm::adam with adam_epsilon::torch_adam (the CPU "
+               "Adam's form)");
+    for (auto const& b : plan_.buckets) {
+      WM_EXPECTS(b.type != z::element_type::f16,
+                 "zero_optimizer with offload_host: bf16 or fp32 parameters (the CPU Adam reads "
+                 "no fp16)");
+    }
+  }
   memory_.weights          = Stage::value < 3 ? plan_.arena_bytes : shard_arena;
   memory_.gradients        = Stage::value == 1 ? plan_.arena_bytes : shard_arena;
   memory_.master_weights   = plan_.state_elements * sizeof(float);
   memory_.optimizer_states = memory_.master_weights * static_cast<std::size_t>(Optimizer::states);
   memory_.buffers          = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes;
   memory_.scratch          = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
+  if constexpr (Offload::host) {  // master weights and moments live on the host
+    memory_.host             = memory_.master_weights + memory_.optimizer_states + 2 * shard_arena;
+    memory_.master_weights   = 0;
+    memory_.optimizer_states = 0;
+  }
 
   try {
-    weights_  = z::device_alloc(memory_.weights);
-    grads_    = z::device_alloc(memory_.gradients);
-    staging_  = z::device_alloc(Stage::value >= 2 ? stagings * max_b : 0);
-    pool_     = z::device_alloc(pool_bytes);
-    master_   = z::device_alloc<float>(plan_.state_elements);
-    states_   = z::device_alloc<float>(plan_.state_elements * Optimizer::states);
+    weights_ = z::device_alloc(memory_.weights);
+    grads_   = z::device_alloc(memory_.gradients);
+    staging_ = z::device_alloc(Stage::value >= 2 ? stagings * max_b : 0);
+    pool_    = z::device_alloc(pool_bytes);
+    if constexpr (Offload::host) {
+      // Pinned: the CPU Adam's arrays; the device reads and writes them too (UVA) where it widens
+      // or narrows weights.
+      auto pinned = [](std::size_t bytes) {
+        void* p = nullptr;
+        if (bytes > 0) { WM_CUDA_TRY(cudaMallocHost(&p, bytes)); }
+        if (p != nullptr) { std::memset(p, 0, bytes); }
+        return static_cast<std::byte*>(p);
+      };
+      master_ = reinterpret_cast<float*>(pinned(plan_.state_elements * sizeof(float)));
+      states_ = reinterpret_cast<float*>(
+          pinned(plan_.state_elements * Optimizer::states * sizeof(float)));
+      host_grads_   = pinned(shard_arena);
+      host_weights_ = pinned(shard_arena);
+      host_sumsq_   = reinterpret_cast<double*>(pinned(sizeof(double)));
+      std::fill_n(states_, plan_.state_elements * Optimizer::states, initial_state(opt_));
+      cpu_pool_ = std::make_unique<z::thread_pool>();
+    } else {
+      master_ = z::device_alloc<float>(plan_.state_elements);
+      states_ = z::device_alloc<float>(plan_.state_elements * Optimizer::states);
+    }
     scratch_  = z::device_alloc<double>(partials_ + 2);
     counters_ = z::device_alloc<std::int64_t>(3);
     WM_CUDA_TRY(cudaMallocHost(&host_counters_, 3 * sizeof(std::int64_t)));
+    std::fill_n(host_counters_, 3, std::int64_t{0});
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking));
     WM_CUDA_TRY(cudaEventCreateWithFlags(&gather_done_, cudaEventDisableTiming));
     WM_CUDA_TRY(cudaEventCreateWithFlags(&user_ready_, cudaEventDisableTiming));
     // Padding must stay zero (it enters the norm): every buffer starts at zero.
-    for (auto [p, n] : {std::pair{static_cast<void*>(weights_), memory_.weights},
-                        std::pair{static_cast<void*>(grads_), memory_.gradients},
-                        std::pair{static_cast<void*>(staging_), stagings * max_b},
-                        std::pair{static_cast<void*>(master_), memory_.master_weights},
-                        std::pair{static_cast<void*>(counters_), 3 * sizeof(std::int64_t)}}) {
+    for (auto [p, n] :
+         {std::pair{static_cast<void*>(weights_), memory_.weights},
+          std::pair{static_cast<void*>(grads_), memory_.gradients},
+          std::pair{static_cast<void*>(staging_), stagings * max_b},
+          std::pair{static_cast<void*>(Offload::host ? nullptr : master_), memory_.master_weights},
+          std::pair{static_cast<void*>(counters_), 3 * sizeof(std::int64_t)}}) {
       if (p != nullptr && n > 0) { WM_CUDA_TRY(cudaMemsetAsync(p, 0, n, gather_stream_)); }
     }
-    if (std::size_t const n = plan_.state_elements * Optimizer::states; n > 0) {
+    if (std::size_t const n = plan_.state_elements * Optimizer::states; n > 0 && !Offload::host) {
       WM_CUDA_TRY(
           cub::DeviceFor::Bulk(n, z::fill_op{states_, initial_state(opt_)}, gather_stream_));
     }
@@ -170,10 +207,18 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
   // cudaFree waits for the device work that may still use these buffers.
   for (void* p :
        {static_cast<void*>(weights_), static_cast<void*>(grads_), static_cast<void*>(staging_),
-        static_cast<void*>(pool_), static_cast<void*>(master_), static_cast<void*>(states_),
-        static_cast<void*>(scratch_), static_cast<void*>(counters_)}) {
+        static_cast<void*>(pool_), static_cast<void*>(scratch_), static_cast<void*>(counters_)}) {
     if (p != nullptr) { (void)cudaFree(p); }
   }
+  for (void* p : {static_cast<void*>(master_), static_cast<void*>(states_)}) {
+    if (p != nullptr) { (void)(Offload::host ? cudaFreeHost(p) : cudaFree(p)); }
+  }
+  for (void* p : {static_cast<void*>(host_grads_), static_cast<void*>(host_weights_),
+                  static_cast<void*>(host_sumsq_)}) {
+    if (p != nullptr) { (void)cudaFreeHost(p); }
+  }
+  host_grads_ = host_weights_ = nullptr;
+  host_sumsq_                 = nullptr;
   weights_ = grads_ = staging_ = pool_ = nullptr;
   master_ = states_ = nullptr;
   scratch_          = nullptr;
@@ -318,6 +363,11 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
                             bk.shard_elements, stream);
       WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), stream.get()));
     }
+    if constexpr (Offload::host) {  // to the CPU Adam at once (overlaps the rest of backward)
+      WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b], shard_gradients(b),
+                                  bk.shard_elements * sizeof(T), cudaMemcpyDeviceToHost,
+                                  stream.get()));
+    }
   });
 }
 
@@ -333,6 +383,46 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
     WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
   }
   if (masters_stale_) { widen_masters(s); }
+  if constexpr (Offload::host) {
+    step_offload(lr, stream);
+  } else {
+    double* const global = norm_async(stream);
+    // 3. The fused update of every shard, cast into the all-gather's send block.
+    float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+    z::step_args const args{lr, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm,
+                            global, counters_};
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      auto const& bk = plan_.buckets[b];
+      z::with_element_type(bk.type, [&](auto tag) {
+        using T = decltype(tag);
+        z::update_kernel<T, Optimizer>
+            <<<detail::elementwise_blocks(bk.shard_elements), 256, 0, s>>>(
+                static_cast<T const*>(shard_gradients(b)), master_ + bk.state_offset,
+                states_ + bk.state_offset, plan_.state_elements, static_cast<T*>(shard_weights(b)),
+                bk.shard_elements, opt_, args);
+        WM_CHECK_LAUNCH();
+      });
+    }
+    WM_CUDA_TRY(cub::DeviceFor::Bulk(1, z::finish_step_op{global, counters_}, s));
+    // 4. Stages 1-2: the in-place all-gather of the new weights.
+    if constexpr (Stage::value < 3) {
+      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+        auto const& bk = plan_.buckets[b];
+        z::with_element_type(bk.type, [&](auto tag) {
+          using T = decltype(tag);
+          comm_->all_gather(static_cast<T const*>(shard_weights(b)),
+                            reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
+                            stream);
+        });
+      }
+    }
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+double* zero_optimizer<Stage, Optimizer, Offload>::norm_async(cuda::stream_ref stream) {
+  namespace z          = detail::zero;
+  cudaStream_t const s = stream.get();
   // 1. Σ g² of this rank's shards in float64 partials, summed in a fixed order.
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     auto const& bk = plan_.buckets[b];
@@ -351,32 +441,66 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
   // 2. One scalar all-reduce: the global norm and the inf/NaN check (an inf or NaN anywhere
   // makes the sum inf or NaN on every rank, so every rank skips the same steps).
   comm_->all_reduce(static_cast<double const*>(local), global, 1, stream);
-  // 3. The fused update of every shard, cast into the all-gather's send block.
-  float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-  z::step_args const args{lr, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm, global,
-                          counters_};
-  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-    auto const& bk = plan_.buckets[b];
-    z::with_element_type(bk.type, [&](auto tag) {
-      using T = decltype(tag);
-      z::update_kernel<T, Optimizer><<<detail::elementwise_blocks(bk.shard_elements), 256, 0, s>>>(
-          static_cast<T const*>(shard_gradients(b)), master_ + bk.state_offset,
-          states_ + bk.state_offset, plan_.state_elements, static_cast<T*>(shard_weights(b)),
-          bk.shard_elements, opt_, args);
-      WM_CHECK_LAUNCH();
-    });
-  }
-  WM_CUDA_TRY(cub::DeviceFor::Bulk(1, z::finish_step_op{global, counters_}, s));
-  // 4. Stages 1-2: the in-place all-gather of the new weights.
-  if constexpr (Stage::value < 3) {
+  return global;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::stream_ref stream) {
+  namespace z = detail::zero;
+  if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
+    cudaStream_t const s = stream.get();
+    double* const global = norm_async(stream);
+    WM_CUDA_TRY(cudaMemcpyAsync(host_sumsq_, global, sizeof(double), cudaMemcpyDeviceToHost, s));
+    // The norm, and every gradient shard on the host (reduce_gradients sent them).
+    comm_->synchronize(stream, "zero_optimizer::step");
+    double const sumsq = *host_sumsq_;
+    if (!std::isfinite(sumsq)) {  // every rank sees the same sum: every rank skips
+      host_counters_[1] = 1;
+      ++host_counters_[2];
+      return;
+    }
+    host_counters_[1]    = 0;
+    std::int64_t const t = ++host_counters_[0];
+    float const ranks    = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+    float const factor =
+        z::grad_factor_of(sumsq, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm);
+    z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
+                                opt_.decoupled};
+    std::size_t const n = plan_.state_elements;
+    // Bucket by bucket: the CPU updates bucket b while bucket b - 1's weights go back to the GPU
+    // and are all-gathered.
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-      auto const& bk = plan_.buckets[b];
-      z::with_element_type(bk.type, [&](auto tag) {
-        using T = decltype(tag);
-        comm_->all_gather(static_cast<T const*>(shard_weights(b)),
-                          reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
-                          stream);
-      });
+      auto const& bk         = plan_.buckets[b];
+      std::size_t const off  = bk.state_offset;
+      std::size_t const at   = shard_bytes_offset_[b];
+      std::size_t const size = bk.shard_elements * z::size_of(bk.type);
+      if (bk.type == z::element_type::bf16) {
+        z::cpu_adam_update(
+            o, z::cpu_adam_step{lr, t, factor},
+            z::cpu_adam_arrays<z::bf16_bits>{
+                master_ + off, states_ + off, states_ + n + off,
+                reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
+                reinterpret_cast<z::bf16_bits*>(host_weights_ + at), bk.shard_elements},
+            *cpu_pool_);
+      } else {
+        z::cpu_adam_update(
+            o, z::cpu_adam_step{lr, t, factor},
+            z::cpu_adam_arrays<float>{master_ + off, states_ + off, states_ + n + off,
+                                      reinterpret_cast<float const*>(host_grads_ + at), nullptr,
+                                      bk.shard_elements},
+            *cpu_pool_);
+        std::memcpy(host_weights_ + at, master_ + off, size);
+      }
+      WM_CUDA_TRY(
+          cudaMemcpyAsync(shard_weights(b), host_weights_ + at, size, cudaMemcpyHostToDevice, s));
+      if constexpr (Stage::value < 3) {
+        z::with_element_type(bk.type, [&](auto tag) {
+          using T = decltype(tag);
+          comm_->all_gather(static_cast<T const*>(shard_weights(b)),
+                            reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
+                            stream);
+        });
+      }
     }
   }
 }
@@ -427,8 +551,10 @@ void zero_optimizer<Stage, Optimizer, Offload>::release(std::size_t g) requires(
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::read_counters(cuda::stream_ref stream) const {
-  WM_CUDA_TRY(cudaMemcpyAsync(host_counters_, counters_, 3 * sizeof(std::int64_t),
-                              cudaMemcpyDeviceToHost, stream.get()));
+  if constexpr (!Offload::host) {  // offload: the host keeps them
+    WM_CUDA_TRY(cudaMemcpyAsync(host_counters_, counters_, 3 * sizeof(std::int64_t),
+                                cudaMemcpyDeviceToHost, stream.get()));
+  }
   comm_->synchronize(stream, "zero_optimizer counters");
 }
 
@@ -470,7 +596,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
   std::vector<std::vector<float>> data(streams, std::vector<float>(n));
   for (std::size_t k = 0; k < streams && n > 0; ++k) {
     WM_CUDA_TRY(cudaMemcpyAsync(data[k].data(), k == 0 ? master_ : states_ + (k - 1) * n,
-                                n * sizeof(float), cudaMemcpyDeviceToHost, stream.get()));
+                                n * sizeof(float), cudaMemcpyDefault, stream.get()));
   }
   comm_->synchronize(stream, "zero_optimizer::save");
   std::string error;
@@ -545,13 +671,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   comm_->synchronize(stream, "zero_optimizer::load");  // host_counters_ and the buffers are free
   for (std::size_t k = 0; k < streams && n > 0; ++k) {
     WM_CUDA_TRY(cudaMemcpyAsync(k == 0 ? master_ : states_ + (k - 1) * n, data[k].data(),
-                                n * sizeof(float), cudaMemcpyHostToDevice, s));
+                                n * sizeof(float), cudaMemcpyDefault, s));
   }
   host_counters_[0] = applied;
   host_counters_[1] = 0;
   host_counters_[2] = 0;
-  WM_CUDA_TRY(cudaMemcpyAsync(counters_, host_counters_, 3 * sizeof(std::int64_t),
-                              cudaMemcpyHostToDevice, s));
+  if constexpr (!Offload::host) {
+    WM_CUDA_TRY(cudaMemcpyAsync(counters_, host_counters_, 3 * sizeof(std::int64_t),
+                                cudaMemcpyHostToDevice, s));
+  }
   // The compute weights of this rank's shard from the masters, then (stages 1-2) everyone's.
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     auto const& bk = plan_.buckets[b];
