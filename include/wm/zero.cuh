@@ -9,7 +9,8 @@
  * weights and optimizer states of those elements live on rank r only. Gradients take a true
  * reduce-scatter per bucket (stage 1: an all-reduce), the new weights an in-place all-gather.
  *
- * Per step (every call below is collective: all ranks, same order):
+ * Per step (construction, reduce_gradients, step, gather/release, save/load are collective: all
+ * ranks, same order):
  * @code
  * wm::zero_optimizer<wm::zero_stage<2>> opt{comm, params, 64 << 20, wm::adam{}};
  * opt.set_weights(p, initial, stream);        // once per parameter (host or device values)
@@ -36,9 +37,10 @@
  * `step` waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights
  * back (and all-gathers them) while the CPU updates the next.
  *
- * Not implemented yet: fp16 dynamic loss scaling (the scale is a
- * fixed option; a step with an inf or NaN gradient is skipped on every rank and `last_step_skipped`
- * says so).
+ * Not implemented yet: fp16 dynamic loss scaling (the scale is a fixed option; a step with an
+ * inf or NaN gradient is skipped on every rank and `last_step_skipped` says so); gradient
+ * accumulation over micro-batches (backward overwrites the gradients, and stages 2-3 zero the
+ * staging buffer after each reduce-scatter).
  */
 #pragma once
 

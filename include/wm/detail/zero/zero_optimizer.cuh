@@ -64,6 +64,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   // that the hot-path collectives (which check nothing) get matching sizes.
   std::uint64_t h = detail::mix64(static_cast<std::uint64_t>(Stage::value), bucket_bytes);
   h               = detail::fnv1a(Optimizer::name, h);
+  h               = detail::mix64(h, Offload::host ? 1 : 0);
   for (auto const& p : specs) {
     h = detail::mix64(detail::fnv1a(p.name, h),
                       p.elements * 4 + static_cast<std::uint64_t>(p.type));
