@@ -4,7 +4,8 @@
  *
  * - `wm::unique_id`: created by one rank, carried to all by any launcher.
  * - `wm::communicator`: NCCL for everything that crosses GPUs; a host-side all-gather of small
- *   byte buffers; barriers; node-local rank and size; `split`; device all-to-all-v.
+ *   byte buffers; barriers; node-local rank and size; `split`; device all-to-all-v; typed device
+ *   collectives (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`).
  * - `wm::node_channel`: passes POSIX file descriptors between the ranks of one node.
  *
  * Every collective member function must be called by all ranks in the same order. The host-side
@@ -38,6 +39,8 @@
 
 #include <cuda/stream_ref>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -214,6 +217,12 @@ class node_channel {
   std::uint64_t collective_seq_{};
   std::multimap<std::pair<int, std::uint64_t>, message> pending_;  // in arrival order
   std::vector<connection> open_;
+};
+
+/// Reduction of the device collectives `communicator::all_reduce` and `reduce_scatter`.
+enum class reduce_op : std::uint8_t {
+  sum,  ///< element-wise sum (an inf or NaN on any rank makes the result inf or NaN)
+  max   ///< element-wise maximum
 };
 
 /** @brief Settings of a communicator. */
@@ -400,6 +409,55 @@ class communicator {
   void all_to_all(T const* send, T* recv, std::size_t count, cuda::stream_ref stream) const;
 
   /**
+   * @brief Device all-reduce (collective, `ncclAllReduce`): every rank's @p recv gets the
+   * element-wise reduction (@p op) of the @p count elements at @p send on every rank. In place
+   * when @p send == @p recv. Enqueued on @p stream; returns without synchronizing.
+   *
+   * Every rank must pass the same @p count, @p op and type, in the same order of collectives as
+   * its peers. Nothing checks that here (this is a hot-path call): a disagreement hangs the work
+   * on @p stream, and `synchronize(stream)` ends that wait with a `wm::comm_error` on every rank
+   * after the timeout. If NCCL rejects or fails the call, the communicator is aborted (so no
+   * peer waits on this rank for ever) and a `wm::comm_error` names this rank.
+   * @tparam T float, double, `__nv_bfloat16`, `__half`, or a 8/32/64-bit integer
+   * @throw wm::logic_error on a null buffer of nonzero size
+   */
+  template <class T>
+  void all_reduce(T const* send, T* recv, std::size_t count, cuda::stream_ref stream,
+                  reduce_op op = reduce_op::sum) const;
+
+  /**
+   * @brief Device reduce-scatter (collective, `ncclReduceScatter`): @p send holds `size() *
+   * recv_count` elements on every rank; rank r's @p recv gets the reduction (@p op) over the
+   * ranks of block r, `send[r * recv_count, (r + 1) * recv_count)`. In place when @p recv ==
+   * @p send + rank() * recv_count. Enqueued on @p stream; same agreement and error rules as
+   * `all_reduce`.
+   * @throw wm::logic_error on a null buffer of nonzero size
+   */
+  template <class T>
+  void reduce_scatter(T const* send, T* recv, std::size_t recv_count, cuda::stream_ref stream,
+                      reduce_op op = reduce_op::sum) const;
+
+  /**
+   * @brief Device all-gather (collective, `ncclAllGather`): every rank's @p recv (`size() *
+   * send_count` elements) gets rank q's @p send_count elements at `recv + q * send_count`. In
+   * place when @p send == @p recv + rank() * send_count (each rank's block already in its
+   * place). Enqueued on @p stream; same agreement and error rules as `all_reduce`.
+   * @throw wm::logic_error on a null buffer of nonzero size
+   */
+  template <class T>
+  void all_gather(T const* send, T* recv, std::size_t send_count, cuda::stream_ref stream) const;
+
+  /**
+   * @brief Device broadcast (collective, `ncclBroadcast`): @p count elements at @p send on rank
+   * @p root arrive at @p recv on every rank (@p send is read on @p root only; in place when
+   * @p send == @p recv). Enqueued on @p stream; same agreement and error rules as `all_reduce`.
+   * @throw wm::logic_error on a root outside the group or a null buffer of nonzero size
+   */
+  template <class T>
+  void broadcast(T const* send, T* recv, std::size_t count, int root,
+                 cuda::stream_ref stream) const;
+
+  /**
    * @brief Splits the group (collective): ranks with the same @p color form a new communicator,
    * ordered by @p key and then by rank. A rank with a negative color gets an empty communicator.
    */
@@ -460,6 +518,10 @@ class communicator {
   std::vector<std::vector<std::byte>> exchange(std::string_view what, std::uint64_t args,
                                                std::span<std::byte const> mine);
   void check_usable() const;
+  /// Issues one device collective through @p issue(ncclComm_t) (the twin if there is one) and
+  /// handles its result as `all_to_all` does.
+  template <class Issue>
+  void device_collective(std::string_view what, Issue&& issue) const;
 
   std::unique_ptr<state> s_;
 };

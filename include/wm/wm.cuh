@@ -13,3 +13,4 @@
 #include <wm/partition.hpp>
 #include <wm/swap.cuh>
 #include <wm/tensor.cuh>
+#include <wm/zero.cuh>

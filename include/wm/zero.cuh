@@ -1,88 +1,293 @@
 /**
  * @file zero.cuh
- * @brief ZeRO data parallelism (issue 20, DESIGN.md §8): the policy types of
- * `wm::zero_optimizer` and, so far, its host-side foundations. THE OPTIMIZER ITSELF DOES NOT
- * EXIST YET: `wm::zero_optimizer` is only declared, so code that uses it does not compile.
+ * @brief ZeRO data parallelism (issue 20, DESIGN.md §8): `wm::zero_optimizer`, a sharded
+ * mixed-precision optimizer over one contiguous arena, stages 1, 2 and 3 on the GPU.
  *
- * What exists (host code, tested on the CPU in tests/zero/):
- * - the bucket and shard plan, `wm::detail::zero::make_plan` (detail/zero/plan.hpp): one arena,
- *   buckets in backward order, each padded so it splits into `world` equal shards aligned to 128
- *   bytes, the parameter fragments each rank's shard holds; and the memory formula of DESIGN.md
- *   §8 per stage, `wm::detail::zero::zero_memory_estimate`;
- * - checkpoint resharding, `wm::detail::zero::plan_shard_reads` (detail/zero/reshard.hpp): a
- *   stored shard's fragment table (name, offset, length) intersected with a new plan of any rank
- *   count gives the reads that load it;
- * - the CPU Adam/AdamW of the offload path, `wm::detail::zero::cpu_adam_update`
- *   (detail/zero/cpu_adam.hpp): threads + AVX-512 / AVX2 / scalar chosen at run time.
+ * Layout (`wm::detail::zero::make_plan`, detail/zero/plan.hpp): the parameters, in backward
+ * order, in buckets of about the bucket size, each bucket padded so that it splits into `world`
+ * equal shards aligned to 128 bytes. Rank r owns shard r of every bucket: the fp32 master
+ * weights and optimizer states of those elements live on rank r only. Gradients take a true
+ * reduce-scatter per bucket (stage 1: an all-reduce), the new weights an in-place all-gather.
  *
- * Intended API (not implemented; the names and shapes the issue asks for):
+ * Per step (construction, reduce_gradients, step, gather/release, save/load are collective: all
+ * ranks, same order):
  * @code
- * // Collective over `comm`: every rank passes the same parameter list (forward order).
- * wm::zero_optimizer<wm::zero_stage<2>, wm::adam, wm::offload_host> opt{
- *   comm, params,              // names, shapes, element types (bf16 / fp16 compute weights)
- *   64 << 20,                  // bucket size in bytes
- *   wm::adam{...}};            // the optimizer policy's hyper-parameters
- * opt.weights(p);              // the bf16 compute weights of parameter p (in the arena)
- * opt.gradients(p);            // where backward writes p's gradient
- * // backward, as each bucket's gradients are complete (buckets are in backward order):
- * opt.reduce_gradients(bucket, stream);  // stage 1: all-reduce; stages 2-3: reduce-scatter
- * opt.step(lr, stream);        // per shard: unscale, inf check, global-norm clip, update, cast
- *                              // to bf16 into the all-gather buffer; then the all-gather
- * // stage 3 only: groups and a prefetch budget in bytes declared at construction
- * opt.gather(group, stream);   // before the group's forward / backward (next group prefetched)
- * opt.release(group);
- * opt.memory();                // bytes allocated at construction, per kind
- * opt.save(dir); opt.load(dir);  // fragment tables: loads into any rank count and stage
+ * wm::zero_optimizer<wm::zero_stage<2>> opt{comm, params, 64 << 20, wm::adam{}};
+ * opt.set_weights(p, initial, stream);        // once per parameter (host or device values)
+ * // forward reads opt.weights<bf16>(p); backward writes opt.gradients<bf16>(p) (overwrites);
+ * // as each bucket's gradients are complete (bucket 0 holds the last parameters):
+ * opt.reduce_gradients(bucket, stream);       // stage 1: all-reduce; 2-3: reduce-scatter
+ * opt.step(lr, stream);                       // norm partials, one scalar all-reduce, the fused
+ *                                             // update per shard, then the in-place all-gather
+ * // stage 3: groups (zero_options::groups) and a pool budget declared at construction
+ * opt.gather(group, stream); ...; opt.release(group);
  * @endcode
+ *
+ * Memory: everything is allocated by the constructor and reported by `memory()`; nothing is
+ * allocated per step. Stage 1 keeps the arena of weights and of gradients; stage 2 the weights
+ * and a gradient shard, plus two bucket staging buffers that backward writes into; stage 3 a
+ * weight shard, a gradient shard, the two staging buffers and the gather pool.
+ *
+ * Checkpoints: `save(dir)` writes one file per rank, its fp32 shard with a fragment table
+ * (parameter name, offset, length); `load(dir)` reads them into any rank count, bucket size or
+ * stage by intersecting the tables with the new plan (detail/zero/reshard.hpp, checkpoint.hpp).
+ *
+ * Offload (`wm::offload_host`, with `wm::adam`): the fp32 master weights and moments live in
+ * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once,
+ * `step` waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights
+ * back (and all-gathers them) while the CPU updates the next.
+ *
+ * Not implemented yet: fp16 dynamic loss scaling (the scale is a fixed option; a step with an
+ * inf or NaN gradient is skipped on every rank and `last_step_skipped` says so); gradient
+ * accumulation over micro-batches (backward overwrites the gradients, and stages 2-3 zero the
+ * staging buffer after each reduce-scatter).
  */
 #pragma once
 
+#include <wm/comm.hpp>
+#include <wm/detail/zero/checkpoint.hpp>
 #include <wm/detail/zero/cpu_adam.hpp>
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/reshard.hpp>
+#include <wm/detail/zero/residency.hpp>
+#include <wm/detail/zero/thread_pool.hpp>
 #include <wm/optimizer.hpp>
+#include <wm/zero_policy.hpp>
 
-#include <concepts>
+#include <cuda/stream_ref>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace wm {
 
 /**
- * @brief ZeRO stage N: 1 partitions the optimizer states, 2 also the gradients, 3 also the
- * weights (DESIGN.md §8).
- * @tparam N 1, 2 or 3
- */
-template <int N>
-requires(N >= 1 && N <= 3) struct zero_stage {
-  static constexpr int value = N;  ///< the stage number
-};
-
-/// Optimizer states, master weights and the update stay on the GPU.
-struct no_offload {
-  static constexpr bool host = false;
-};
-
-/// fp32 master weights and optimizer states in pinned host memory, updated by the CPU Adam;
-/// bf16 weights come back to the GPU per bucket.
-struct offload_host {
-  static constexpr bool host = true;
-};
-
-/// A ZeRO stage policy: `wm::zero_stage<1>`, `<2>` or `<3>`.
-template <class S>
-concept zero_stage_policy = std::same_as<S, zero_stage<S::value>>;
-
-/// An offload policy: `wm::no_offload` or `wm::offload_host`.
-template <class O>
-concept offload_policy = std::same_as<O, no_offload> || std::same_as<O, offload_host>;
-
-/**
- * @brief Sharded data-parallel optimizer over one arena (issue 20). Declared only: NOT
- * IMPLEMENTED YET (see the file comment for the intended API and what exists).
+ * @brief Sharded data-parallel mixed-precision optimizer over one arena (issue 20, DESIGN.md §8).
+ *
+ * Every rank holds the compute weights (bf16, fp16 or fp32 per parameter) that forward and
+ * backward use (stage 3: only while a group is gathered), and the fp32 master weights and
+ * optimizer states of its shard. A step: Σ g² of the shard in float64 partials, one scalar
+ * all-reduce (the inf/NaN check and the global norm in one number), then one fused kernel per
+ * bucket shard: g · (1 / (loss scale · ranks)) · clip factor, the optimizer policy's element-wise
+ * update (the one `wm::embedding` uses) on the fp32 master weight and states, the result cast to
+ * the compute type straight into the all-gather's send block. A step whose gradients hold an inf
+ * or NaN on any rank changes nothing and does not count (Adam's step count stays).
+ *
+ * Stream contract: pass the stream backward runs on (or order yours with events). In stages 2-3
+ * the gradients of bucket b live in staging buffer b % 2, which bucket b + 2 reuses: its
+ * `reduce_gradients(b)` must be enqueued before backward writes bucket b + 2's gradients; the
+ * staging buffer is zeroed after the reduce-scatter. In stage 1 the gradients stay in the arena
+ * until backward overwrites them.
+ *
  * @tparam Stage     `wm::zero_stage<1|2|3>`
- * @tparam Optimizer an optimizer policy of optimizer.hpp (its element-wise update is reused)
- * @tparam Offload   `wm::no_offload` or `wm::offload_host`
+ * @tparam Optimizer an optimizer policy of optimizer.hpp (`wm::adam`, `wm::sgd`, ...); every
+ *                   element is updated every step, so its step count is the global one
+ * @tparam Offload   `wm::no_offload`, or `wm::offload_host` (with `wm::adam`, bf16 or fp32
+ *                   parameters): master weights and moments on the host, updated by the CPU
+ *                   Adam bucket by bucket in `step` (which then waits for the norm on the host),
+ *                   each bucket's weights sent back and all-gathered while the next is updated
  */
-template <zero_stage_policy Stage, class Optimizer = adam, offload_policy Offload = no_offload>
-class zero_optimizer;
+template <zero_stage_policy Stage, sparse_optimizer Optimizer = adam,
+          offload_policy Offload = no_offload>
+class zero_optimizer {
+  static_assert(!Offload::host || std::same_as<Optimizer, adam>,
+                "wm::zero_optimizer: wm::offload_host runs the CPU Adam; the optimizer must be "
+                "wm::adam");
+
+ public:
+  static constexpr int stage = Stage::value;  ///< 1, 2 or 3
+  using optimizer_type       = Optimizer;     ///< the optimizer policy
+
+  /**
+   * @brief Builds the plan and allocates everything (collective over @p comm).
+   * @param comm the data-parallel group (kept by address: do not move it while this lives)
+   * @param params the parameters in forward order (same list on every rank)
+   * @param bucket_bytes the bucket size (a larger parameter gets a bucket of its own)
+   * @param optimizer the optimizer's hyper-parameters
+   * @param options clipping, loss scale, averaging; stage 3: groups and the pool budget
+   * @throw wm::logic_error on bad input (empty or duplicate names, bucket size 0, a group naming
+   * an unknown parameter)
+   * @throw wm::comm_error if the ranks passed different lists, sizes, stages or options
+   */
+  zero_optimizer(communicator& comm, std::span<zero_parameter const> params,
+                 std::size_t bucket_bytes, Optimizer optimizer = {}, zero_options options = {});
+
+  zero_optimizer(zero_optimizer const&)            = delete;
+  zero_optimizer& operator=(zero_optimizer const&) = delete;
+  zero_optimizer(zero_optimizer&&)                 = delete;
+  zero_optimizer& operator=(zero_optimizer&&)      = delete;
+  /// Waits for this rank's device work (never throws) and frees everything.
+  ~zero_optimizer();
+
+  /// The layout: buckets (backward order), shards, the fragments each rank holds.
+  [[nodiscard]] detail::zero::plan const& layout() const noexcept { return plan_; }
+  /// Number of parameters.
+  [[nodiscard]] std::size_t parameters() const noexcept { return plan_.params.size(); }
+  /// Number of buckets (the `reduce_gradients` calls per step).
+  [[nodiscard]] std::size_t buckets() const noexcept { return plan_.buckets.size(); }
+  /// The bucket of parameter @p p (`detail::zero::no_bucket` if it has no elements).
+  [[nodiscard]] std::size_t bucket_of(std::size_t p) const { return plan_.places.at(p).bucket; }
+  /// Index of the parameter named @p name. @throw wm::logic_error if there is none
+  [[nodiscard]] std::size_t index(std::string_view name) const;
+  /// Stage 3: number of groups.
+  [[nodiscard]] std::size_t groups() const noexcept { return residency_.groups(); }
+  /// Device bytes allocated at construction, per kind.
+  [[nodiscard]] zero_memory memory() const noexcept { return memory_; }
+
+  /**
+   * @brief Compute weights of parameter @p p (its elements, contiguous, in the arena).
+   * Stage 3: only while a group that holds it is gathered.
+   * @tparam T `float`, `__nv_bfloat16` or `__half`, matching the parameter's type
+   * @throw wm::logic_error on a wrong T, an index out of range, or (stage 3) a parameter that is
+   * not gathered
+   */
+  template <class T>
+  [[nodiscard]] std::span<T> weights(std::size_t p);
+
+  /**
+   * @brief Where backward writes parameter @p p's gradient (overwriting; stages 2-3: a staging
+   * buffer that is zero after its bucket's `reduce_gradients`). See the stream contract.
+   * @throw wm::logic_error on a wrong T or an index out of range
+   */
+  template <class T>
+  [[nodiscard]] std::span<T> gradients(std::size_t p);
+
+  /**
+   * @brief Sets parameter @p p's weights from @p values (`elements()` values of its compute
+   * type, on the host or the device; the same on every rank), on @p stream. The fp32 master
+   * weights of the rank's shard are taken from the compute weights at the next `step`.
+   */
+  template <class T>
+  void set_weights(std::size_t p, T const* values, cuda::stream_ref stream);
+
+  /**
+   * @brief Takes the fp32 master weights of this rank's shard from the compute weights again
+   * (at the next step), e.g. after writing weights through `weights(p)` (stages 1-2).
+   */
+  void reset_master_weights() noexcept { masters_stale_ = true; }
+
+  /**
+   * @brief Reduces bucket @p b's gradients over the ranks (collective), on @p stream: stage 1
+   * all-reduces them in place; stages 2-3 reduce-scatter the staging buffer into this rank's
+   * gradient shard and zero the staging buffer. Call once per bucket per step, buckets in any
+   * order that every rank shares (backward order: 0, 1, ...).
+   */
+  void reduce_gradients(std::size_t b, cuda::stream_ref stream);
+
+  /**
+   * @brief One optimizer step with learning rate @p lr (collective), on @p stream, without
+   * waiting on the host: the norm partials, one scalar all-reduce, the fused update of every
+   * bucket shard, then (stages 1-2) the in-place all-gather of the weights. Stage 3: no group
+   * may be gathered (the gathered copies would be stale); the next `gather` brings the new
+   * weights.
+   */
+  void step(float lr, cuda::stream_ref stream);
+
+  /**
+   * @brief Stage 3: makes group @p g's weights available on @p stream (collective): its buckets
+   * not gathered yet are all-gathered into the pool (on an internal stream that waits for @p
+   * stream's work so far; @p stream waits for them), then the next group in the direction of
+   * the last two gathers is prefetched if it fits in the pool beside what is held.
+   * @throw wm::logic_error if @p g is gathered already or does not fit beside the groups held
+   */
+  void gather(std::size_t g, cuda::stream_ref stream) requires(Stage::value == 3);
+
+  /**
+   * @brief Stage 3: drops group @p g's weights (collective in effect: every rank must make the
+   * same gathers and releases, since they decide the all-gathers). Work that reads them must
+   * have been enqueued on the stream given to `gather` before this call.
+   */
+  void release(std::size_t g) requires(Stage::value == 3);
+
+  /**
+   * @brief Saves this rank's fp32 master weights and optimizer states, with the fragment table
+   * that names what each range holds, to `dir/shard-<rank>.zero` (collective; waits for
+   * @p stream; creates @p dir). A directory saved by any rank count, bucket size or stage loads
+   * into any other (`load`).
+   * @throw wm::io_error on every rank if any rank could not write its file
+   */
+  void save(std::filesystem::path const& dir, cuda::stream_ref stream);
+
+  /**
+   * @brief Loads a directory written by `save` (collective; waits for @p stream): this rank's
+   * master weights and states are read from the stored fragments that intersect its shard (any
+   * rank count, bucket size or stage saved it), the compute weights are made from the masters
+   * (stages 1-2: all-gathered), and the step count is restored. Stage 3: no group may be
+   * gathered.
+   * @throw wm::io_error on every rank if any rank could not load: a file missing or malformed,
+   * a parameter missing or of another size, another optimizer or other optimizer settings
+   */
+  void load(std::filesystem::path const& dir, cuda::stream_ref stream);
+
+  /// Whether the last step was skipped for an inf or NaN gradient (waits for @p stream).
+  [[nodiscard]] bool last_step_skipped(cuda::stream_ref stream) const;
+  /// Steps applied so far, skipped ones not counted (waits for @p stream).
+  [[nodiscard]] std::int64_t applied_steps(cuda::stream_ref stream) const;
+
+  /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
+  /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`.
+  [[nodiscard]] float const* master_shard() const noexcept { return master_; }
+  /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
+  [[nodiscard]] float const* state_shard(int k) const noexcept {
+    return states_ + static_cast<std::size_t>(k) * plan_.state_elements;
+  }
+
+ private:
+  void* shard_weights(std::size_t b) const noexcept;  // the send block of bucket b's all-gather
+  void* shard_gradients(std::size_t b) const noexcept;
+  void* staging(std::size_t b) const noexcept;
+  void widen_masters(cudaStream_t s);
+  void gather_buckets(std::vector<detail::zero::residency::load> const& loads, cudaStream_t s);
+  void read_counters(cuda::stream_ref stream) const;
+  void free_all() noexcept;
+  void agree(std::string const& error, char const* what);
+  void step_offload(float lr, cuda::stream_ref stream);
+  double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
+
+  communicator* comm_;
+  Optimizer opt_;
+  zero_options options_;
+  detail::zero::plan plan_;
+  int rank_{0};
+  int world_{1};
+  std::vector<std::size_t> shard_bytes_offset_;  // bucket b's shard in the shard arenas
+  std::vector<std::size_t> partial_offset_;      // bucket b's first norm partial
+  std::vector<int> partial_blocks_;
+  std::size_t partials_{0};
+  std::byte* weights_{nullptr};  // stages 1-2: arena; 3: shard arena
+  std::byte* grads_{nullptr};    // stage 1: arena; 2-3: shard arena
+  std::byte* staging_{nullptr};  // stages 2-3: two buckets
+  std::byte* pool_{nullptr};     // stage 3: gather pool
+  float* master_{nullptr};
+  float* states_{nullptr};
+  double* scratch_{nullptr};         // partials, then [local Σ g², global Σ g²]
+  std::int64_t* counters_{nullptr};  // applied, last skipped, skipped
+  std::int64_t* host_counters_{nullptr};
+  double* host_sumsq_{nullptr};       // offload: the global sum of squares of the step
+  std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
+  std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
+  std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads
+  cudaStream_t gather_stream_{nullptr};
+  cudaEvent_t gather_done_{nullptr};
+  cudaEvent_t user_ready_{nullptr};
+  detail::zero::residency residency_;
+  std::vector<std::vector<std::size_t>> group_buckets_;
+  std::ptrdiff_t last_group_{-1};
+  int direction_{1};
+  bool masters_stale_{true};
+  zero_memory memory_{};
+};
 
 }  // namespace wm
+
+#include <wm/detail/zero/zero_optimizer.cuh>

@@ -1,6 +1,6 @@
-// Host tests: the ZeRO policy types of zero.cuh (no CUDA code in it, so the host compiler reads
-// it): stages 1 to 3 only, the offload policies, and the concepts that accept exactly them.
-#include <wm/zero.cuh>
+// Host tests: the ZeRO policy types of zero_policy.hpp (no CUDA code in it, so the host compiler
+// reads it): stages 1 to 3 only, the offload policies, and the concepts that accept exactly them.
+#include <wm/zero_policy.hpp>
 
 #include "catch.hpp"
 
@@ -28,4 +28,13 @@ TEST_CASE("zero policies: stages 1 to 3, two offload kinds", "[host]") {
   STATIC_REQUIRE(!wm::offload_policy<wm::zero_stage<1>>);
   STATIC_REQUIRE(wm::offload_host::host);
   STATIC_REQUIRE(!wm::no_offload::host);
+}
+
+TEST_CASE("zero_parameter: elements is the product of the shape", "[host]") {
+  REQUIRE(wm::zero_parameter{"s", {}}.elements() == 1);
+  REQUIRE(wm::zero_parameter{"w", {3, 5, 7}}.elements() == 105);
+  REQUIRE(wm::zero_parameter{"e", {4, 0}}.elements() == 0);
+  wm::zero_memory m{1, 2, 3, 4, 5, 6};
+  REQUIRE(m.model_states() == 10);
+  REQUIRE(m.total() == 21);
 }

@@ -471,6 +471,115 @@ void communicator::all_to_all(T const* send, T* recv, std::size_t count,
 #endif
 }
 
+namespace detail {
+
+/// The NCCL element type of @p T (device collectives).
+template <class T>
+[[nodiscard]] constexpr ncclDataType_t nccl_type() noexcept {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<U, float>) {
+    return ncclFloat32;
+  } else if constexpr (std::is_same_v<U, double>) {
+    return ncclFloat64;
+  } else if constexpr (std::is_same_v<U, __half>) {
+    return ncclFloat16;
+  } else if constexpr (std::is_same_v<U, __nv_bfloat16>) {
+    return ncclBfloat16;
+  } else if constexpr (std::is_integral_v<U> && sizeof(U) == 1) {
+    return std::is_signed_v<U> ? ncclInt8 : ncclUint8;
+  } else if constexpr (std::is_integral_v<U> && sizeof(U) == 4) {
+    return std::is_signed_v<U> ? ncclInt32 : ncclUint32;
+  } else if constexpr (std::is_integral_v<U> && sizeof(U) == 8) {
+    return std::is_signed_v<U> ? ncclInt64 : ncclUint64;
+  } else {
+    static_assert(sizeof(U) == 0,
+                  "wm: device collectives take float, double, __half, __nv_bfloat16 or 8/32/64-bit "
+                  "integers");
+    return ncclUint8;
+  }
+}
+
+[[nodiscard]] constexpr ncclRedOp_t nccl_op(reduce_op op) noexcept {
+  return op == reduce_op::max ? ncclMax : ncclSum;
+}
+
+}  // namespace detail
+
+template <class Issue>
+void communicator::device_collective(std::string_view what, Issue&& issue) const {
+  check_usable();
+  ncclComm_t const via = s_->p2p != nullptr ? s_->p2p : s_->comm;
+  ncclResult_t const r = issue(via);
+  if (via == s_->comm || r == ncclInProgress) {
+    // Nonblocking communicator (or the twin made nonblocking by the environment): NCCL may
+    // still be launching; wait for it with the deadline (a failure aborts and throws).
+    if (r != ncclSuccess && r != ncclInProgress) {
+      const_cast<communicator*>(this)->abort();
+      throw comm_error{"wm: NCCL failed during " + std::string{what} + " on rank " +
+                       std::to_string(s_->rank) + ": " + ncclGetErrorString(r) +
+                       "; the communicator was aborted"};
+    }
+    wait_nccl(what, via);
+    return;
+  }
+  if (r != ncclSuccess) {
+    // As in all_to_all: the peers cannot know what this rank's call did; fail the communicator,
+    // so that their waits end with an error instead of waiting on this rank.
+    const_cast<communicator*>(this)->abort();
+    throw comm_error{"wm: NCCL failed during " + std::string{what} + " on rank " +
+                     std::to_string(s_->rank) + ": " + ncclGetErrorString(r) +
+                     "; the communicator was aborted"};
+  }
+}
+
+template <class T>
+void communicator::all_reduce(T const* send, T* recv, std::size_t count, cuda::stream_ref stream,
+                              reduce_op op) const {
+  check_usable();
+  if (count == 0) { return; }
+  WM_EXPECTS(send != nullptr && recv != nullptr, "all_reduce: null buffer");
+  device_collective("all_reduce", [&](ncclComm_t c) {
+    return ncclAllReduce(send, recv, count, detail::nccl_type<T>(), detail::nccl_op(op), c,
+                         stream.get());
+  });
+}
+
+template <class T>
+void communicator::reduce_scatter(T const* send, T* recv, std::size_t recv_count,
+                                  cuda::stream_ref stream, reduce_op op) const {
+  check_usable();
+  if (recv_count == 0) { return; }
+  WM_EXPECTS(send != nullptr && recv != nullptr, "reduce_scatter: null buffer");
+  device_collective("reduce_scatter", [&](ncclComm_t c) {
+    return ncclReduceScatter(send, recv, recv_count, detail::nccl_type<T>(), detail::nccl_op(op), c,
+                             stream.get());
+  });
+}
+
+template <class T>
+void communicator::all_gather(T const* send, T* recv, std::size_t send_count,
+                              cuda::stream_ref stream) const {
+  check_usable();
+  if (send_count == 0) { return; }
+  WM_EXPECTS(send != nullptr && recv != nullptr, "all_gather: null buffer");
+  device_collective("all_gather", [&](ncclComm_t c) {
+    return ncclAllGather(send, recv, send_count, detail::nccl_type<T>(), c, stream.get());
+  });
+}
+
+template <class T>
+void communicator::broadcast(T const* send, T* recv, std::size_t count, int root,
+                             cuda::stream_ref stream) const {
+  check_usable();
+  WM_EXPECTS(root >= 0 && root < s_->size,
+             "broadcast: root " + std::to_string(root) + " is not a rank of this communicator");
+  if (count == 0) { return; }
+  WM_EXPECTS(recv != nullptr && (send != nullptr || s_->rank != root), "broadcast: null buffer");
+  device_collective("broadcast", [&](ncclComm_t c) {
+    return ncclBroadcast(send, recv, count, detail::nccl_type<T>(), root, c, stream.get());
+  });
+}
+
 inline communicator communicator::split(int color, int key) {
   check_usable();
   struct choice {

@@ -1,0 +1,219 @@
+/*
+ * zero_bench: the MLP of bench/workloads/mlp.cuh trained through wm::zero_optimizer, stage by
+ * stage, on every rank given (issue 20).
+ *
+ * Rows: ZeRO-1, ZeRO-2, ZeRO-3 (one group per layer, the default pool of two layers) with Adam on
+ * the GPU; ZeRO-2 with wm::offload_host (CPU Adam); and the workload alone (forward, backward and
+ * a bf16 SGD in place, no optimizer state: the floor that the model's compute sets).
+ * Columns: median step ms (forward + backward with per-bucket reductions + step; CUDA events,
+ * after 2 warm-ups); ratio to ZeRO-2; the model states the optimizer holds per GPU (weights,
+ * gradients, fp32 masters and Adam moments) against the formula of DESIGN §8 and their ratio;
+ * the communication buffers (staging buckets, stage-3 pool); the device memory the optimizer and
+ * model allocated (cudaMemGetInfo before and after, activations included); pinned host bytes.
+ * For the offload row: the time of the CPU Adam alone on this rank's shard, measured in the same
+ * run, and the step's ratio to it (the issue's target: <= 1.2).
+ *
+ * Usage: zero_bench [--ranks N] [--layers L] [--width W] [--batch B] [--steps S]
+ *        (defaults: every GPU, 16 8192 8192 5)
+ */
+#include <wm/wm.cuh>
+#include <wm/zero.cuh>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+#include "workloads/zero_mlp.cuh"
+
+namespace {
+
+struct config {
+  int layers{16};
+  int width{8192};
+  int batch{8192};
+  int steps{5};
+};
+
+std::size_t device_used() {
+  std::size_t free = 0, total = 0;
+  WM_CUDA_TRY(cudaMemGetInfo(&free, &total));
+  return total - free;
+}
+
+constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+
+struct row {
+  std::string name;
+  double ms{};
+  double states{};   // model states held (bytes)
+  double formula{};  // DESIGN §8
+  double buffers{};
+  double allocated{};
+  double host{};
+  double cpu_adam_ms{};  // offload: the CPU Adam alone on this shard
+};
+
+template <class Stage, class Offload>
+row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char const* name) {
+  using optimizer_type = wm::zero_optimizer<Stage, wm::adam, Offload>;
+  auto const params    = wm_workload::zero_mlp_parameters(c.layers, c.width);
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  std::size_t const before = device_used();
+  optimizer_type opt{comm, params, std::size_t{256} << 20, wm::adam{}};
+  wm_workload::zero_mlp<optimizer_type> model{opt, c.layers, c.width, c.batch};
+  model.init_weights(7, stream);
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  row r;
+  r.name       = name;
+  r.allocated  = static_cast<double>(device_used() - before);
+  auto const m = opt.memory();
+  r.states     = static_cast<double>(m.model_states());
+  r.buffers    = static_cast<double>(m.buffers);
+  r.host       = static_cast<double>(m.host);
+  std::vector<wm::detail::zero::param_spec> specs;
+  for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
+  auto const est =
+      wm::detail::zero::zero_memory_estimate(Stage::value, specs, comm.size(), Offload::host);
+  r.formula = est.device_bytes;
+  int step  = 0;
+  auto once = [&] {
+    model.forward_backward(
+        1000003ull * static_cast<std::uint64_t>(step++) + static_cast<std::uint64_t>(comm.rank()),
+        stream);
+    opt.step(1e-4f, cuda::stream_ref{stream});
+  };
+  std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(c.steps));
+  for (auto& e : events) { WM_CUDA_TRY(cudaEventCreate(&e)); }
+  r.ms = wm_bench::median(wm_bench::event_times_ms(once, 2, events, stream, comm));
+  for (auto& e : events) { WM_CUDA_TRY(cudaEventDestroy(e)); }
+  if constexpr (Offload::host) {
+    // The CPU Adam alone on arrays of this rank's shard size (the same pool size as the step's).
+    std::size_t const n = opt.layout().state_elements;
+    std::vector<float> master(n, 0.5f), mo(n, 0.0f), v(n, 0.0f);
+    std::vector<wm::detail::zero::bf16_bits> g(n, 0x3c00), out(n);
+    wm::detail::zero::thread_pool pool;
+    std::vector<double> ms;
+    for (int i = 0; i < 2 + c.steps; ++i) {
+      auto const t0 = std::chrono::steady_clock::now();
+      wm::detail::zero::cpu_adam_update(
+          wm::detail::zero::cpu_adam_options{}, wm::detail::zero::cpu_adam_step{1e-4f, i + 1, 1.0f},
+          wm::detail::zero::cpu_adam_arrays<wm::detail::zero::bf16_bits>{
+              master.data(), mo.data(), v.data(), g.data(), out.data(), n},
+          pool);
+      auto const t1 = std::chrono::steady_clock::now();
+      if (i >= 2) { ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count()); }
+    }
+    r.cpu_adam_ms = wm_bench::median(ms);
+  }
+  return r;
+}
+
+row run_plain(wm::communicator& comm, config const& c, cudaStream_t stream) {
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  std::size_t const before = device_used();
+  wm_workload::mlp model{c.layers, c.width, c.batch, 7, 64};
+  wm_workload::resident_store store{c.layers, model.activation_bytes()};
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  row r;
+  r.name      = "workload alone (bf16 SGD)";
+  r.allocated = static_cast<double>(device_used() - before);
+  r.states    = 4.0 * static_cast<double>(model.weight_elements()) * c.layers;  // w + g
+  int step    = 0;
+  auto once   = [&] {
+    model.step(store, step % 64, 1000003ull * static_cast<std::uint64_t>(step), 1e-4f, stream);
+    ++step;
+  };
+  std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(c.steps));
+  for (auto& e : events) { WM_CUDA_TRY(cudaEventCreate(&e)); }
+  r.ms = wm_bench::median(wm_bench::event_times_ms(once, 2, events, stream, comm));
+  for (auto& e : events) { WM_CUDA_TRY(cudaEventDestroy(e)); }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  wm_bench::set_environment();
+  config c;
+  std::vector<char*> rest{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    bool const known =
+        i + 1 < argc &&
+        (std::strcmp(argv[i], "--layers") == 0 || std::strcmp(argv[i], "--width") == 0 ||
+         std::strcmp(argv[i], "--batch") == 0 || std::strcmp(argv[i], "--steps") == 0);
+    if (!known) {
+      rest.push_back(argv[i]);
+      continue;
+    }
+    int const v = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--layers") == 0) { c.layers = v; }
+    if (std::strcmp(argv[i], "--width") == 0) { c.width = v; }
+    if (std::strcmp(argv[i], "--batch") == 0) { c.batch = v; }
+    if (std::strcmp(argv[i], "--steps") == 0) { c.steps = v; }
+    ++i;
+  }
+  if (c.layers < 1 || c.width < 1 || c.batch < 1 || c.steps < 1) {
+    std::fprintf(stderr, "zero_bench: layers, width, batch and steps >= 1 expected\n");
+    return 2;
+  }
+  int const gpus = wm::local_device_count();
+  if (gpus == 0) {
+    std::printf("zero_bench: no GPU found, nothing to measure\n");
+    return 0;
+  }
+  int ranks =
+      wm_bench::ranks_argument(static_cast<int>(rest.size()), rest.data(), gpus, "zero_bench");
+  if (ranks < 0) { return 2; }
+  if (ranks == 0) { ranks = gpus; }
+  try {
+    wm::launch(ranks, [&](wm::communicator& comm) {
+      cudaStream_t stream{};
+      WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      std::vector<row> rows;
+      rows.push_back(run_zero<wm::zero_stage<1>, wm::no_offload>(comm, c, stream, "ZeRO-1"));
+      rows.push_back(run_zero<wm::zero_stage<2>, wm::no_offload>(comm, c, stream, "ZeRO-2"));
+      rows.push_back(run_zero<wm::zero_stage<3>, wm::no_offload>(comm, c, stream, "ZeRO-3"));
+      rows.push_back(
+          run_zero<wm::zero_stage<2>, wm::offload_host>(comm, c, stream, "ZeRO-2, offload"));
+      rows.push_back(run_plain(comm, c, stream));
+      WM_CUDA_TRY(cudaStreamDestroy(stream));
+      if (comm.rank() != 0) { return; }
+      double const params = static_cast<double>(c.layers) * c.width * c.width;
+      std::printf(
+          "zero_bench: %d x Linear(%d, %d) + ReLU, bf16, batch %d, %.3g B parameters, "
+          "%d rank(s), Adam, 256 MiB buckets\n",
+          c.layers, c.width, c.width, c.batch, params / 1e9, comm.size());
+      std::printf("%-28s %9s %7s %11s %11s %7s %10s %11s %9s\n", "run", "step ms", "/ZeRO-2",
+                  "states GiB", "formula", "ratio", "buffers", "allocated", "host GiB");
+      for (auto const& r : rows) {
+        std::printf("%-28s %9.2f %7.3f %11.3f %11.3f %7.4f %10.3f %11.3f %9.3f\n", r.name.c_str(),
+                    r.ms, r.ms / rows[1].ms, r.states / gib, r.formula / gib,
+                    r.formula > 0 ? r.states / r.formula : 0.0, r.buffers / gib, r.allocated / gib,
+                    r.host / gib);
+      }
+      auto const& off = rows[3];
+      std::printf(
+          "offload: CPU Adam alone on this rank's shard %.2f ms; step / CPU Adam = %.3f "
+          "(target <= 1.2)\n",
+          off.cpu_adam_ms, off.ms / off.cpu_adam_ms);
+      std::printf("peak memory target: states within 3%% of the formula plus two buckets: %s\n",
+                  [&] {
+                    for (int i = 0; i < 4; ++i) {
+                      if (rows[static_cast<std::size_t>(i)].states >
+                          1.03 * rows[static_cast<std::size_t>(i)].formula + 2.0 * (256 << 20)) {
+                        return "NOT MET";
+                      }
+                    }
+                    return "met";
+                  }());
+    });
+  } catch (wm::launch_error const& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,703 @@
+// Bodies of wm::zero_optimizer (declared in <wm/zero.cuh>).
+#pragma once
+
+#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/zero/kernels.cuh>
+#include <wm/zero.cuh>
+
+#include <cub/device/device_for.cuh>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+namespace wm {
+namespace detail::zero {
+
+/// Device bytes, or nullptr for none.
+template <class T = std::byte>
+[[nodiscard]] T* device_alloc(std::size_t count) {
+  if (count == 0) { return nullptr; }
+  void* p = nullptr;
+  WM_CUDA_TRY(cudaMalloc(&p, count * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+/// The element type that @p T is (compile-time).
+template <class T>
+[[nodiscard]] constexpr element_type element_type_of() noexcept {
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, float>) {
+    return element_type::f32;
+  } else if constexpr (std::is_same_v<std::remove_cv_t<T>, __half>) {
+    return element_type::f16;
+  } else {
+    static_assert(std::is_same_v<std::remove_cv_t<T>, __nv_bfloat16>,
+                  "wm::zero_optimizer: compute types are float, __half and __nv_bfloat16");
+    return element_type::bf16;
+  }
+}
+
+}  // namespace detail::zero
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
+                                                          std::span<zero_parameter const> params,
+                                                          std::size_t bucket_bytes,
+                                                          Optimizer optimizer, zero_options options)
+    : comm_{&comm}, opt_{optimizer}, options_{std::move(options)} {
+  namespace z = detail::zero;
+  rank_       = comm.rank();
+  world_      = comm.size();
+  WM_EXPECTS(std::isfinite(options_.loss_scale) && options_.loss_scale > 0.0f,
+             "zero_optimizer: a finite loss scale above 0");
+  WM_EXPECTS(std::isfinite(options_.max_grad_norm),
+             "zero_optimizer: a finite max_grad_norm (0: no clipping)");
+  std::vector<z::param_spec> specs;
+  specs.reserve(params.size());
+  for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
+  plan_ = z::make_plan(specs, bucket_bytes, world_);
+
+  // Every rank must pass the same model, stage, optimizer and options: agree once, here, so
+  // that the hot-path collectives (which check nothing) get matching sizes.
+  std::uint64_t h = detail::mix64(static_cast<std::uint64_t>(Stage::value), bucket_bytes);
+  h               = detail::fnv1a(Optimizer::name, h);
+  h               = detail::mix64(h, Offload::host ? 1 : 0);
+  for (auto const& p : specs) {
+    h = detail::mix64(detail::fnv1a(p.name, h),
+                      p.elements * 4 + static_cast<std::uint64_t>(p.type));
+  }
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.loss_scale));
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.max_grad_norm));
+  h = detail::mix64(h, options_.average_gradients ? 1 : 0);
+  h = detail::mix64(h, options_.prefetch_bytes);
+  for (auto const& g : options_.groups) {
+    for (auto p : g) { h = detail::mix64(h, p); }
+    h = detail::mix64(h, ~0ull);
+  }
+  comm.expect_same("zero_optimizer", h);
+
+  // Shards of the buckets, one after the other (stages 2-3 keep gradients, stage 3 weights so).
+  std::size_t shard_arena = 0;
+  std::size_t partials    = 0;
+  for (auto const& b : plan_.buckets) {
+    shard_bytes_offset_.push_back(shard_arena);
+    shard_arena += b.shard_elements * z::size_of(b.type);
+    partial_offset_.push_back(partials);
+    partial_blocks_.push_back(z::norm_blocks(b.shard_elements));
+    partials += static_cast<std::size_t>(partial_blocks_.back());
+  }
+  partials_                  = partials;
+  std::size_t const max_b    = plan_.max_bucket_bytes();
+  std::size_t const stagings = std::min<std::size_t>(2, plan_.buckets.size());
+
+  // Stage 3: the buckets of each group, and the gather pool.
+  std::size_t pool_bytes = 0;
+  if constexpr (Stage::value == 3) {
+    auto groups = options_.groups;
+    if (groups.empty()) {
+      for (std::size_t p = 0; p < specs.size(); ++p) { groups.push_back({p}); }
+    }
+    std::vector<std::size_t> bucket_bytes_of;
+    for (auto const& b : plan_.buckets) { bucket_bytes_of.push_back(b.bytes()); }
+    std::size_t largest = 0;
+    for (auto const& g : groups) {
+      std::vector<std::size_t> bs;
+      for (auto p : g) {
+        WM_EXPECTS(p < specs.size(), "zero_optimizer: groups name parameters below the count (" +
+                                         std::to_string(specs.size()) + "), got " +
+                                         std::to_string(p));
+        if (plan_.places[p].bucket != z::no_bucket) { bs.push_back(plan_.places[p].bucket); }
+      }
+      std::sort(bs.begin(), bs.end());
+      bs.erase(std::unique(bs.begin(), bs.end()), bs.end());
+      std::size_t bytes = 0;
+      for (auto b : bs) { bytes += z::ceil_to(bucket_bytes_of[b], 256); }
+      largest = std::max(largest, bytes);
+      group_buckets_.push_back(std::move(bs));
+    }
+    pool_bytes =
+        options_.prefetch_bytes == 0 ? 2 * largest : std::max(options_.prefetch_bytes, largest);
+    residency_ = z::residency{group_buckets_, bucket_bytes_of, pool_bytes};
+  }
+
+  if constexpr (Offload::host) {
+    WM_EXPECTS(opt_.epsilon == adam_epsilon::torch_adam,
+               "zero_optimizer with offload_host: wm::adam with adam_epsilon::torch_adam (the CPU "
+               "Adam's form)");
+    for (auto const& b : plan_.buckets) {
+      WM_EXPECTS(b.type != z::element_type::f16,
+                 "zero_optimizer with offload_host: bf16 or fp32 parameters (the CPU Adam reads "
+                 "no fp16)");
+    }
+  }
+  memory_.weights          = Stage::value < 3 ? plan_.arena_bytes : shard_arena;
+  memory_.gradients        = Stage::value == 1 ? plan_.arena_bytes : shard_arena;
+  memory_.master_weights   = plan_.state_elements * sizeof(float);
+  memory_.optimizer_states = memory_.master_weights * static_cast<std::size_t>(Optimizer::states);
+  memory_.buffers          = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes;
+  memory_.scratch          = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
+  if constexpr (Offload::host) {  // master weights and moments live on the host
+    memory_.host             = memory_.master_weights + memory_.optimizer_states + 2 * shard_arena;
+    memory_.master_weights   = 0;
+    memory_.optimizer_states = 0;
+  }
+
+  try {
+    weights_ = z::device_alloc(memory_.weights);
+    grads_   = z::device_alloc(memory_.gradients);
+    staging_ = z::device_alloc(Stage::value >= 2 ? stagings * max_b : 0);
+    pool_    = z::device_alloc(pool_bytes);
+    if constexpr (Offload::host) {
+      // Pinned: the CPU Adam's arrays; the device reads and writes them too (UVA) where it widens
+      // or narrows weights.
+      auto pinned = [](std::size_t bytes) {
+        void* p = nullptr;
+        if (bytes > 0) { WM_CUDA_TRY(cudaMallocHost(&p, bytes)); }
+        if (p != nullptr) { std::memset(p, 0, bytes); }
+        return static_cast<std::byte*>(p);
+      };
+      master_ = reinterpret_cast<float*>(pinned(plan_.state_elements * sizeof(float)));
+      states_ = reinterpret_cast<float*>(
+          pinned(plan_.state_elements * Optimizer::states * sizeof(float)));
+      host_grads_   = pinned(shard_arena);
+      host_weights_ = pinned(shard_arena);
+      host_sumsq_   = reinterpret_cast<double*>(pinned(sizeof(double)));
+      std::fill_n(states_, plan_.state_elements * Optimizer::states, initial_state(opt_));
+      cpu_pool_ = std::make_unique<z::thread_pool>();
+    } else {
+      master_ = z::device_alloc<float>(plan_.state_elements);
+      states_ = z::device_alloc<float>(plan_.state_elements * Optimizer::states);
+    }
+    scratch_  = z::device_alloc<double>(partials_ + 2);
+    counters_ = z::device_alloc<std::int64_t>(3);
+    WM_CUDA_TRY(cudaMallocHost(&host_counters_, 3 * sizeof(std::int64_t)));
+    std::fill_n(host_counters_, 3, std::int64_t{0});
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking));
+    WM_CUDA_TRY(cudaEventCreateWithFlags(&gather_done_, cudaEventDisableTiming));
+    WM_CUDA_TRY(cudaEventCreateWithFlags(&user_ready_, cudaEventDisableTiming));
+    // Padding must stay zero (it enters the norm): every buffer starts at zero.
+    for (auto [p, n] :
+         {std::pair{static_cast<void*>(weights_), memory_.weights},
+          std::pair{static_cast<void*>(grads_), memory_.gradients},
+          std::pair{static_cast<void*>(staging_), stagings * max_b},
+          std::pair{static_cast<void*>(Offload::host ? nullptr : master_), memory_.master_weights},
+          std::pair{static_cast<void*>(counters_), 3 * sizeof(std::int64_t)}}) {
+      if (p != nullptr && n > 0) { WM_CUDA_TRY(cudaMemsetAsync(p, 0, n, gather_stream_)); }
+    }
+    if (std::size_t const n = plan_.state_elements * Optimizer::states; n > 0 && !Offload::host) {
+      WM_CUDA_TRY(
+          cub::DeviceFor::Bulk(n, z::fill_op{states_, initial_state(opt_)}, gather_stream_));
+    }
+    WM_CUDA_TRY(cudaStreamSynchronize(gather_stream_));
+  } catch (...) {
+    free_all();
+    throw;
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+zero_optimizer<Stage, Optimizer, Offload>::~zero_optimizer() {
+  free_all();
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
+  // cudaFree waits for the device work that may still use these buffers.
+  for (void* p :
+       {static_cast<void*>(weights_), static_cast<void*>(grads_), static_cast<void*>(staging_),
+        static_cast<void*>(pool_), static_cast<void*>(scratch_), static_cast<void*>(counters_)}) {
+    if (p != nullptr) { (void)cudaFree(p); }
+  }
+  for (void* p : {static_cast<void*>(master_), static_cast<void*>(states_)}) {
+    if (p != nullptr) { (void)(Offload::host ? cudaFreeHost(p) : cudaFree(p)); }
+  }
+  for (void* p : {static_cast<void*>(host_grads_), static_cast<void*>(host_weights_),
+                  static_cast<void*>(host_sumsq_)}) {
+    if (p != nullptr) { (void)cudaFreeHost(p); }
+  }
+  host_grads_ = host_weights_ = nullptr;
+  host_sumsq_                 = nullptr;
+  weights_ = grads_ = staging_ = pool_ = nullptr;
+  master_ = states_ = nullptr;
+  scratch_          = nullptr;
+  counters_         = nullptr;
+  if (host_counters_ != nullptr) { (void)cudaFreeHost(host_counters_); }
+  host_counters_ = nullptr;
+  if (gather_done_ != nullptr) { (void)cudaEventDestroy(gather_done_); }
+  if (user_ready_ != nullptr) { (void)cudaEventDestroy(user_ready_); }
+  if (gather_stream_ != nullptr) { (void)cudaStreamDestroy(gather_stream_); }
+  gather_done_ = user_ready_ = nullptr;
+  gather_stream_             = nullptr;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+std::size_t zero_optimizer<Stage, Optimizer, Offload>::index(std::string_view name) const {
+  for (std::size_t p = 0; p < plan_.params.size(); ++p) {
+    if (plan_.params[p].name == name) { return p; }
+  }
+  throw logic_error{"wm: zero_optimizer has no parameter named '" + std::string{name} + "'"};
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void* zero_optimizer<Stage, Optimizer, Offload>::shard_weights(std::size_t b) const noexcept {
+  auto const& bk = plan_.buckets[b];
+  if constexpr (Stage::value == 3) {
+    return weights_ + shard_bytes_offset_[b];
+  } else {
+    return weights_ + bk.byte_offset +
+           static_cast<std::size_t>(rank_) * bk.shard_elements * detail::zero::size_of(bk.type);
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void* zero_optimizer<Stage, Optimizer, Offload>::shard_gradients(std::size_t b) const noexcept {
+  auto const& bk = plan_.buckets[b];
+  if constexpr (Stage::value == 1) {
+    return grads_ + bk.byte_offset +
+           static_cast<std::size_t>(rank_) * bk.shard_elements * detail::zero::size_of(bk.type);
+  } else {
+    return grads_ + shard_bytes_offset_[b];
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void* zero_optimizer<Stage, Optimizer, Offload>::staging(std::size_t b) const noexcept {
+  return staging_ + (b % 2) * plan_.max_bucket_bytes();
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+template <class T>
+std::span<T> zero_optimizer<Stage, Optimizer, Offload>::weights(std::size_t p) {
+  WM_EXPECTS(p < plan_.params.size(), "zero_optimizer::weights: a parameter index below the count");
+  WM_EXPECTS(plan_.params[p].type == detail::zero::element_type_of<T>(),
+             "zero_optimizer::weights: T must be the parameter's compute type");
+  auto const& pl = plan_.places[p];
+  if (pl.bucket == detail::zero::no_bucket) { return {}; }
+  std::size_t const n = plan_.params[p].elements;
+  if constexpr (Stage::value == 3) {
+    auto const at = residency_.offset(pl.bucket);
+    WM_EXPECTS(at.has_value() && residency_.held_bucket(pl.bucket),
+               "zero_optimizer::weights: parameter '" + plan_.params[p].name +
+                   "' is not gathered (stage 3: gather a group that holds it first)");
+    return {reinterpret_cast<T*>(pool_ + *at) + pl.offset, n};
+  } else {
+    return {reinterpret_cast<T*>(weights_ + plan_.byte_offset(p)), n};
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+template <class T>
+std::span<T> zero_optimizer<Stage, Optimizer, Offload>::gradients(std::size_t p) {
+  WM_EXPECTS(p < plan_.params.size(),
+             "zero_optimizer::gradients: a parameter index below the count");
+  WM_EXPECTS(plan_.params[p].type == detail::zero::element_type_of<T>(),
+             "zero_optimizer::gradients: T must be the parameter's compute type");
+  auto const& pl = plan_.places[p];
+  if (pl.bucket == detail::zero::no_bucket) { return {}; }
+  std::size_t const n = plan_.params[p].elements;
+  if constexpr (Stage::value == 1) {
+    return {reinterpret_cast<T*>(grads_ + plan_.byte_offset(p)), n};
+  } else {
+    return {reinterpret_cast<T*>(staging(pl.bucket)) + pl.offset, n};
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+template <class T>
+void zero_optimizer<Stage, Optimizer, Offload>::set_weights(std::size_t p, T const* values,
+                                                            cuda::stream_ref stream) {
+  WM_EXPECTS(p < plan_.params.size(),
+             "zero_optimizer::set_weights: a parameter index below the count");
+  WM_EXPECTS(plan_.params[p].type == detail::zero::element_type_of<T>(),
+             "zero_optimizer::set_weights: T must be the parameter's compute type");
+  auto const& pl = plan_.places[p];
+  if (pl.bucket == detail::zero::no_bucket) { return; }
+  WM_EXPECTS(values != nullptr, "zero_optimizer::set_weights: values");
+  masters_stale_ = true;
+  if constexpr (Stage::value == 3) {
+    for (auto const& f : plan_.fragments(pl.bucket, rank_)) {
+      if (f.param != p) { continue; }
+      WM_CUDA_TRY(cudaMemcpyAsync(static_cast<T*>(shard_weights(f.bucket)) + f.shard_offset,
+                                  values + f.param_offset, f.elements * sizeof(T),
+                                  cudaMemcpyDefault, stream.get()));
+    }
+  } else {
+    WM_CUDA_TRY(cudaMemcpyAsync(weights_ + plan_.byte_offset(p), values,
+                                plan_.params[p].elements * sizeof(T), cudaMemcpyDefault,
+                                stream.get()));
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::widen_masters(cudaStream_t s) {
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    auto const& bk = plan_.buckets[b];
+    detail::zero::with_element_type(bk.type, [&](auto tag) {
+      using T = decltype(tag);
+      WM_CUDA_TRY(
+          cub::DeviceFor::Bulk(bk.shard_elements,
+                               detail::zero::widen_op<T>{static_cast<T const*>(shard_weights(b)),
+                                                         master_ + bk.state_offset},
+                               s));
+    });
+  }
+  masters_stale_ = false;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
+                                                                 cuda::stream_ref stream) {
+  WM_EXPECTS(b < plan_.buckets.size(),
+             "zero_optimizer::reduce_gradients: a bucket index below the bucket count (" +
+                 std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
+  auto const& bk = plan_.buckets[b];
+  detail::zero::with_element_type(bk.type, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (Stage::value == 1) {
+      T* g = reinterpret_cast<T*>(grads_ + bk.byte_offset);
+      comm_->all_reduce(g, g, bk.elements, stream);
+    } else {
+      comm_->reduce_scatter(static_cast<T const*>(staging(b)), static_cast<T*>(shard_gradients(b)),
+                            bk.shard_elements, stream);
+      WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), stream.get()));
+    }
+    if constexpr (Offload::host) {  // to the CPU Adam at once (overlaps the rest of backward)
+      WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b], shard_gradients(b),
+                                  bk.shard_elements * sizeof(T), cudaMemcpyDeviceToHost,
+                                  stream.get()));
+    }
+  });
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref stream) {
+  namespace z          = detail::zero;
+  cudaStream_t const s = stream.get();
+  if constexpr (Stage::value == 3) {
+    WM_EXPECTS(!residency_.any_held(),
+               "zero_optimizer::step (stage 3): release every gathered group first");
+    residency_.drop_prefetch();  // its copies would be stale after the update
+    // A prefetch may still be reading the shard weights that the update rewrites.
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
+  }
+  if (masters_stale_) { widen_masters(s); }
+  if constexpr (Offload::host) {
+    step_offload(lr, stream);
+  } else {
+    double* const global = norm_async(stream);
+    // 3. The fused update of every shard, cast into the all-gather's send block.
+    float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+    z::step_args const args{lr, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm,
+                            global, counters_};
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      auto const& bk = plan_.buckets[b];
+      z::with_element_type(bk.type, [&](auto tag) {
+        using T = decltype(tag);
+        z::update_kernel<T, Optimizer>
+            <<<detail::elementwise_blocks(bk.shard_elements), 256, 0, s>>>(
+                static_cast<T const*>(shard_gradients(b)), master_ + bk.state_offset,
+                states_ + bk.state_offset, plan_.state_elements, static_cast<T*>(shard_weights(b)),
+                bk.shard_elements, opt_, args);
+        WM_CHECK_LAUNCH();
+      });
+    }
+    WM_CUDA_TRY(cub::DeviceFor::Bulk(1, z::finish_step_op{global, counters_}, s));
+    // 4. Stages 1-2: the in-place all-gather of the new weights.
+    if constexpr (Stage::value < 3) {
+      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+        auto const& bk = plan_.buckets[b];
+        z::with_element_type(bk.type, [&](auto tag) {
+          using T = decltype(tag);
+          comm_->all_gather(static_cast<T const*>(shard_weights(b)),
+                            reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
+                            stream);
+        });
+      }
+    }
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+double* zero_optimizer<Stage, Optimizer, Offload>::norm_async(cuda::stream_ref stream) {
+  namespace z          = detail::zero;
+  cudaStream_t const s = stream.get();
+  // 1. Σ g² of this rank's shards in float64 partials, summed in a fixed order.
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    auto const& bk = plan_.buckets[b];
+    z::with_element_type(bk.type, [&](auto tag) {
+      using T = decltype(tag);
+      z::norm_partials_kernel<T><<<partial_blocks_[b], z::norm_block, 0, s>>>(
+          static_cast<T const*>(shard_gradients(b)), bk.shard_elements,
+          scratch_ + partial_offset_[b]);
+      WM_CHECK_LAUNCH();
+    });
+  }
+  double* const local  = scratch_ + partials_;
+  double* const global = local + 1;
+  z::sum_partials_kernel<z::norm_block><<<1, z::norm_block, 0, s>>>(scratch_, partials_, local);
+  WM_CHECK_LAUNCH();
+  // 2. One scalar all-reduce: the global norm and the inf/NaN check (an inf or NaN anywhere
+  // makes the sum inf or NaN on every rank, so every rank skips the same steps).
+  comm_->all_reduce(static_cast<double const*>(local), global, 1, stream);
+  return global;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::stream_ref stream) {
+  namespace z = detail::zero;
+  if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
+    cudaStream_t const s = stream.get();
+    double* const global = norm_async(stream);
+    WM_CUDA_TRY(cudaMemcpyAsync(host_sumsq_, global, sizeof(double), cudaMemcpyDeviceToHost, s));
+    // The norm, and every gradient shard on the host (reduce_gradients sent them).
+    comm_->synchronize(stream, "zero_optimizer::step");
+    double const sumsq = *host_sumsq_;
+    if (!std::isfinite(sumsq)) {  // every rank sees the same sum: every rank skips
+      host_counters_[1] = 1;
+      ++host_counters_[2];
+      return;
+    }
+    host_counters_[1]    = 0;
+    std::int64_t const t = ++host_counters_[0];
+    float const ranks    = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+    float const factor =
+        z::grad_factor_of(sumsq, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm);
+    z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
+                                opt_.decoupled};
+    std::size_t const n = plan_.state_elements;
+    // Bucket by bucket: the CPU updates bucket b while bucket b - 1's weights go back to the GPU
+    // and are all-gathered.
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      auto const& bk         = plan_.buckets[b];
+      std::size_t const off  = bk.state_offset;
+      std::size_t const at   = shard_bytes_offset_[b];
+      std::size_t const size = bk.shard_elements * z::size_of(bk.type);
+      if (bk.type == z::element_type::bf16) {
+        z::cpu_adam_update(
+            o, z::cpu_adam_step{lr, t, factor},
+            z::cpu_adam_arrays<z::bf16_bits>{
+                master_ + off, states_ + off, states_ + n + off,
+                reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
+                reinterpret_cast<z::bf16_bits*>(host_weights_ + at), bk.shard_elements},
+            *cpu_pool_);
+      } else {
+        z::cpu_adam_update(
+            o, z::cpu_adam_step{lr, t, factor},
+            z::cpu_adam_arrays<float>{master_ + off, states_ + off, states_ + n + off,
+                                      reinterpret_cast<float const*>(host_grads_ + at), nullptr,
+                                      bk.shard_elements},
+            *cpu_pool_);
+        std::memcpy(host_weights_ + at, master_ + off, size);
+      }
+      WM_CUDA_TRY(
+          cudaMemcpyAsync(shard_weights(b), host_weights_ + at, size, cudaMemcpyHostToDevice, s));
+      if constexpr (Stage::value < 3) {
+        z::with_element_type(bk.type, [&](auto tag) {
+          using T = decltype(tag);
+          comm_->all_gather(static_cast<T const*>(shard_weights(b)),
+                            reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
+                            stream);
+        });
+      }
+    }
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::gather_buckets(
+    std::vector<detail::zero::residency::load> const& loads, cudaStream_t s) {
+  if (loads.empty()) { return; }
+  // The shard weights come from the last step, and the pool ranges were read by released groups:
+  // both on the caller's stream.
+  WM_CUDA_TRY(cudaEventRecord(user_ready_, s));
+  WM_CUDA_TRY(cudaStreamWaitEvent(gather_stream_, user_ready_, 0));
+  for (auto const& l : loads) {
+    auto const& bk = plan_.buckets[l.bucket];
+    detail::zero::with_element_type(bk.type, [&](auto tag) {
+      using T = decltype(tag);
+      comm_->all_gather(static_cast<T const*>(shard_weights(l.bucket)),
+                        reinterpret_cast<T*>(pool_ + l.offset), bk.shard_elements,
+                        cuda::stream_ref{gather_stream_});
+    });
+  }
+  WM_CUDA_TRY(cudaEventRecord(gather_done_, gather_stream_));
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::gather(
+    std::size_t g, cuda::stream_ref stream) requires(Stage::value == 3) {
+  WM_EXPECTS(g < residency_.groups(), "zero_optimizer::gather: a group index below the count (" +
+                                          std::to_string(residency_.groups()) + "), got " +
+                                          std::to_string(g));
+  auto const gi = static_cast<std::ptrdiff_t>(g);
+  if (last_group_ >= 0 && gi != last_group_) { direction_ = gi > last_group_ ? 1 : -1; }
+  last_group_ = gi;
+  gather_buckets(residency_.acquire(g), stream.get());
+  // This group's buckets (gathered now or by the last prefetch) are complete for the caller.
+  WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), gather_done_, 0));
+  std::ptrdiff_t const next = gi + direction_;
+  if (next >= 0 && next < static_cast<std::ptrdiff_t>(residency_.groups())) {
+    gather_buckets(residency_.prefetch(static_cast<std::size_t>(next)), stream.get());
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::release(std::size_t g) requires(Stage::value == 3) {
+  WM_EXPECTS(g < residency_.groups(), "zero_optimizer::release: a group index below the count");
+  residency_.release(g);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::read_counters(cuda::stream_ref stream) const {
+  if constexpr (!Offload::host) {  // offload: the host keeps them
+    WM_CUDA_TRY(cudaMemcpyAsync(host_counters_, counters_, 3 * sizeof(std::int64_t),
+                                cudaMemcpyDeviceToHost, stream.get()));
+  }
+  comm_->synchronize(stream, "zero_optimizer counters");
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+bool zero_optimizer<Stage, Optimizer, Offload>::last_step_skipped(cuda::stream_ref stream) const {
+  read_counters(stream);
+  return host_counters_[1] != 0;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+std::int64_t zero_optimizer<Stage, Optimizer, Offload>::applied_steps(
+    cuda::stream_ref stream) const {
+  read_counters(stream);
+  return host_counters_[0];
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::agree(std::string const& error, char const* what) {
+  // Every rank learns whether any rank failed, so that none goes on to the collectives alone.
+  auto const ok = comm_->all_gather(error.empty() ? 1 : 0);
+  for (std::size_t r = 0; r < ok.size(); ++r) {
+    if (ok[r] == 0) {
+      throw io_error{error.empty() ? "wm: zero_optimizer::" + std::string{what} +
+                                         " failed on rank " + std::to_string(r)
+                                   : error};
+    }
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const& dir,
+                                                     cuda::stream_ref stream) {
+  namespace z                   = detail::zero;
+  std::size_t const n           = plan_.state_elements;
+  constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  if (masters_stale_) { widen_masters(stream.get()); }
+  read_counters(stream);  // waits for the stream (with the communicator's deadline)
+  std::int64_t const applied = host_counters_[0];
+  std::vector<std::vector<float>> data(streams, std::vector<float>(n));
+  for (std::size_t k = 0; k < streams && n > 0; ++k) {
+    WM_CUDA_TRY(cudaMemcpyAsync(data[k].data(), k == 0 ? master_ : states_ + (k - 1) * n,
+                                n * sizeof(float), cudaMemcpyDefault, stream.get()));
+  }
+  comm_->synchronize(stream, "zero_optimizer::save");
+  std::string error;
+  try {
+    std::filesystem::create_directories(dir);
+    z::shard_header const h{static_cast<std::uint64_t>(world_),
+                            static_cast<std::uint64_t>(rank_),
+                            n,
+                            streams,
+                            applied,
+                            Optimizer::name,
+                            checkpoint_tag(opt_),
+                            {},
+                            0};
+    std::vector<std::span<float const>> spans(data.begin(), data.end());
+    z::write_shard(z::shard_file(dir, rank_), h, z::fragment_table_of(plan_, rank_), spans);
+  } catch (std::exception const& e) {
+    error = "wm: zero_optimizer::save on rank " + std::to_string(rank_) + ": " + e.what();
+  }
+  agree(error, "save");
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const& dir,
+                                                     cuda::stream_ref stream) {
+  namespace z                   = detail::zero;
+  cudaStream_t const s          = stream.get();
+  std::size_t const n           = plan_.state_elements;
+  constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  if constexpr (Stage::value == 3) {
+    WM_EXPECTS(!residency_.any_held(),
+               "zero_optimizer::load (stage 3): release every gathered group first");
+    residency_.drop_prefetch();
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
+  }
+  std::vector<std::vector<float>> data(streams, std::vector<float>(n, 0.0f));
+  std::int64_t applied = 0;
+  std::string error;
+  try {
+    auto const h0 = z::read_shard_header(z::shard_file(dir, 0));
+    std::vector<std::filesystem::path> files;
+    std::vector<z::shard_header> headers;
+    std::vector<z::fragment_table> tables;
+    for (std::uint64_t r = 0; r < h0.world; ++r) {
+      files.push_back(z::shard_file(dir, static_cast<int>(r)));
+      headers.push_back(r == 0 ? h0 : z::read_shard_header(files.back()));
+      auto const& h           = headers.back();
+      std::string const where = files.back().string();
+      if (h.world != h0.world || h.rank != r || h.applied != h0.applied) {
+        throw io_error{"'" + where + "' belongs to another save than shard-0 (world " +
+                       std::to_string(h.world) + ", rank " + std::to_string(h.rank) + ")"};
+      }
+      if (h.streams != streams || h.optimizer != Optimizer::name) {
+        throw io_error{"'" + where + "' holds the states of optimizer '" + h.optimizer + "' (" +
+                       std::to_string(h.streams) + " streams); this one is '" + Optimizer::name +
+                       "' (" + std::to_string(streams) + ")"};
+      }
+      if (h.tag != checkpoint_tag(opt_)) {
+        throw io_error{"'" + where + "' was saved with optimizer settings '" + h.tag +
+                       "'; this optimizer has '" + checkpoint_tag(opt_) + "'"};
+      }
+      tables.push_back(h.table);
+    }
+    auto const reads = z::plan_shard_reads(tables, plan_, rank_);
+    std::vector<std::span<float>> spans(data.begin(), data.end());
+    z::read_shards(files, headers, reads, spans);
+    applied = h0.applied;
+  } catch (std::exception const& e) {
+    error = "wm: zero_optimizer::load on rank " + std::to_string(rank_) + ": " + e.what();
+  }
+  agree(error, "load");
+  comm_->synchronize(stream, "zero_optimizer::load");  // host_counters_ and the buffers are free
+  for (std::size_t k = 0; k < streams && n > 0; ++k) {
+    WM_CUDA_TRY(cudaMemcpyAsync(k == 0 ? master_ : states_ + (k - 1) * n, data[k].data(),
+                                n * sizeof(float), cudaMemcpyDefault, s));
+  }
+  host_counters_[0] = applied;
+  host_counters_[1] = 0;
+  host_counters_[2] = 0;
+  if constexpr (!Offload::host) {
+    WM_CUDA_TRY(cudaMemcpyAsync(counters_, host_counters_, 3 * sizeof(std::int64_t),
+                                cudaMemcpyHostToDevice, s));
+  }
+  // The compute weights of this rank's shard from the masters, then (stages 1-2) everyone's.
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    auto const& bk = plan_.buckets[b];
+    z::with_element_type(bk.type, [&](auto tag) {
+      using T = decltype(tag);
+      WM_CUDA_TRY(cub::DeviceFor::Bulk(
+          bk.shard_elements,
+          z::narrow_op<T>{master_ + bk.state_offset, static_cast<T*>(shard_weights(b))}, s));
+      if constexpr (Stage::value < 3) {
+        comm_->all_gather(static_cast<T const*>(shard_weights(b)),
+                          reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
+                          stream);
+      }
+    });
+  }
+  masters_stale_ = false;
+  comm_->synchronize(stream, "zero_optimizer::load");  // `data` and host_counters_ are read
+}
+
+}  // namespace wm

@@ -1,0 +1,105 @@
+/**
+ * @file zero_policy.hpp
+ * @brief The host-side types of `wm::zero_optimizer` (zero.cuh): its policies (stage, offload),
+ * the parameter description, the options and the memory report. No CUDA code: host programs and
+ * tests read it with a plain C++20 compiler.
+ */
+#pragma once
+
+#include <wm/detail/zero/plan.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace wm {
+
+/**
+ * @brief ZeRO stage N: 1 partitions the optimizer states, 2 also the gradients, 3 also the
+ * weights (DESIGN.md §8).
+ * @tparam N 1, 2 or 3
+ */
+template <int N>
+requires(N >= 1 && N <= 3) struct zero_stage {
+  static constexpr int value = N;  ///< the stage number
+};
+
+/// Optimizer states, master weights and the update stay on the GPU.
+struct no_offload {
+  static constexpr bool host = false;
+};
+
+/// fp32 master weights and Adam moments in pinned host memory, updated by the CPU Adam
+/// (detail/zero/cpu_adam.hpp: threads, AVX-512 / AVX2 chosen at run time); each bucket's reduced
+/// gradient shard goes to the host as soon as it is reduced, and its new weights come back and
+/// are all-gathered while the CPU updates the next bucket. `wm::zero_optimizer` takes it with
+/// `wm::adam` only.
+struct offload_host {
+  static constexpr bool host = true;
+};
+
+/// A ZeRO stage policy: `wm::zero_stage<1>`, `<2>` or `<3>`.
+template <class S>
+concept zero_stage_policy = std::same_as<S, zero_stage<S::value>>;
+
+/// An offload policy: `wm::no_offload` or `wm::offload_host`.
+template <class O>
+concept offload_policy = std::same_as<O, no_offload> || std::same_as<O, offload_host>;
+
+/// Element type of a parameter's compute weights and gradients (`f32`, `bf16`, `f16`).
+using zero_element_type = detail::zero::element_type;
+
+/// One parameter of the model, as `wm::zero_optimizer` takes it (list them in forward order).
+struct zero_parameter {
+  std::string name;                                 ///< unique, non-empty (checkpoints match by it)
+  std::vector<std::size_t> shape;                   ///< dimensions; empty: a scalar
+  zero_element_type type{zero_element_type::bf16};  ///< compute weight and gradient type
+
+  /// Number of elements: the product of the shape (1 for a scalar, 0 if a dimension is 0).
+  [[nodiscard]] std::size_t elements() const noexcept {
+    std::size_t n = 1;
+    for (auto d : shape) { n *= d; }
+    return n;
+  }
+};
+
+/// Settings of a `wm::zero_optimizer` besides the bucket size and the optimizer policy.
+struct zero_options {
+  /// Global gradient-norm clipping as `torch.nn.utils.clip_grad_norm_` (L2 norm over every
+  /// parameter, after unscaling): gradients times min(1, max / (norm + 1e-6)). 0: no clipping.
+  float max_grad_norm{0.0f};
+  /// The loss was multiplied by this; gradients are divided by it before anything else.
+  float loss_scale{1.0f};
+  /// Divide the summed gradients by the rank count (PyTorch DDP's average); false keeps sums.
+  bool average_gradients{true};
+  /// Stage 3: the parameters (indices into the list, forward order) of each group that
+  /// `gather` / `release` handle; empty: one group per parameter.
+  std::vector<std::vector<std::size_t>> groups;
+  /// Stage 3: bytes of the gather pool that holds gathered weights (the groups in use plus one
+  /// prefetched). 0: twice the largest group. Raised to the largest group if smaller.
+  std::size_t prefetch_bytes{0};
+};
+
+/// Device bytes a `wm::zero_optimizer` allocated at construction, per kind.
+struct zero_memory {
+  std::size_t weights{};           ///< compute weights: the arena (stages 1-2) or its shard (3)
+  std::size_t gradients{};         ///< compute gradients: the arena (stage 1) or its shard (2-3)
+  std::size_t master_weights{};    ///< fp32 master weights of this rank's shard
+  std::size_t optimizer_states{};  ///< fp32 optimizer states of this rank's shard
+  std::size_t buffers{};           ///< bucket staging (stages 2-3) and the gather pool (stage 3)
+  std::size_t scratch{};           ///< norm partials and step counters
+  std::size_t host{};  ///< pinned host bytes (`wm::offload_host`: fp32 master weights, Adam
+                       ///< moments, gradient and weight shards); not part of total()
+
+  /// The terms of the formula of DESIGN.md §8 (weights, gradients, master weights, states).
+  [[nodiscard]] constexpr std::size_t model_states() const noexcept {
+    return weights + gradients + master_weights + optimizer_states;
+  }
+  /// Every device byte.
+  [[nodiscard]] constexpr std::size_t total() const noexcept {
+    return model_states() + buffers + scratch;
+  }
+};
+
+}  // namespace wm

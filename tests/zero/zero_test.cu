@@ -1,0 +1,685 @@
+// GPU tests of wm::zero_optimizer (issue 20) and of the communicator's device collectives it
+// uses. Every case is [ranked]: it runs inside every rank (tests/support/ranks.hpp), with one
+// rank (ctest zero_ranked_gpu) and with one rank per GPU (zero_ranked_multi_gpu), so the same
+// code checks world 1 and world N.
+//
+// The reference is plain data-parallel mixed-precision training in float64 on the host, written
+// from the documented semantics, not from wm's code: every rank's gradients summed and divided by
+// the rank count (DDP), divided by the loss scale (GradScaler.unscale_), an inf/NaN anywhere
+// skips the step (GradScaler.step) without counting it, clipping as
+// torch.nn.utils.clip_grad_norm_ (one L2 norm over every parameter; coef = max / (norm + 1e-6),
+// clamped to 1), then torch.optim.AdamW / torch.optim.SGD as their documentation writes the
+// update. Gradients are k / 64 · loss scale with k in [-31, 31] (fresh random each run): bf16
+// holds them and their sums over up to 8 ranks exactly, so the bf16 all-reduce adds no rounding
+// the reference lacks.
+#include <wm/zero.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "catch.hpp"
+#include "ranks.hpp"
+
+// A stage and an optimizer (in a named namespace: nvcc's kernel stubs name template arguments
+// through it, which an anonymous namespace breaks).
+namespace zero_cases {
+template <class Stage, class Opt, class Off = wm::no_offload>
+struct combo {
+  using stage     = Stage;
+  using optimizer = Opt;
+  using offload   = Off;
+};
+}  // namespace zero_cases
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using wm::zero_element_type;
+
+struct stream_holder {
+  cudaStream_t s{};
+  stream_holder() { WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~stream_holder() { (void)cudaStreamDestroy(s); }
+  operator cuda::stream_ref() const { return cuda::stream_ref{s}; }
+};
+
+template <class T>
+struct device_buffer {
+  T* ptr{};
+  std::size_t n{};
+  explicit device_buffer(std::size_t count) : n{count} {
+    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
+    WM_CUDA_TRY(cudaMemset(ptr, 0xff, std::max<std::size_t>(count, 1) * sizeof(T)));  // poison
+  }
+  device_buffer(device_buffer const&) = delete;
+  ~device_buffer() { (void)cudaFree(ptr); }
+  void upload(std::vector<T> const& h) {
+    WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  [[nodiscard]] std::vector<T> download() const {
+    std::vector<T> h(n);
+    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// One seed for every rank: rank 0's, fresh per run.
+std::uint64_t shared_seed(wm::communicator& comm) {
+  std::uint64_t const mine =
+      std::random_device{}() * 0x9E3779B97F4A7C15ull ^ std::random_device{}();
+  return comm.all_gather(mine)[0];
+}
+
+std::uint64_t mix(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+double to_double(float v) {
+  return v;
+}
+double to_double(bf16 v) {
+  return static_cast<double>(__bfloat162float(v));
+}
+
+template <class T>
+T from_double(double v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return static_cast<float>(v);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __double2half(v);
+  } else {
+    return __double2bfloat16(v);
+  }
+}
+
+// ---- device collectives ------------------------------------------------------------------------
+
+template <class T>
+void check_collectives(wm::communicator& comm, std::uint64_t seed, std::size_t count) {
+  stream_holder s;
+  int const n  = comm.size();
+  int const me = comm.rank();
+  auto value   = [&](int r, std::size_t i) {  // small integers: exact sums in every type
+    return static_cast<double>(static_cast<int>(mix(seed ^ (r * 1000003ull + i)) % 31) - 15);
+  };
+  auto const total = count * static_cast<std::size_t>(n);
+  // all_reduce, sum and max, out of place and in place.
+  {
+    std::vector<T> h(total);
+    for (std::size_t i = 0; i < total; ++i) { h[i] = from_double<T>(value(me, i)); }
+    device_buffer<T> a(total), sum(total), mx(total);
+    a.upload(h);
+    comm.all_reduce(a.ptr, sum.ptr, total, s);
+    comm.all_reduce(static_cast<T const*>(a.ptr), mx.ptr, total, s, wm::reduce_op::max);
+    comm.all_reduce(a.ptr, a.ptr, total, s);  // in place
+    comm.synchronize(s);
+    auto const hs = sum.download(), hm = mx.download(), ha = a.download();
+    for (std::size_t i = 0; i < total; ++i) {
+      double es = 0, em = -1e30;
+      for (int r = 0; r < n; ++r) {
+        es += value(r, i);
+        em = std::max(em, value(r, i));
+      }
+      REQUIRE(to_double(hs[i]) == es);
+      REQUIRE(to_double(ha[i]) == es);
+      REQUIRE(to_double(hm[i]) == em);
+    }
+  }
+  // reduce_scatter in place (each rank's block is its own part of the send buffer).
+  {
+    std::vector<T> h(total);
+    for (std::size_t i = 0; i < total; ++i) { h[i] = from_double<T>(value(me, i)); }
+    device_buffer<T> a(total);
+    a.upload(h);
+    comm.reduce_scatter(a.ptr, a.ptr + static_cast<std::size_t>(me) * count, count, s);
+    comm.synchronize(s);
+    auto const ha = a.download();
+    for (std::size_t i = 0; i < count; ++i) {
+      std::size_t const at = static_cast<std::size_t>(me) * count + i;
+      double e             = 0;
+      for (int r = 0; r < n; ++r) { e += value(r, at); }
+      REQUIRE(to_double(ha[at]) == e);
+    }
+  }
+  // all_gather in place, and broadcast from the last rank.
+  {
+    std::vector<T> h(total);
+    for (std::size_t i = 0; i < total; ++i) { h[i] = from_double<T>(value(me, i)); }
+    device_buffer<T> a(total), b(count), c(count);
+    a.upload(h);  // this rank's block is in place, the others' blocks are overwritten
+    comm.all_gather(a.ptr + static_cast<std::size_t>(me) * count, a.ptr, count, s);
+    std::vector<T> hb(count);
+    for (std::size_t i = 0; i < count; ++i) { hb[i] = from_double<T>(value(me, 7 * i)); }
+    b.upload(hb);
+    comm.broadcast(b.ptr, c.ptr, count, n - 1, s);
+    comm.synchronize(s);
+    auto const ha = a.download(), hc = c.download();
+    for (int r = 0; r < n; ++r) {
+      for (std::size_t i = 0; i < count; ++i) {
+        std::size_t const at = static_cast<std::size_t>(r) * count + i;
+        REQUIRE(to_double(ha[at]) == value(r, at));
+      }
+    }
+    for (std::size_t i = 0; i < count; ++i) { REQUIRE(to_double(hc[i]) == value(n - 1, 7 * i)); }
+  }
+}
+
+TEMPLATE_TEST_CASE("communicator device collectives against a host sum", "[ranked]", float, double,
+                   bf16) {
+  auto& comm              = wm_test::comm();
+  std::size_t const count = GENERATE(1, 7, 1000);
+  check_collectives<TestType>(comm, shared_seed(comm), count);
+}
+
+TEST_CASE("communicator device collectives reject bad arguments", "[ranked]") {
+  auto& comm = wm_test::comm();
+  stream_holder s;
+  float* null = nullptr;
+  REQUIRE_THROWS_AS(comm.all_reduce(null, null, 4, s), wm::logic_error);
+  REQUIRE_THROWS_AS(comm.broadcast(null, null, 4, comm.size(), s), wm::logic_error);
+  REQUIRE_NOTHROW(comm.all_gather(null, null, 0, s));  // nothing to move: no NCCL call
+}
+
+// ---- the reference
+// -------------------------------------------------------------------------------
+
+struct model_param {
+  std::string name;
+  std::vector<std::size_t> shape;
+  zero_element_type type;
+};
+
+std::vector<model_param> model(int which) {
+  if (which == 1) { return {{"only", {1}, zero_element_type::bf16}}; }
+  // Awkward sizes: not multiples of anything, an empty one, a scalar, an fp32 one between bf16
+  // ones (a type change closes a bucket), one larger than a bucket.
+  return {{"emb", {37, 5}, zero_element_type::bf16}, {"w1", {64, 33}, zero_element_type::bf16},
+          {"b1", {33}, zero_element_type::bf16},     {"empty", {0, 4}, zero_element_type::bf16},
+          {"scale", {19}, zero_element_type::f32},   {"w2", {33, 7}, zero_element_type::bf16},
+          {"s", {}, zero_element_type::bf16},        {"w3", {1000}, zero_element_type::bf16}};
+}
+
+std::size_t elements_of(model_param const& p) {
+  std::size_t n = 1;
+  for (auto d : p.shape) { n *= d; }
+  return n;
+}
+
+struct ref_adamw {  // torch.optim.AdamW's documented algorithm (amsgrad off, maximize off)
+  double b1{0.9}, b2{0.999}, eps{1e-8}, wd{0.01};
+  void update(double& w, double g, double& m, double& v, double, std::int64_t t, double lr) const {
+    w -= lr * wd * w;
+    m               = b1 * m + (1 - b1) * g;
+    v               = b2 * v + (1 - b2) * g * g;
+    double const mh = m / (1 - std::pow(b1, static_cast<double>(t)));
+    double const vh = v / (1 - std::pow(b2, static_cast<double>(t)));
+    w -= lr * mh / (std::sqrt(vh) + eps);
+  }
+};
+struct ref_sgd {  // torch.optim.SGD without momentum: g += wd w; w -= lr g
+  double wd{0.001};
+  void update(double& w, double g, double&, double&, double, std::int64_t, double lr) const {
+    g += wd * w;
+    w -= lr * g;
+  }
+};
+
+template <class O>
+O make_optimizer() {
+  if constexpr (std::is_same_v<O, wm::adam>) {
+    wm::adam a;
+    a.decoupled       = true;  // AdamW
+    a.weight_decay    = 0.01f;
+    a.bias_correction = wm::adam_bias_correction::global_step;
+    return a;
+  } else {
+    return wm::sgd{0.001f};
+  }
+}
+template <class O>
+auto make_reference() {
+  if constexpr (std::is_same_v<O, wm::adam>) {
+    return ref_adamw{};
+  } else {
+    return ref_sgd{};
+  }
+}
+
+// The gradient rank r computes for element i of parameter p at step t: k / 64 · scale.
+double grad_value(std::uint64_t seed, int t, int r, std::size_t p, std::size_t i, double scale) {
+  auto const k = static_cast<int>(mix(seed ^ mix(t * 7919ull + r * 104729ull + p * 15485863ull) ^
+                                      (i * 0x9E3779B97F4A7C15ull)) %
+                                  63) -
+                 31;
+  return k / 64.0 * scale;
+}
+
+// Writes @p values (converted to the parameter's type) to device memory @p dst, on @p s after
+// the work on it (a copy from pageable memory has returned once the values are staged).
+void write_typed(zero_element_type type, void* dst, std::vector<double> const& values,
+                 wm::communicator& comm, cudaStream_t s) {
+  if (values.empty()) { return; }
+  comm.synchronize(cuda::stream_ref{s});  // waits with the communicator's deadline
+  auto put = [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<T> h(values.size());
+    for (std::size_t i = 0; i < h.size(); ++i) { h[i] = from_double<T>(values[i]); }
+    WM_CUDA_TRY(cudaMemcpyAsync(dst, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice, s));
+  };
+  if (type == zero_element_type::f32) {
+    put(float{});
+  } else {
+    put(bf16{});
+  }
+}
+
+std::vector<double> read_typed(zero_element_type type, void const* src, std::size_t n,
+                               wm::communicator& comm, cudaStream_t s) {
+  std::vector<double> out(n);
+  auto get = [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<T> h(n);
+    comm.synchronize(cuda::stream_ref{s});  // waits with the communicator's deadline
+    WM_CUDA_TRY(cudaMemcpyAsync(h.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost, s));
+    comm.synchronize(cuda::stream_ref{s});
+    for (std::size_t i = 0; i < n; ++i) { out[i] = to_double(h[i]); }
+  };
+  if (n == 0) { return out; }
+  if (type == zero_element_type::f32) {
+    get(float{});
+  } else {
+    get(bf16{});
+  }
+  return out;
+}
+
+template <class O>
+void* weights_ptr(O& opt, std::size_t p, zero_element_type type) {
+  return type == zero_element_type::f32 ? static_cast<void*>(opt.template weights<float>(p).data())
+                                        : static_cast<void*>(opt.template weights<bf16>(p).data());
+}
+template <class O>
+void* gradients_ptr(O& opt, std::size_t p, zero_element_type type) {
+  return type == zero_element_type::f32
+             ? static_cast<void*>(opt.template gradients<float>(p).data())
+             : static_cast<void*>(opt.template gradients<bf16>(p).data());
+}
+
+// The compute weights of every parameter must be the reference rounded to the compute type
+// (within one unit in the last place: the fp32 master differs from float64 by ~1e-7).
+void check_weights(std::vector<double> const& got, std::vector<double> const& want,
+                   zero_element_type type, std::string const& name, int step) {
+  REQUIRE(got.size() == want.size());
+  double const rel = type == zero_element_type::f32 ? 1e-6 : std::ldexp(1.0, -8);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("parameter " << name << " element " << i << " after step " << step);
+    REQUIRE(std::abs(got[i] - want[i]) <= rel * std::abs(want[i]) + 2e-5);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed precision",
+                           "[ranked]", zero_cases::combo,
+                           ((wm::zero_stage<1>, wm::adam), (wm::zero_stage<1>, wm::sgd),
+                            (wm::zero_stage<2>, wm::adam), (wm::zero_stage<2>, wm::sgd),
+                            (wm::zero_stage<3>, wm::adam), (wm::zero_stage<3>, wm::sgd),
+                            (wm::zero_stage<1>, wm::adam, wm::offload_host),
+                            (wm::zero_stage<2>, wm::adam, wm::offload_host),
+                            (wm::zero_stage<3>, wm::adam, wm::offload_host))) {
+  using stage_t   = typename TestType::stage;
+  using opt_t     = typename TestType::optimizer;
+  using offload_t = typename TestType::offload;
+  auto& comm      = wm_test::comm();
+  stream_holder s;
+  int const world          = comm.size();
+  std::uint64_t const seed = shared_seed(comm);
+  int const which          = GENERATE(0, 1);  // the awkward model, one tiny tensor
+  bool const clip          = GENERATE(false, true);
+  bool const with_inf      = GENERATE(false, true);
+  INFO("model " << which << " clip " << clip << " inf " << with_inf << " world " << world);
+  auto const mp = model(which);
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  double const loss_scale = 8;
+  wm::zero_options options;
+  options.loss_scale    = static_cast<float>(loss_scale);
+  options.max_grad_norm = clip ? 0.05f : 0.0f;  // small enough to clip every step
+  if constexpr (stage_t::value == 3) {
+    if (which == 0) { options.groups = {{0, 1}, {2, 3, 4}, {5, 6}, {7}}; }
+  }
+  // 1 KiB buckets: several buckets, w1 (4 KiB) in one of its own.
+  wm::zero_optimizer<stage_t, opt_t, offload_t> opt{comm, params, 1024, make_optimizer<opt_t>(),
+                                                    options};
+  auto const& plan = opt.layout();
+  REQUIRE(opt.parameters() == mp.size());
+
+  // Initial weights: bf16/fp32 values from the seed, the same on every rank.
+  std::vector<std::vector<double>> ref(mp.size()), m(mp.size()), v(mp.size());
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::size_t const n = elements_of(mp[p]);
+    ref[p].resize(n);
+    m[p].assign(n, 0.0);
+    v[p].assign(n, 0.0);
+    for (auto& x : ref[p]) {
+      x = mp[p].type == zero_element_type::f32 ? static_cast<double>(static_cast<float>(u(rng)))
+                                               : to_double(__double2bfloat16(u(rng)));
+    }
+    if (mp[p].type == zero_element_type::f32) {
+      std::vector<float> h(ref[p].begin(), ref[p].end());
+      opt.set_weights(p, h.data(), s);
+    } else {
+      std::vector<bf16> h(n);
+      for (std::size_t i = 0; i < n; ++i) { h[i] = __double2bfloat16(ref[p][i]); }
+      opt.set_weights(p, h.data(), s);
+    }
+    comm.synchronize(s);
+  }
+  auto const reference = make_reference<opt_t>();
+  std::int64_t applied = 0;
+  int const steps      = 4;
+  int const inf_step   = with_inf ? 1 : -1;  // on the last rank only: every rank must skip
+
+  auto read_all = [&](int step) {
+    for (std::size_t p = 0; p < mp.size(); ++p) {
+      if constexpr (stage_t::value < 3) {
+        auto got =
+            read_typed(mp[p].type, weights_ptr(opt, p, mp[p].type), ref[p].size(), comm, s.s);
+        check_weights(got, ref[p], mp[p].type, mp[p].name, step);
+      }
+    }
+    if constexpr (stage_t::value == 3) {
+      // Forward order, as a forward pass gathers (the next group is prefetched).
+      for (std::size_t g = 0; g < opt.groups(); ++g) {
+        opt.gather(g, s);
+        auto const& members =
+            options.groups.empty() ? std::vector<std::size_t>{g} : options.groups[g];
+        for (auto p : members) {
+          auto got =
+              read_typed(mp[p].type, weights_ptr(opt, p, mp[p].type), ref[p].size(), comm, s.s);
+          check_weights(got, ref[p], mp[p].type, mp[p].name, step);
+        }
+        opt.release(g);
+      }
+      // A parameter that is not gathered cannot be read.
+      for (std::size_t p = 0; p < mp.size(); ++p) {
+        if (opt.bucket_of(p) != wm::detail::zero::no_bucket) {
+          REQUIRE_THROWS_AS(weights_ptr(opt, p, mp[p].type), wm::logic_error);
+        }
+      }
+    }
+    // The fp32 master weights of this rank's shard: the reference itself (float vs float64);
+    // padding stays zero.
+    std::vector<float> master(plan.state_elements);
+    comm.synchronize(s);
+    WM_CUDA_TRY(cudaMemcpyAsync(master.data(), opt.master_shard(), master.size() * sizeof(float),
+                                cudaMemcpyDefault, s.s));  // device, or pinned host (offload)
+    comm.synchronize(s);
+    std::vector<char> covered(master.size(), 0);
+    for (auto const& f : plan.fragments(comm.rank())) {
+      for (std::size_t j = 0; j < f.elements; ++j) {
+        double const want = ref[f.param][f.param_offset + j];
+        INFO("master of " << mp[f.param].name << "[" << f.param_offset + j << "] after step "
+                          << step);
+        REQUIRE(std::abs(master[f.state_offset + j] - want) <= 1e-5 * (1 + std::abs(want)));
+        covered[f.state_offset + j] = 1;
+      }
+    }
+    for (std::size_t i = 0; i < master.size(); ++i) {
+      if (covered[i] == 0) { REQUIRE(master[i] == 0.0f); }
+    }
+  };
+
+  for (int t = 0; t < steps; ++t) {
+    double const lr = 0.05 * (1 + t);
+    // Backward: gradients bucket by bucket (bucket 0 holds the last parameters), each bucket
+    // reduced as soon as it is written.
+    for (std::size_t b = 0; b < opt.buckets(); ++b) {
+      for (auto p : plan.buckets[b].params) {
+        std::vector<double> g(ref[p].size());
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
+        }
+        if (t == inf_step && comm.rank() == world - 1 && p == plan.buckets[b].params.front()) {
+          g[g.size() / 2] = std::numeric_limits<double>::infinity();
+        }
+        write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
+      }
+      opt.reduce_gradients(b, s);
+    }
+    opt.step(static_cast<float>(lr), s);
+    bool const skipped = opt.last_step_skipped(s);
+    REQUIRE(skipped == (t == inf_step));
+    if (t != inf_step) {
+      // The reference: DDP average, unscale, global norm, clip, update.
+      std::vector<std::vector<double>> G(mp.size());
+      double sumsq = 0;
+      for (std::size_t p = 0; p < mp.size(); ++p) {
+        G[p].resize(ref[p].size());
+        for (std::size_t i = 0; i < G[p].size(); ++i) {
+          double sum = 0;
+          for (int r = 0; r < world; ++r) { sum += grad_value(seed, t, r, p, i, loss_scale); }
+          G[p][i] = sum / world / loss_scale;
+          sumsq += G[p][i] * G[p][i];
+        }
+      }
+      double coef = 1;
+      if (clip) { coef = std::min(1.0, options.max_grad_norm / (std::sqrt(sumsq) + 1e-6)); }
+      ++applied;
+      for (std::size_t p = 0; p < mp.size(); ++p) {
+        for (std::size_t i = 0; i < G[p].size(); ++i) {
+          reference.update(ref[p][i], G[p][i] * coef, m[p][i], v[p][i], 0.0, applied, lr);
+        }
+      }
+    }
+    REQUIRE(opt.applied_steps(s) == applied);
+    read_all(t);
+  }
+}
+
+namespace {
+
+// One training step of @p opt on the gradients of grad_value (bucket by bucket, as backward).
+template <class O>
+void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
+                double loss_scale, wm::communicator& comm, stream_holder const& s) {
+  auto const& plan = opt.layout();
+  for (std::size_t b = 0; b < opt.buckets(); ++b) {
+    for (auto p : plan.buckets[b].params) {
+      std::vector<double> g(elements_of(mp[p]));
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
+      }
+      write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
+    }
+    opt.reduce_gradients(b, s);
+  }
+  opt.step(0.05f * static_cast<float>(1 + t), s);
+}
+
+// Parameter @p p's compute weights (stage 3: gathered; default groups, group p is parameter p).
+template <class O>
+std::vector<double> read_param(O& opt, std::size_t p, model_param const& mp, wm::communicator& comm,
+                               stream_holder const& s) {
+  if constexpr (O::stage == 3) {
+    opt.gather(p, s);
+    auto v = read_typed(mp.type, weights_ptr(opt, p, mp.type), elements_of(mp), comm, s.s);
+    opt.release(p);
+    return v;
+  } else {
+    return read_typed(mp.type, weights_ptr(opt, p, mp.type), elements_of(mp), comm, s.s);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "zero_optimizer checkpoint: saved by stage 2, loaded by another stage and "
+    "bucket size, training continues bitwise identically",
+    "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  auto& comm = wm_test::comm();
+  stream_holder s;
+  std::uint64_t const seed = shared_seed(comm);
+  auto const mp            = model(0);
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  double const loss_scale = 8;
+  wm::zero_options options;
+  options.loss_scale = static_cast<float>(loss_scale);
+  auto const dir     = std::filesystem::temp_directory_path() /
+                   ("wm-zero-ckpt-" + std::to_string(seed % 1000000007));
+  wm::zero_optimizer<wm::zero_stage<2>, wm::adam> a{comm, params, 1024, make_optimizer<wm::adam>(),
+                                                    options};
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::vector<double> w(elements_of(mp[p]));
+    for (auto& x : w) { x = u(rng); }
+    if (mp[p].type == zero_element_type::f32) {
+      std::vector<float> h(w.begin(), w.end());
+      a.set_weights(p, h.data(), s);
+    } else {
+      std::vector<bf16> h(w.size());
+      for (std::size_t i = 0; i < w.size(); ++i) { h[i] = __double2bfloat16(w[i]); }
+      a.set_weights(p, h.data(), s);
+    }
+    comm.synchronize(s);
+  }
+  train_step(a, mp, seed, 0, loss_scale, comm, s);
+  train_step(a, mp, seed, 1, loss_scale, comm, s);
+  a.save(dir, s);
+  REQUIRE(std::filesystem::exists(wm::detail::zero::shard_file(dir, comm.rank())));
+
+  wm::zero_optimizer<TestType, wm::adam> b{comm, params, 4096, make_optimizer<wm::adam>(), options};
+  b.load(dir, s);
+  REQUIRE(b.applied_steps(s) == 2);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    INFO("parameter " << mp[p].name << " right after the load");
+    REQUIRE(read_param(b, p, mp[p], comm, s) == read_param(a, p, mp[p], comm, s));
+  }
+  for (int t = 2; t < 4; ++t) {
+    train_step(a, mp, seed, t, loss_scale, comm, s);
+    train_step(b, mp, seed, t, loss_scale, comm, s);
+  }
+  REQUIRE(b.applied_steps(s) == 4);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    INFO("parameter " << mp[p].name << " two steps after the load");
+    REQUIRE(read_param(b, p, mp[p], comm, s) == read_param(a, p, mp[p], comm, s));
+  }
+  // Another optimizer, or no checkpoint at all: every rank gets the error.
+  wm::zero_optimizer<TestType, wm::sgd> c{comm, params, 4096, wm::sgd{}, options};
+  REQUIRE_THROWS_AS(c.load(dir, s), wm::io_error);
+  REQUIRE_THROWS_AS(b.load(dir / "missing", s), wm::io_error);
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
+}
+
+TEMPLATE_TEST_CASE("zero_optimizer memory against the formula of DESIGN §8", "[ranked]",
+                   wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  auto& comm      = wm_test::comm();
+  int const world = comm.size();
+  // Parameters large against the padding (128 bytes per parameter, world × 128 per bucket).
+  std::vector<wm::zero_parameter> params{
+      {"a", {300, 257}}, {"b", {100001}}, {"c", {64, 1000}}, {"d", {3}}};
+  std::size_t const bucket = std::size_t{1} << 17;  // 128 KiB: several buckets
+  wm::zero_optimizer<TestType, wm::adam> opt{comm, params, bucket};
+  auto const& plan              = opt.layout();
+  auto const mem                = opt.memory();
+  std::size_t const shard_arena = plan.arena_bytes / static_cast<std::size_t>(world);
+  REQUIRE(plan.arena_bytes % static_cast<std::size_t>(world) == 0);
+  REQUIRE(mem.master_weights == plan.state_elements * 4);
+  REQUIRE(mem.optimizer_states == 2 * plan.state_elements * 4);
+  REQUIRE(plan.state_elements * 2 == shard_arena);  // bf16 shards, fp32 states
+  std::size_t const staging =
+      std::min<std::size_t>(2, plan.buckets.size()) * plan.max_bucket_bytes();
+  if constexpr (TestType::value == 1) {
+    REQUIRE(mem.weights == plan.arena_bytes);
+    REQUIRE(mem.gradients == plan.arena_bytes);
+    REQUIRE(mem.buffers == 0);
+  } else if constexpr (TestType::value == 2) {
+    REQUIRE(mem.weights == plan.arena_bytes);
+    REQUIRE(mem.gradients == shard_arena);
+    REQUIRE(mem.buffers == staging);
+  } else {
+    REQUIRE(mem.weights == shard_arena);
+    REQUIRE(mem.gradients == shard_arena);
+    REQUIRE(mem.buffers >= staging + plan.max_bucket_bytes());  // staging + the gather pool
+  }
+  std::vector<wm::detail::zero::param_spec> specs;
+  for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
+  auto const est            = wm::detail::zero::zero_memory_estimate(TestType::value, specs, world);
+  double const model_states = static_cast<double>(mem.model_states());
+  INFO("model states " << model_states << " formula " << est.device_bytes);
+  // Padding only: at least the formula, within 3%.
+  REQUIRE(model_states >= est.device_bytes);
+  REQUIRE(model_states <= est.device_bytes * 1.03);
+  REQUIRE(est.host_bytes == 0.0);
+  // Everything but the formula's terms: the buffers (two buckets; stage 3 its pool) and a little
+  // scratch.
+  REQUIRE(mem.scratch < (std::size_t{1} << 20));
+  // The device really has it: reading the weights of every parameter works (stages 1-2).
+  if constexpr (TestType::value < 3) { REQUIRE(opt.template weights<bf16>(1).size() == 100001); }
+}
+
+TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DESIGN §8",
+                   "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  auto& comm      = wm_test::comm();
+  int const world = comm.size();
+  std::vector<wm::zero_parameter> params{
+      {"a", {300, 257}}, {"b", {100001}}, {"c", {64, 1000}}, {"d", {3}}};
+  wm::zero_optimizer<TestType, wm::adam, wm::offload_host> opt{comm, params, std::size_t{1} << 17};
+  auto const& plan              = opt.layout();
+  auto const mem                = opt.memory();
+  std::size_t const shard_arena = plan.arena_bytes / static_cast<std::size_t>(world);
+  REQUIRE(mem.master_weights == 0);  // on the host
+  REQUIRE(mem.optimizer_states == 0);
+  REQUIRE(mem.host == 3 * plan.state_elements * 4 + 2 * shard_arena);
+  std::vector<wm::detail::zero::param_spec> specs;
+  for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
+  auto const est      = wm::detail::zero::zero_memory_estimate(TestType::value, specs, world, true);
+  double const device = static_cast<double>(mem.model_states());
+  double const host   = static_cast<double>(mem.host);
+  INFO("device " << device << " formula " << est.device_bytes << "; host " << host << " formula "
+                 << est.host_bytes);
+  REQUIRE(device >= est.device_bytes);
+  REQUIRE(device <= est.device_bytes * 1.03);
+  // The formula's host terms (states, gradient shard) plus the weight shard sent back.
+  REQUIRE(host >= est.host_bytes);
+  REQUIRE(host <= est.host_bytes * 1.03 + static_cast<double>(shard_arena));
+  REQUIRE(opt.master_shard() != nullptr);
+  // The CPU Adam reads no fp16 and has only torch's epsilon form.
+  std::vector<wm::zero_parameter> half{{"h", {10}, wm::zero_element_type::f16}};
+  REQUIRE_THROWS_AS((wm::zero_optimizer<TestType, wm::adam, wm::offload_host>{comm, half, 1024}),
+                    wm::logic_error);
+  wm::adam sparse;
+  sparse.epsilon = wm::adam_epsilon::sparse_adam;
+  REQUIRE_THROWS_AS(
+      (wm::zero_optimizer<TestType, wm::adam, wm::offload_host>{comm, params, 1024, sparse}),
+      wm::logic_error);
+}
+
+TEST_CASE("zero_optimizer rejects bad input", "[ranked]") {
+  auto& comm = wm_test::comm();
+  std::vector<wm::zero_parameter> params{{"a", {10}}, {"b", {20}}};
+  REQUIRE_THROWS_AS((wm::zero_optimizer<wm::zero_stage<2>>{comm, params, 0}), wm::logic_error);
+  std::vector<wm::zero_parameter> dup{{"a", {10}}, {"a", {20}}};
+  REQUIRE_THROWS_AS((wm::zero_optimizer<wm::zero_stage<2>>{comm, dup, 1024}), wm::logic_error);
+  wm::zero_optimizer<wm::zero_stage<2>> opt{comm, params, 1024};
+  REQUIRE_THROWS_AS(opt.weights<float>(0), wm::logic_error);  // bf16 parameter
+  REQUIRE_THROWS_AS(opt.weights<bf16>(2), wm::logic_error);
+  REQUIRE_THROWS_AS(opt.index("c"), wm::logic_error);
+  REQUIRE(opt.index("b") == 1);
+  stream_holder s;
+  REQUIRE_THROWS_AS(opt.reduce_gradients(opt.buckets(), s), wm::logic_error);
+}
