@@ -13,16 +13,24 @@
  * For the offload row: the time of the CPU Adam alone on this rank's shard, measured in the same
  * run, and the step's ratio to it (the issue's target: <= 1.2).
  *
- * Usage: zero_bench [--ranks N] [--layers L] [--width W] [--batch B] [--steps S]
+ * PyTorch peer (bench/peers/torch_zero.py), after the wm rows, on the same ranks (one process per
+ * GPU through `python3 -m torch.distributed.run` when there are several, else plain python3) and
+ * the same model: DDP, ZeroRedundancyOptimizer, FSDP2 fully_shard (resharding after forward, and
+ * not); their step ms against wm's ZeRO-1 (gradients all-reduced: wm's data-parallel row), ZeRO-2
+ * and ZeRO-3, and their peak allocated memory per GPU. `--no-peer` skips it.
+ *
+ * Usage: zero_bench [--ranks N] [--layers L] [--width W] [--batch B] [--steps S] [--no-peer]
  *        (defaults: every GPU, 16 8192 8192 5)
  */
 #include <wm/wm.cuh>
 #include <wm/zero.cuh>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -56,6 +64,88 @@ struct row {
   double host{};
   double cpu_adam_ms{};  // offload: the CPU Adam alone on this shard
 };
+
+/// What rank 0 hands to the parent process for the peer's table (memory shared with the ranks).
+struct wm_figures {
+  bool done{false};
+  double ms[3]{};         // ZeRO-1, ZeRO-2, ZeRO-3
+  double allocated[3]{};  // device bytes
+};
+
+/// The string after "key": in a JSON line ("" if absent or not a string; escapes kept as they are).
+std::string json_string(std::string const& line, std::string const& key) {
+  auto at = line.find('"' + key + "\": \"");
+  if (at == std::string::npos) { return {}; }
+  at += key.size() + 5;
+  std::string s;
+  for (; at < line.size() && line[at] != '"'; ++at) {
+    if (line[at] == '\\' && at + 1 < line.size()) { s += line[at++]; }
+    s += line[at];
+  }
+  return s;
+}
+
+/// Runs bench/peers/torch_zero.py on the same model and ranks and prints its rows beside wm's.
+void run_torch_peer(config const& c, int ranks, wm_figures const& wm) {
+  wm_bench::peer_result p;
+  wm_bench::fs::path const script = wm_bench::find_peer("torch_zero.py", p);
+  if (!script.empty()) {
+    std::string const launcher =
+        ranks > 1 ? wm_bench::fmt(
+                        "python3 -m torch.distributed.run --standalone --nproc_per_node %d", ranks)
+                  : std::string{"python3"};
+    wm_bench::run_peer("timeout 480 " + launcher +
+                           wm_bench::fmt(" '%s' --json --layers %d --width %d --batch %d "
+                                         "--steps %d --bucket-mib 256",
+                                         script.c_str(), c.layers, c.width, c.batch, c.steps),
+                       p);
+  }
+  if (p.json.empty()) {
+    std::printf("%s\n", p.note.c_str());
+    return;
+  }
+  std::printf(
+      "torch peer (bench/peers/torch_zero.py, %d process(es), torch %s): fp32 parameters as "
+      "master weights, bf16 compute, gradients reduced in bf16, fused Adam as wm's\n",
+      ranks, json_string(p.json, "torch").c_str());
+  std::printf("%-28s %9s %8s %8s %8s %9s %9s\n", "run", "step ms", "/ZeRO-1", "/ZeRO-2", "/ZeRO-3",
+              "peak GiB", "reserved");
+  struct peer_row {
+    char const* key;
+    char const* name;
+  };
+  double fsdp2 = std::numeric_limits<double>::quiet_NaN();  // the faster FSDP2 row
+  double ddp   = std::numeric_limits<double>::quiet_NaN();
+  for (auto const& [key, name] :
+       {peer_row{"ddp", "torch DDP"}, peer_row{"zero_redundancy", "torch ZeroRedundancyOpt"},
+        peer_row{"fsdp2", "torch FSDP2"}, peer_row{"fsdp2_keep", "torch FSDP2 no reshard"}}) {
+    std::string const k{key};
+    double const ms = wm_bench::json_number(p.json, k + "_ms");
+    if (std::isnan(ms)) {
+      std::string const err = json_string(p.json, k + "_error");
+      std::printf("%-28s FAILED: %s\n", name, err.empty() ? "no figures" : err.c_str());
+      continue;
+    }
+    std::printf("%-28s %9.2f %8.3f %8.3f %8.3f %9.3f %9.3f\n", name, ms, ms / wm.ms[0],
+                ms / wm.ms[1], ms / wm.ms[2], wm_bench::json_number(p.json, k + "_peak_gib"),
+                wm_bench::json_number(p.json, k + "_reserved_gib"));
+    if (k == "ddp") { ddp = ms; }
+    if (k.starts_with("fsdp2") && !(ms >= fsdp2)) { fsdp2 = ms; }
+  }
+  std::printf(
+      "   peak GiB: torch.cuda.max_memory_allocated over the timed steps, the largest over the "
+      "ranks (wm: the 'allocated' column above: ZeRO-1 %.3f, ZeRO-2 %.3f, ZeRO-3 %.3f)\n",
+      wm.allocated[0] / gib, wm.allocated[1] / gib, wm.allocated[2] / gib);
+  std::printf("   wm ZeRO-1, ZeRO-2, ZeRO-3 / torch DDP: %.3f %.3f %.3f\n", wm.ms[0] / ddp,
+              wm.ms[1] / ddp, wm.ms[2] / ddp);
+  std::printf(
+      "   target wm ZeRO-2 and ZeRO-3 ahead of FSDP2 (the faster of its rows): %s "
+      "(%.3f, %.3f)\n",
+      std::isnan(fsdp2)                      ? "n/a"
+      : wm.ms[1] < fsdp2 && wm.ms[2] < fsdp2 ? "met"
+                                             : "NOT met",
+      wm.ms[1] / fsdp2, wm.ms[2] / fsdp2);
+}
 
 template <class Stage, class Offload>
 row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char const* name) {
@@ -139,8 +229,13 @@ row run_plain(wm::communicator& comm, config const& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   wm_bench::set_environment();
   config c;
+  bool peer = true;
   std::vector<char*> rest{argv[0]};
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-peer") == 0) {
+      peer = false;
+      continue;
+    }
     bool const known =
         i + 1 < argc &&
         (std::strcmp(argv[i], "--layers") == 0 || std::strcmp(argv[i], "--width") == 0 ||
@@ -169,6 +264,7 @@ int main(int argc, char** argv) {
       wm_bench::ranks_argument(static_cast<int>(rest.size()), rest.data(), gpus, "zero_bench");
   if (ranks < 0) { return 2; }
   if (ranks == 0) { ranks = gpus; }
+  wm_figures* const figures = wm_bench::shared_results<wm_figures>("zero_bench");
   try {
     wm::launch(ranks, [&](wm::communicator& comm) {
       cudaStream_t stream{};
@@ -182,6 +278,13 @@ int main(int argc, char** argv) {
       rows.push_back(run_plain(comm, c, stream));
       WM_CUDA_TRY(cudaStreamDestroy(stream));
       if (comm.rank() != 0) { return; }
+      if (figures != nullptr) {
+        for (int i = 0; i < 3; ++i) {
+          figures->ms[i]        = rows[static_cast<std::size_t>(i)].ms;
+          figures->allocated[i] = rows[static_cast<std::size_t>(i)].allocated;
+        }
+        figures->done = true;
+      }
       double const params = static_cast<double>(c.layers) * c.width * c.width;
       std::printf(
           "zero_bench: %d x Linear(%d, %d) + ReLU, bf16, batch %d, %.3g B parameters, "
@@ -215,5 +318,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;
   }
+  // After the ranks have exited and freed their GPUs.
+  if (peer && figures != nullptr && figures->done) { run_torch_peer(c, ranks, *figures); }
   return 0;
 }
