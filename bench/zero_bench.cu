@@ -106,7 +106,8 @@ void run_torch_peer(config const& c, int ranks, wm_figures const& wm) {
   }
   std::printf(
       "torch peer (bench/peers/torch_zero.py, %d process(es), torch %s): fp32 parameters as "
-      "master weights, bf16 compute, gradients reduced in bf16, fused Adam as wm's\n",
+      "master weights, bf16 compute, gradients reduced in bf16, Adam with wm's hyper-parameters "
+      "(fused; foreach if fused fails)\n",
       ranks, json_string(p.json, "torch").c_str());
   std::printf("%-28s %9s %8s %8s %8s %9s %9s\n", "run", "step ms", "/ZeRO-1", "/ZeRO-2", "/ZeRO-3",
               "peak GiB", "reserved");
