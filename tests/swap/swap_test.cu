@@ -14,6 +14,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -84,6 +85,14 @@ struct checker {
     REQUIRE(used < capacity);
     check_kernel<<<256, 256, 0, s>>>(p, n, seed, bad + used++);
     WM_CHECK_LAUNCH();
+  }
+  // Wrong words per check so far (synchronizes the device).
+  [[nodiscard]] std::vector<unsigned long long> counts() const {
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    std::vector<unsigned long long> h(used);
+    WM_CUDA_TRY(
+        cudaMemcpy(h.data(), bad, used * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    return h;
   }
   // Every check so far found nothing wrong (synchronizes the device).
   [[nodiscard]] std::size_t wrong_checks() const {
@@ -191,11 +200,24 @@ TEST_CASE("swap: random writes, page-outs, prefetches and reads from several str
     }
     REQUIRE(total > budget);
     int writes = 0, reads = 0, pageouts = 0, prefetches = 0;
+    // What happened to each buffer (for a failure's message) and which buffer each check read.
+    std::vector<std::string> history(bufs.size());
+    std::vector<std::size_t> checked;  // buffer of check i (the checks of this loop)
+    std::size_t const first_check = chk.used;
+    auto const stream_index       = [&](cudaStream_t s) {
+      return std::find(st.s.begin(), st.s.end(), s) - st.s.begin();
+    };
     for (int op = 0; op < 3000; ++op) {
       std::size_t const k  = rng() % bufs.size();
       auto& x              = bufs[k];
       cudaStream_t const s = st.s[rng() % 3];
-      switch (rng() % 8) {
+      unsigned const kind  = static_cast<unsigned>(rng() % 8);
+      history[k] += " | op " + std::to_string(op) + " kind " + std::to_string(kind) + " s" +
+                    std::to_string(stream_index(s)) + " last s" +
+                    std::to_string(stream_index(x.last)) +
+                    (x.b.resident() ? " resident" : " away") + (x.held ? " held" : "");
+      if (kind == 2 || kind == 3) { checked.push_back(k); }
+      switch (kind) {
         case 0:
         case 1: {  // write fresh data
           make_room(x.b.bytes());
@@ -247,6 +269,15 @@ TEST_CASE("swap: random writes, page-outs, prefetches and reads from several str
     scope.prefetch_all();
     INFO("writes " << writes << " reads " << reads << " pageouts " << pageouts << " prefetches "
                    << prefetches);
+    auto const counts = chk.counts();
+    for (std::size_t i = first_check; i < counts.size(); ++i) {
+      if (counts[i] == 0) { continue; }
+      std::size_t const k = checked.at(i - first_check);
+      std::size_t const n = history[k].size();
+      UNSCOPED_INFO("check " << i - first_check << ": buffer " << k << " (" << bufs[k].b.bytes()
+                             << " bytes), " << counts[i] << " wrong words; its last ops:"
+                             << history[k].substr(n > 900 ? n - 900 : 0));
+    }
     CHECK(chk.wrong_checks() == 0);
     // Every buffer, once more, copied back to the host (paged in where it is not resident).
     std::size_t wrong = 0;
