@@ -76,6 +76,9 @@ inline void* swap_core::data(std::uint64_t id, cudaStream_t stream, bool pin) {
       break;
     case state::in_issued: consumer_wait(stream, r.copy); break;
   }
+  // Resident with a copy in flight: a page-in whose page-out (asked for meanwhile, queued) was
+  // cancelled above or by need_prefetch(): the stream waits for the page-in too.
+  if (r.st == state::resident && r.copy != nullptr) { consumer_wait(stream, r.copy); }
   if (pin) { ++r.pins; }
   return pool_ + r.dev;
 }
@@ -92,9 +95,10 @@ inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream, bool keep)
   used(r);
   switch (r.st) {
     case state::in_issued:
-      WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0));  // the page-out copies what came in
-      [[fallthrough]];
     case state::resident: {
+      // The page-out copies what came in: after a page-in in flight (in_issued, or resident
+      // after a cancelled page-out of it).
+      if (r.copy != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0)); }
       cudaEvent_t ev = take_event(false);
       WM_CUDA_TRY(cudaEventRecord(ev, stream));
       state const before = r.st;
