@@ -244,6 +244,7 @@ class zero_optimizer {
 
  private:
   void* shard_weights(std::size_t b) const noexcept;  // the send block of bucket b's all-gather
+  void all_gather_bucket(std::size_t b, std::byte* into, cuda::stream_ref stream);
   void* shard_gradients(std::size_t b) const noexcept;
   void* staging(std::size_t b) const noexcept;
   void widen_masters(cudaStream_t s);

@@ -10,47 +10,51 @@
 
 namespace z = wm::detail::zero;
 
-TEST_CASE("zero range_pool: first fit, alignment, merging", "[host]") {
-  z::range_pool p{1024, 256};
-  auto a = p.allocate(1);
-  auto b = p.allocate(300);  // rounds to 512
-  auto c = p.allocate(256);
+TEST_CASE("range_allocator as the stage-3 gather pool: first fit, merging, fits_all", "[host]") {
+  wm::detail::range_allocator p{1024, 256};
+  constexpr auto npos = wm::detail::range_allocator::npos;
+  auto const a        = p.allocate(1);
+  auto const b        = p.allocate(300);  // rounds to 512
+  auto const c        = p.allocate(256);
   REQUIRE(a == 0u);
   REQUIRE(b == 256u);
   REQUIRE(c == 768u);
-  REQUIRE_FALSE(p.allocate(1).has_value());
-  REQUIRE(p.free_bytes() == 0);
-  p.release(*a);
-  p.release(*c);
-  REQUIRE_FALSE(p.allocate(512).has_value());  // two holes of 256, not adjacent
-  REQUIRE(p.fits({256, 256}));
-  p.release(*b);  // merges into one range of 1024
-  REQUIRE(p.free_bytes() == 1024);
+  REQUIRE(p.allocate(1) == npos);
+  REQUIRE_FALSE(p.fits_all(std::vector<std::size_t>{1}));
+  p.free(a);
+  p.free(c);
+  REQUIRE(p.allocate(512) == npos);  // two holes of 256, not adjacent
+  REQUIRE(p.fits_all(std::vector<std::size_t>{256, 256}));
+  REQUIRE_FALSE(p.fits_all(std::vector<std::size_t>{256, 256, 1}));
+  REQUIRE(p.in_use() == 512);  // fits_all changed nothing
+  p.free(b);                   // merges into one range of 1024
+  REQUIRE(p.in_use() == 0);
   REQUIRE(p.allocate(1024) == 0u);
-  REQUIRE_THROWS_AS(p.release(5), wm::logic_error);
+  REQUIRE_THROWS_AS(p.free(5), wm::logic_error);
 }
 
-TEST_CASE("zero range_pool: random allocations never overlap", "[host]") {
+TEST_CASE("range_allocator: random allocations never overlap", "[host]") {
   std::mt19937_64 rng{std::random_device{}()};
-  z::range_pool p{1 << 16, 128};
+  wm::detail::range_allocator p{1 << 16, 128};
   std::vector<std::pair<std::size_t, std::size_t>> live;
   for (int i = 0; i < 2000; ++i) {
     if (!live.empty() && rng() % 2 == 0) {
-      auto k = rng() % live.size();
-      p.release(live[k].first);
+      auto const k = rng() % live.size();
+      p.free(live[k].first);
       live.erase(live.begin() + static_cast<long>(k));
     } else {
-      std::size_t n = 1 + rng() % 5000;
-      if (auto at = p.allocate(n)) {
-        REQUIRE(*at % 128 == 0);
-        REQUIRE(*at + n <= (1u << 16));
-        for (auto const& [o, m] : live) { REQUIRE((*at + n <= o || o + m <= *at)); }
-        live.push_back({*at, n});
+      std::size_t const n  = 1 + rng() % 5000;
+      std::size_t const at = p.allocate(n);
+      if (at != wm::detail::range_allocator::npos) {
+        REQUIRE(at % 128 == 0);
+        REQUIRE(at + n <= (1u << 16));
+        for (auto const& [o, m] : live) { REQUIRE((at + n <= o || o + m <= at)); }
+        live.push_back({at, n});
       }
     }
   }
-  for (auto const& [o, m] : live) { p.release(o); }
-  REQUIRE(p.free_bytes() == (1u << 16));
+  for (auto const& [o, m] : live) { p.free(o); }
+  REQUIRE(p.in_use() == 0);
 }
 
 TEST_CASE("zero residency: acquire, share, release, prefetch", "[host]") {
@@ -82,13 +86,13 @@ TEST_CASE("zero residency: acquire, share, release, prefetch", "[host]") {
   r.release(1);
   r.release(2);
   REQUIRE_FALSE(r.any_held());
-  REQUIRE(r.pool().free_bytes() == 768);
+  REQUIRE(r.pool().capacity() - r.pool().in_use() == 768);
   // A wrong guess is dropped when another group is asked for.
   REQUIRE(r.prefetch(2).size() == 1);
   REQUIRE(r.acquire(0).size() == 2);
   REQUIRE_FALSE(r.offset(3).has_value());
   r.release(0);
-  REQUIRE(r.pool().free_bytes() == 768);
+  REQUIRE(r.pool().capacity() - r.pool().in_use() == 768);
   REQUIRE_THROWS_AS(r.release(0), wm::logic_error);
 }
 

@@ -14,9 +14,11 @@
 // - `prefetch(g)` brings in g's missing buckets only if all of them fit in the free pool now
 //   (nothing is evicted for a guess); it returns nothing otherwise. At most one group is
 //   prefetched at a time.
-// - The pool is first-fit over offsets aligned to `alignment`, adjacent free ranges merged.
+// - The pool is a wm::detail::range_allocator: first fit over offsets aligned to `alignment`,
+//   adjacent free ranges merged.
 #pragma once
 
+#include <wm/detail/memory/range_allocator.hpp>
 #include <wm/error.hpp>
 
 #include <algorithm>
@@ -28,81 +30,6 @@
 #include <vector>
 
 namespace wm::detail::zero {
-
-/// First-fit allocator of aligned ranges of a pool of bytes (host bookkeeping only).
-class range_pool {
- public:
-  range_pool() = default;
-  range_pool(std::size_t bytes, std::size_t alignment) : bytes_{bytes}, alignment_{alignment} {
-    WM_EXPECTS(alignment > 0 && (alignment & (alignment - 1)) == 0,
-               "a pool alignment that is a power of two");
-    if (bytes > 0) { free_[0] = bytes; }
-  }
-
-  /// The offset of a free range of @p bytes (rounded up to the alignment), or none.
-  [[nodiscard]] std::optional<std::size_t> allocate(std::size_t bytes) {
-    std::size_t const need = round(std::max<std::size_t>(bytes, 1));
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second >= need) {
-        std::size_t const at   = it->first;
-        std::size_t const left = it->second - need;
-        free_.erase(it);
-        if (left > 0) { free_[at + need] = left; }
-        used_[at] = need;
-        return at;
-      }
-    }
-    return std::nullopt;
-  }
-
-  /// Returns the range at @p offset (from `allocate`) to the pool.
-  void release(std::size_t offset) {
-    auto u = used_.find(offset);
-    WM_EXPECTS(u != used_.end(), "a pool offset that is allocated");
-    std::size_t at = offset, len = u->second;
-    used_.erase(u);
-    auto next = free_.lower_bound(at);
-    if (next != free_.end() && next->first == at + len) {
-      len += next->second;
-      next = free_.erase(next);
-    }
-    if (next != free_.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == at) {
-        at = prev->first;
-        len += prev->second;
-        free_.erase(prev);
-      }
-    }
-    free_[at] = len;
-  }
-
-  /// Whether ranges of each of @p sizes could be allocated now, one after the other.
-  [[nodiscard]] bool fits(std::vector<std::size_t> const& sizes) const {
-    range_pool copy = *this;
-    for (auto s : sizes) {
-      if (!copy.allocate(s)) { return false; }
-    }
-    return true;
-  }
-
-  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-  [[nodiscard]] std::size_t free_bytes() const noexcept {
-    std::size_t f = 0;
-    for (auto const& [at, len] : free_) { f += len; }
-    return f;
-  }
-
- private:
-  [[nodiscard]] std::size_t round(std::size_t x) const noexcept {
-    return (x + alignment_ - 1) / alignment_ * alignment_;
-  }
-
-  std::size_t bytes_{};
-  std::size_t alignment_{256};
-  std::map<std::size_t, std::size_t> free_;  // offset -> length
-  std::map<std::size_t, std::size_t> used_;  // offset -> length
-};
 
 /// Which buckets of stage 3 are gathered, and by which groups they are held.
 class residency {
@@ -137,7 +64,7 @@ class residency {
         WM_EXPECTS(b < bytes_.size(), "group buckets below the bucket count");
         sizes.push_back(bytes_[b]);
       }
-      WM_EXPECTS((range_pool{pool_bytes, alignment}.fits(sizes)),
+      WM_EXPECTS((range_allocator{pool_bytes, alignment}.fits_all(sizes)),
                  "a gather pool (prefetch budget) that holds the largest group alone: a group "
                  "needs " +
                      std::to_string(sum(sizes)) + " bytes, the pool has " +
@@ -162,7 +89,7 @@ class residency {
   [[nodiscard]] bool held_bucket(std::size_t b) const { return state_.at(b).holders > 0; }
   /// The group whose buckets the last prefetch brought in (and nobody acquired yet), if any.
   [[nodiscard]] std::optional<std::size_t> prefetched() const noexcept { return prefetched_; }
-  [[nodiscard]] range_pool const& pool() const noexcept { return pool_; }
+  [[nodiscard]] range_allocator const& pool() const noexcept { return pool_; }
 
   /**
    * @brief Makes group @p g resident and held; returns the buckets to gather now.
@@ -177,7 +104,7 @@ class residency {
     for (auto b : groups_[g]) {
       if (!state_[b].resident) { sizes.push_back(bytes_[b]); }
     }
-    if (!pool_.fits(sizes)) {
+    if (!pool_.fits_all(sizes)) {
       throw logic_error{"wm: zero_optimizer::gather: group " + std::to_string(g) +
                         " does not fit in the gather pool beside the groups still gathered; "
                         "release them first or declare a larger prefetch budget"};
@@ -189,7 +116,7 @@ class residency {
       s.prefetch = false;
       if (!s.resident) {
         s.resident = true;
-        s.offset   = *pool_.allocate(bytes_[b]);
+        s.offset   = pool_.allocate(bytes_[b]);
         out.push_back({b, s.offset});
       }
     }
@@ -206,7 +133,7 @@ class residency {
       auto& s = state_[b];
       if (--s.holders == 0 && !s.prefetch) {
         s.resident = false;
-        pool_.release(s.offset);
+        pool_.free(s.offset);
       }
     }
   }
@@ -221,14 +148,14 @@ class residency {
     for (auto b : groups_[g]) {
       if (!state_[b].resident) { sizes.push_back(bytes_[b]); }
     }
-    if (sizes.empty() || !pool_.fits(sizes)) { return {}; }
+    if (sizes.empty() || !pool_.fits_all(sizes)) { return {}; }
     std::vector<load> out;
     for (auto b : groups_[g]) {
       auto& s = state_[b];
       if (s.resident) { continue; }
       s.resident = true;
       s.prefetch = true;
-      s.offset   = *pool_.allocate(bytes_[b]);
+      s.offset   = pool_.allocate(bytes_[b]);
       out.push_back({b, s.offset});
     }
     prefetched_ = g;
@@ -244,7 +171,7 @@ class residency {
         s.prefetch = false;
         if (s.holders == 0) {
           s.resident = false;
-          pool_.release(s.offset);
+          pool_.free(s.offset);
         }
       }
     }
@@ -267,7 +194,7 @@ class residency {
 
   std::vector<std::vector<std::size_t>> groups_;
   std::vector<std::size_t> bytes_;
-  range_pool pool_;
+  range_allocator pool_;
   std::vector<bucket_state> state_;
   std::vector<bool> held_;
   std::optional<std::size_t> prefetched_;

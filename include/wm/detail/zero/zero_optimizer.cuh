@@ -253,6 +253,17 @@ void* zero_optimizer<Stage, Optimizer, Offload>::shard_weights(std::size_t b) co
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::all_gather_bucket(std::size_t b, std::byte* into,
+                                                                  cuda::stream_ref stream) {
+  auto const& bk = plan_.buckets[b];
+  detail::zero::with_element_type(bk.type, [&](auto tag) {
+    using T = decltype(tag);
+    comm_->all_gather(static_cast<T const*>(shard_weights(b)), reinterpret_cast<T*>(into),
+                      bk.shard_elements, stream);
+  });
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void* zero_optimizer<Stage, Optimizer, Offload>::shard_gradients(std::size_t b) const noexcept {
   auto const& bk = plan_.buckets[b];
   if constexpr (Stage::value == 1) {
@@ -408,13 +419,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
     // 4. Stages 1-2: the in-place all-gather of the new weights.
     if constexpr (Stage::value < 3) {
       for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-        auto const& bk = plan_.buckets[b];
-        z::with_element_type(bk.type, [&](auto tag) {
-          using T = decltype(tag);
-          comm_->all_gather(static_cast<T const*>(shard_weights(b)),
-                            reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
-                            stream);
-        });
+        all_gather_bucket(b, weights_ + plan_.buckets[b].byte_offset, stream);
       }
     }
   }
@@ -494,14 +499,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
       }
       WM_CUDA_TRY(
           cudaMemcpyAsync(shard_weights(b), host_weights_ + at, size, cudaMemcpyHostToDevice, s));
-      if constexpr (Stage::value < 3) {
-        z::with_element_type(bk.type, [&](auto tag) {
-          using T = decltype(tag);
-          comm_->all_gather(static_cast<T const*>(shard_weights(b)),
-                            reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
-                            stream);
-        });
-      }
+      if constexpr (Stage::value < 3) { all_gather_bucket(b, weights_ + bk.byte_offset, stream); }
     }
   }
 }
@@ -515,13 +513,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::gather_buckets(
   WM_CUDA_TRY(cudaEventRecord(user_ready_, s));
   WM_CUDA_TRY(cudaStreamWaitEvent(gather_stream_, user_ready_, 0));
   for (auto const& l : loads) {
-    auto const& bk = plan_.buckets[l.bucket];
-    detail::zero::with_element_type(bk.type, [&](auto tag) {
-      using T = decltype(tag);
-      comm_->all_gather(static_cast<T const*>(shard_weights(l.bucket)),
-                        reinterpret_cast<T*>(pool_ + l.offset), bk.shard_elements,
-                        cuda::stream_ref{gather_stream_});
-    });
+    all_gather_bucket(l.bucket, pool_ + l.offset, cuda::stream_ref{gather_stream_});
   }
   WM_CUDA_TRY(cudaEventRecord(gather_done_, gather_stream_));
 }
@@ -689,12 +681,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
       WM_CUDA_TRY(cub::DeviceFor::Bulk(
           bk.shard_elements,
           z::narrow_op<T>{master_ + bk.state_offset, static_cast<T*>(shard_weights(b))}, s));
-      if constexpr (Stage::value < 3) {
-        comm_->all_gather(static_cast<T const*>(shard_weights(b)),
-                          reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
-                          stream);
-      }
     });
+    if constexpr (Stage::value < 3) { all_gather_bucket(b, weights_ + bk.byte_offset, stream); }
   }
   masters_stale_ = false;
   comm_->synchronize(stream, "zero_optimizer::load");  // `data` and host_counters_ are read

@@ -1,5 +1,6 @@
 // wm::detail::range_allocator: first-fit sub-allocation of one range of bytes (offsets only),
-// used by a swap scope for its pinned host slab and its device pool. Lowest address first, so
+// used by a swap scope for its pinned host slab and its device pool, and by ZeRO stage 3 for its
+// gather pool (detail/zero/residency.hpp). Lowest address first, so
 // buffers allocated one after another sit side by side and their copies can be merged. Freed
 // neighbours are joined. Host-only; compiles with a plain C++20 compiler.
 #pragma once
@@ -18,6 +19,7 @@ class range_allocator {
  public:
   static constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
 
+  range_allocator() = default;  ///< an empty range (every allocation fails)
   /// A range of @p capacity bytes handed out in multiples of @p alignment (a power of two).
   range_allocator(std::size_t capacity, std::size_t alignment) : alignment_{alignment} {
     WM_EXPECTS(alignment != 0 && (alignment & (alignment - 1)) == 0,
@@ -84,6 +86,15 @@ class range_allocator {
   [[nodiscard]] std::size_t peak() const noexcept { return peak_; }      ///< most in use at once
   void reset_peak() noexcept { peak_ = in_use_; }
   [[nodiscard]] std::size_t allocations() const noexcept { return used_.size(); }
+  /// Whether ranges of each of @p sizes could be allocated now, one after the other.
+  template <class Sizes>
+  [[nodiscard]] bool fits_all(Sizes const& sizes) const {
+    range_allocator copy = *this;
+    for (std::size_t const s : sizes) {
+      if (copy.allocate(s) == npos) { return false; }
+    }
+    return true;
+  }
   /// The largest range allocate() could hand out now.
   [[nodiscard]] std::size_t largest_free() const noexcept {
     std::size_t m = 0;
@@ -92,7 +103,7 @@ class range_allocator {
   }
 
  private:
-  std::size_t alignment_;
+  std::size_t alignment_{1};
   std::size_t capacity_{0};
   std::size_t in_use_{0};
   std::size_t peak_{0};
