@@ -37,10 +37,14 @@
  * `step` waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights
  * back (and all-gathers them) while the CPU updates the next.
  *
- * Not implemented yet: fp16 dynamic loss scaling (the scale is a fixed option; a step with an
- * inf or NaN gradient is skipped on every rank and `last_step_skipped` says so); gradient
- * accumulation over micro-batches (backward overwrites the gradients, and stages 2-3 zero the
- * staging buffer after each reduce-scatter).
+ * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
+ * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
+ * steps), kept on the device (`loss_scale_device()`) so that a step needs no host wait. A step
+ * with an inf or NaN gradient is skipped on every rank and `last_step_skipped` says so. The
+ * scale is not part of a checkpoint: `load` keeps the current one.
+ *
+ * Not implemented yet: gradient accumulation over micro-batches (backward overwrites the
+ * gradients, and stages 2-3 zero the staging buffer after each reduce-scatter).
  */
 #pragma once
 
@@ -233,6 +237,12 @@ class zero_optimizer {
   [[nodiscard]] bool last_step_skipped(cuda::stream_ref stream) const;
   /// Steps applied so far, skipped ones not counted (waits for @p stream).
   [[nodiscard]] std::int64_t applied_steps(cuda::stream_ref stream) const;
+  /** @brief The loss scale the next backward pass must use (`zero_options::loss_scale`, updated
+   * by each step with `dynamic_loss_scale`); waits for @p stream. */
+  [[nodiscard]] float loss_scale(cuda::stream_ref stream) const;
+  /** @brief The same scale on the device, for a loss kernel on the stream after `step` (no host
+   * wait). */
+  [[nodiscard]] float const* loss_scale_device() const noexcept { return scale_; }
 
   /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
   /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`.
@@ -271,8 +281,11 @@ class zero_optimizer {
   std::byte* pool_{nullptr};     // stage 3: gather pool
   float* master_{nullptr};
   float* states_{nullptr};
-  double* scratch_{nullptr};         // partials, then [local Σ g², global Σ g²]
-  std::int64_t* counters_{nullptr};  // applied, last skipped, skipped
+  double* scratch_{nullptr};                  // partials, then [local Σ g², global Σ g²]
+  static constexpr std::size_t counters = 4;  // applied, last skipped, skipped, scale tracker
+  std::int64_t* counters_{nullptr};
+  float* scale_{nullptr};           // the loss scale of the next step (device)
+  mutable float host_scale_{1.0f};  // offload: the scale itself; else the last one read
   std::int64_t* host_counters_{nullptr};
   double* host_sumsq_{nullptr};       // offload: the global sum of squares of the step
   std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)

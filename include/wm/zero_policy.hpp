@@ -69,8 +69,18 @@ struct zero_options {
   /// Global gradient-norm clipping as `torch.nn.utils.clip_grad_norm_` (L2 norm over every
   /// parameter, after unscaling): gradients times min(1, max / (norm + 1e-6)). 0: no clipping.
   float max_grad_norm{0.0f};
-  /// The loss was multiplied by this; gradients are divided by it before anything else.
+  /// The loss was multiplied by this; gradients are divided by it before anything else. With
+  /// `dynamic_loss_scale`, the initial scale.
   float loss_scale{1.0f};
+  /// Dynamic loss scaling for fp16 compute, as torch.cuda.amp.GradScaler updates its scale: a
+  /// step with an inf or NaN gradient on any rank is skipped and the scale multiplied by
+  /// `scale_backoff`; after `scale_growth_interval` applied steps in a row it is multiplied by
+  /// `scale_growth`. The scale for the next backward pass: `loss_scale()` (waits) or
+  /// `loss_scale_device()` (a device pointer, no wait).
+  bool dynamic_loss_scale{false};
+  float scale_growth{2.0f};                  ///< > 1
+  float scale_backoff{0.5f};                 ///< in (0, 1)
+  std::int64_t scale_growth_interval{2000};  ///< > 0
   /// Divide the summed gradients by the rank count (PyTorch DDP's average); false keeps sums.
   bool average_gradients{true};
   /// Stage 3: the parameters (indices into the list, forward order) of each group that

@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(Block)
 /// What every shard's update needs besides its pointers.
 struct step_args {
   float lr;                     ///< learning rate of this step
-  float unscale;                ///< 1 / (loss scale · ranks averaged over)
+  float inv_ranks;              ///< 1 / ranks averaged over (1: sums)
+  float const* scale;           ///< the loss scale of this step (device)
   float max_norm;               ///< clip threshold (<= 0: none)
   double const* sumsq;          ///< Σ g² of the raw (scaled, summed) gradients, all ranks
   std::int64_t const* applied;  ///< steps applied before this one
@@ -94,7 +95,7 @@ __host__ __device__ inline float grad_factor_of(double sumsq, float unscale, flo
 __device__ inline float grad_factor(step_args const& a) {
   double const s = *a.sumsq;
   if (!isfinite(s)) { return 0.0f; }
-  return grad_factor_of(s, a.unscale, a.max_norm);
+  return grad_factor_of(s, a.inv_ranks / *a.scale, a.max_norm);
 }
 
 /**
@@ -125,15 +126,35 @@ __global__ void update_kernel(T const* __restrict__ grad, float* __restrict__ ma
   });
 }
 
-/// counters[0]: steps applied; [1]: 1 if the last step was skipped; [2]: steps skipped.
+/// The next loss scale and growth tracker after a step (torch.cuda.amp.GradScaler's
+/// _amp_update_scale_): an inf/NaN step multiplies the scale by @p backoff and resets the
+/// tracker; otherwise the tracker counts, and at @p interval the scale grows by @p growth.
+__host__ __device__ inline void update_scale(bool skipped, float& scale, std::int64_t& tracker,
+                                             float growth, float backoff, std::int64_t interval) {
+  if (skipped) {
+    scale *= backoff;
+    tracker = 0;
+  } else if (++tracker == interval) {
+    scale *= growth;
+    tracker = 0;
+  }
+}
+
+/// counters[0]: steps applied; [1]: 1 if the last step was skipped; [2]: steps skipped; [3]: the
+/// dynamic loss scale's growth tracker (with @p dynamic, *scale is updated too).
 struct finish_step_op {
   double const* sumsq;
   std::int64_t* counters;
+  float* scale;
+  bool dynamic;
+  float growth, backoff;
+  std::int64_t interval;
   __device__ void operator()(std::size_t) const {
     bool const skip = !isfinite(*sumsq);
     counters[0] += skip ? 0 : 1;
     counters[1] = skip ? 1 : 0;
     counters[2] += skip ? 1 : 0;
+    if (dynamic) { update_scale(skip, *scale, counters[3], growth, backoff, interval); }
   }
 };
 

@@ -55,6 +55,12 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
              "zero_optimizer: a finite loss scale above 0");
   WM_EXPECTS(std::isfinite(options_.max_grad_norm),
              "zero_optimizer: a finite max_grad_norm (0: no clipping)");
+  WM_EXPECTS(!options_.dynamic_loss_scale ||
+                 (options_.scale_growth > 1.0f && std::isfinite(options_.scale_growth) &&
+                  options_.scale_backoff > 0.0f && options_.scale_backoff < 1.0f &&
+                  options_.scale_growth_interval > 0),
+             "zero_optimizer: dynamic loss scaling needs scale_growth > 1, scale_backoff in "
+             "(0, 1) and scale_growth_interval > 0");
   std::vector<z::param_spec> specs;
   specs.reserve(params.size());
   for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
@@ -71,6 +77,10 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   }
   h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.loss_scale));
   h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.max_grad_norm));
+  h = detail::mix64(h, options_.dynamic_loss_scale ? 1 : 0);
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.scale_growth));
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.scale_backoff));
+  h = detail::mix64(h, static_cast<std::uint64_t>(options_.scale_growth_interval));
   h = detail::mix64(h, options_.average_gradients ? 1 : 0);
   h = detail::mix64(h, options_.prefetch_bytes);
   for (auto const& g : options_.groups) {
@@ -172,9 +182,12 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
       states_ = z::device_alloc<float>(plan_.state_elements * Optimizer::states);
     }
     scratch_  = z::device_alloc<double>(partials_ + 2);
-    counters_ = z::device_alloc<std::int64_t>(3);
-    WM_CUDA_TRY(cudaMallocHost(&host_counters_, 3 * sizeof(std::int64_t)));
-    std::fill_n(host_counters_, 3, std::int64_t{0});
+    counters_ = z::device_alloc<std::int64_t>(counters);
+    scale_    = z::device_alloc<float>(1);
+    WM_CUDA_TRY(cudaMallocHost(&host_counters_, counters * sizeof(std::int64_t)));
+    std::fill_n(host_counters_, counters, std::int64_t{0});
+    host_scale_ = options_.loss_scale;
+    WM_CUDA_TRY(cudaMemcpy(scale_, &host_scale_, sizeof(float), cudaMemcpyHostToDevice));
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking));
     WM_CUDA_TRY(cudaEventCreateWithFlags(&gather_done_, cudaEventDisableTiming));
     WM_CUDA_TRY(cudaEventCreateWithFlags(&user_ready_, cudaEventDisableTiming));
@@ -184,7 +197,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
           std::pair{static_cast<void*>(grads_), memory_.gradients},
           std::pair{static_cast<void*>(staging_), stagings * max_b},
           std::pair{static_cast<void*>(Offload::host ? nullptr : master_), memory_.master_weights},
-          std::pair{static_cast<void*>(counters_), 3 * sizeof(std::int64_t)}}) {
+          std::pair{static_cast<void*>(counters_), counters * sizeof(std::int64_t)}}) {
       if (p != nullptr && n > 0) { WM_CUDA_TRY(cudaMemsetAsync(p, 0, n, gather_stream_)); }
     }
     if (std::size_t const n = plan_.state_elements * Optimizer::states; n > 0 && !Offload::host) {
@@ -208,7 +221,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
   // cudaFree waits for the device work that may still use these buffers.
   for (void* p :
        {static_cast<void*>(weights_), static_cast<void*>(grads_), static_cast<void*>(staging_),
-        static_cast<void*>(pool_), static_cast<void*>(scratch_), static_cast<void*>(counters_)}) {
+        static_cast<void*>(pool_), static_cast<void*>(scratch_), static_cast<void*>(counters_),
+        static_cast<void*>(scale_)}) {
     if (p != nullptr) { (void)cudaFree(p); }
   }
   for (void* p : {static_cast<void*>(master_), static_cast<void*>(states_)}) {
@@ -224,6 +238,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
   master_ = states_ = nullptr;
   scratch_          = nullptr;
   counters_         = nullptr;
+  scale_            = nullptr;
   if (host_counters_ != nullptr) { (void)cudaFreeHost(host_counters_); }
   host_counters_ = nullptr;
   if (gather_done_ != nullptr) { (void)cudaEventDestroy(gather_done_); }
@@ -401,8 +416,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
     double* const global = norm_async(stream);
     // 3. The fused update of every shard, cast into the all-gather's send block.
     float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-    z::step_args const args{lr, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm,
-                            global, counters_};
+    z::step_args const args{lr, 1.0f / ranks, scale_, options_.max_grad_norm, global, counters_};
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       auto const& bk = plan_.buckets[b];
       z::with_element_type(bk.type, [&](auto tag) {
@@ -415,7 +429,12 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
         WM_CHECK_LAUNCH();
       });
     }
-    WM_CUDA_TRY(cub::DeviceFor::Bulk(1, z::finish_step_op{global, counters_}, s));
+    WM_CUDA_TRY(cub::DeviceFor::Bulk(
+        1,
+        z::finish_step_op{global, counters_, scale_, options_.dynamic_loss_scale,
+                          options_.scale_growth, options_.scale_backoff,
+                          options_.scale_growth_interval},
+        s));
     // 4. Stages 1-2: the in-place all-gather of the new weights.
     if constexpr (Stage::value < 3) {
       for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
@@ -460,7 +479,14 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     // The norm, and every gradient shard on the host (reduce_gradients sent them).
     comm_->synchronize(stream, "zero_optimizer::step");
     double const sumsq = *host_sumsq_;
-    if (!std::isfinite(sumsq)) {  // every rank sees the same sum: every rank skips
+    float const scale  = host_scale_;  // this step's
+    bool const skip    = !std::isfinite(sumsq);
+    if (options_.dynamic_loss_scale) {  // the next step's scale, on the host and the device
+      z::update_scale(skip, host_scale_, host_counters_[3], options_.scale_growth,
+                      options_.scale_backoff, options_.scale_growth_interval);
+      WM_CUDA_TRY(cudaMemcpyAsync(scale_, &host_scale_, sizeof(float), cudaMemcpyHostToDevice, s));
+    }
+    if (skip) {  // every rank sees the same sum: every rank skips
       host_counters_[1] = 1;
       ++host_counters_[2];
       return;
@@ -468,8 +494,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     host_counters_[1]    = 0;
     std::int64_t const t = ++host_counters_[0];
     float const ranks    = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-    float const factor =
-        z::grad_factor_of(sumsq, 1.0f / (options_.loss_scale * ranks), options_.max_grad_norm);
+    float const factor   = z::grad_factor_of(sumsq, 1.0f / (scale * ranks), options_.max_grad_norm);
     z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
                                 opt_.decoupled};
     std::size_t const n = plan_.state_elements;
@@ -545,8 +570,10 @@ void zero_optimizer<Stage, Optimizer, Offload>::release(std::size_t g) requires(
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::read_counters(cuda::stream_ref stream) const {
   if constexpr (!Offload::host) {  // offload: the host keeps them
-    WM_CUDA_TRY(cudaMemcpyAsync(host_counters_, counters_, 3 * sizeof(std::int64_t),
+    WM_CUDA_TRY(cudaMemcpyAsync(host_counters_, counters_, counters * sizeof(std::int64_t),
                                 cudaMemcpyDeviceToHost, stream.get()));
+    WM_CUDA_TRY(
+        cudaMemcpyAsync(&host_scale_, scale_, sizeof(float), cudaMemcpyDeviceToHost, stream.get()));
   }
   comm_->synchronize(stream, "zero_optimizer counters");
 }
@@ -555,6 +582,12 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 bool zero_optimizer<Stage, Optimizer, Offload>::last_step_skipped(cuda::stream_ref stream) const {
   read_counters(stream);
   return host_counters_[1] != 0;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+float zero_optimizer<Stage, Optimizer, Offload>::loss_scale(cuda::stream_ref stream) const {
+  read_counters(stream);
+  return host_scale_;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
