@@ -223,24 +223,7 @@ void memory<Location, Layout>::load(std::span<std::filesystem::path const> files
   comm.expect_same("memory.load", files.size());
   std::vector<std::uint64_t> sizes(files.size());
   detail::collective_step<io_error>(comm, "memory load (checking files)", [&] {
-    WM_EXPECTS(!files.empty(), "load needs at least one file");
-    std::vector<std::string> names;
-    for (std::size_t f = 0; f < files.size(); ++f) {
-      names.push_back(files[f].string());
-      std::error_code ec;
-      if (!std::filesystem::is_regular_file(files[f], ec)) {
-        throw io_error{"'" + files[f].string() + "' is not a readable file" +
-                       (ec ? ": " + ec.message() : std::string{})};
-      }
-      sizes[f] = std::filesystem::file_size(files[f], ec);
-      if (ec) {
-        throw io_error{"cannot read the size of '" + files[f].string() + "': " + ec.message()};
-      }
-    }
-    if (auto const bad = detail::check_file_sizes(sizes, names, r_->state.total, r_->state.gran);
-        !bad.empty()) {
-      throw io_error{bad};
-    }
+    sizes = detail::checked_sizes(files, r_->state.total, r_->state.gran);
   });
   detail::collective_step<io_error>(comm, "memory load (reading)",
                                     [&] { detail::read_part(r_->state, files, sizes); });
