@@ -491,6 +491,7 @@ class communicator {
     int local_rank{0};
     std::vector<int> node_ranks;
     std::vector<std::uint64_t> node_of_rank;
+    std::uint64_t node{0};  // this rank's node identity (detail::node_key; kept by split)
     std::uint64_t token{0};
     std::chrono::milliseconds timeout{};
     node_channel channel;

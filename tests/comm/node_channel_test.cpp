@@ -3,8 +3,10 @@
 #include <wm/launch.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <signal.h>
 #include <string>
@@ -291,4 +293,47 @@ TEST_CASE("node_channel: a timeout of milliseconds::max() means no limit", "[hos
         RANK_REQUIRE(m.payload == 30 + static_cast<std::uint64_t>(1 - ctx.rank()));
       },
       {30s, 1s}));
+}
+
+TEST_CASE("WM_NODE_NAME and WM_RANKS_PER_NODE override the node identity", "[host]") {
+  // The identity ranks compare to form nodes (wm::communicator's node-local groups).
+  auto const saved = [](char const* name) {
+    char const* v = std::getenv(name);
+    return v != nullptr ? std::optional<std::string>{v} : std::nullopt;
+  };
+  auto const name = saved("WM_NODE_NAME");
+  auto const per  = saved("WM_RANKS_PER_NODE");
+  ::unsetenv("WM_NODE_NAME");
+  ::unsetenv("WM_RANKS_PER_NODE");
+  auto const host = wm::detail::node_key(0);
+  REQUIRE(host == wm::detail::node_key(5));  // every rank of this host: one node
+  ::setenv("WM_NODE_NAME", "node-a", 1);
+  auto const a = wm::detail::node_key(0);
+  ::setenv("WM_NODE_NAME", "node-b", 1);
+  auto const b = wm::detail::node_key(0);
+  ::setenv("WM_NODE_NAME", "node-a", 1);
+  CHECK(wm::detail::node_key(3) == a);  // the name decides, not the rank
+  CHECK(a != b);
+  CHECK(a != host);
+  ::setenv("WM_NODE_NAME", "", 1);  // empty: not set
+  CHECK(wm::detail::node_key(0) == host);
+  ::unsetenv("WM_NODE_NAME");
+  ::setenv("WM_RANKS_PER_NODE", "2", 1);
+  CHECK(wm::detail::node_key(0) == wm::detail::node_key(1));
+  CHECK(wm::detail::node_key(2) == wm::detail::node_key(3));
+  CHECK(wm::detail::node_key(1) != wm::detail::node_key(2));
+  CHECK(wm::detail::node_key(0) != host);
+  for (char const* bad : {"0", "-1", "two", "2x"}) {
+    ::setenv("WM_RANKS_PER_NODE", bad, 1);
+    CHECK_THROWS_AS(wm::detail::node_key(0), wm::logic_error);
+  }
+  auto const restore = [](char const* var, std::optional<std::string> const& v) {
+    if (v) {
+      ::setenv(var, v->c_str(), 1);
+    } else {
+      ::unsetenv(var);
+    }
+  };
+  restore("WM_NODE_NAME", name);
+  restore("WM_RANKS_PER_NODE", per);
 }

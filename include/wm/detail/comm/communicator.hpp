@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <future>
@@ -26,8 +27,23 @@ static_assert(sizeof(collective_descriptor) == 64);
 
 inline constexpr std::uint64_t descriptor_magic = 0x31637365642d6d77ull;  // "wm-desc1"
 
-/// Identity of this host: hostname and boot id (containers on one host share the boot id).
-[[nodiscard]] inline std::uint64_t node_key() {
+/// Identity of the node of rank @p rank: hostname and boot id (containers on one host share the
+/// boot id). Two overrides, for testing on one machine the paths a job of several hosts takes
+/// (no mapped memory, no shared host memory and no descriptor passing between nodes; rows
+/// travel through NCCL); real jobs set neither:
+/// - `WM_NODE_NAME` (not empty): the node's name; ranks with different names are different nodes;
+/// - else `WM_RANKS_PER_NODE=k` (k > 0): ranks r and s are one node when r / k == s / k.
+[[nodiscard]] inline std::uint64_t node_key(int rank) {
+  if (char const* name = std::getenv("WM_NODE_NAME"); name != nullptr && *name != '\0') {
+    return fnv1a(std::string_view{name}, fnv1a("wm node name"));
+  }
+  if (char const* per = std::getenv("WM_RANKS_PER_NODE"); per != nullptr && *per != '\0') {
+    char* end    = nullptr;
+    long const k = std::strtol(per, &end, 10);
+    WM_EXPECTS(end != per && *end == '\0' && k > 0,
+               std::string{"WM_RANKS_PER_NODE must be a positive integer, not '"} + per + "'");
+    return fnv1a(std::to_string(rank / k), fnv1a("wm ranks per node"));
+  }
   char host[256]{};
   ::gethostname(host, sizeof(host) - 1);
   std::string boot;
@@ -140,6 +156,7 @@ inline communicator::communicator(unique_id const& id, int rank, int size,
   auto s     = std::make_unique<state>();
   s->rank    = rank;
   s->size    = size;
+  s->node    = detail::node_key(rank);
   s->token   = id.token();
   s->timeout = options.timeout;
   s->twin    = options.exchange_twin;
@@ -159,7 +176,7 @@ inline void communicator::finish_setup() {
     std::uint64_t node;
     int twin;
   };
-  auto const all = all_gather(about{detail::node_key(), s_->twin ? 1 : 0});
+  auto const all = all_gather(about{s_->node, s_->twin ? 1 : 0});
   s_->node_of_rank.clear();
   for (auto const& a : all) {
     s_->node_of_rank.push_back(a.node);
@@ -614,6 +631,7 @@ inline communicator communicator::split(int color, int key) {
   s->device  = s_->device;
   s->timeout = s_->timeout;
   s->twin    = s_->twin;
+  s->node    = s_->node;  // a split keeps the nodes of its parent
   s->token   = detail::mix64(s_->token, detail::mix64(seq, static_cast<std::uint64_t>(color)));
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
   communicator child{std::move(s)};
