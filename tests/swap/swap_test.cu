@@ -71,6 +71,20 @@ void spin(std::uint64_t ms, cudaStream_t s) {
   WM_CHECK_LAUNCH();
 }
 
+// Loads the test's kernels now. With lazy loading (the default since CUDA 12.2) the first launch
+// of a kernel may synchronize the context: a test whose read must race a copy held back by a
+// spin passes if that read is the kernel's first launch, since the launch waits for the spin.
+// Tests of a missing stream wait call this first, so that they fail without the wait.
+void load_kernels() {
+  fill_kernel<<<1, 1>>>(nullptr, 0, 0);
+  WM_CHECK_LAUNCH();
+  check_kernel<<<1, 1>>>(nullptr, 0, 0, nullptr);
+  WM_CHECK_LAUNCH();
+  spin_kernel<<<1, 1>>>(0);
+  WM_CHECK_LAUNCH();
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+}
+
 // Device counters of wrong words, one per check.
 struct checker {
   unsigned long long* bad{nullptr};
@@ -609,8 +623,9 @@ TEST_CASE("swap: a page-in in flight whose page-out was cancelled is waited for 
   // x is paged out again, and the page-out stays queued (one copy in flight at most, and y's
   // waits for another spin); a read of x on a stream ordered after neither cancels it and must
   // wait for the page-in, not see the block's previous contents. (On an H200 this case also
-  // passed without the wait in data() that it was written for: something else ordered the read;
-  // see bench/NOTES.md.)
+  // passed without the wait in data() that it was written for: the read was check_kernel's first
+  // launch, which under lazy loading synchronized the context; load_kernels() now loads it first.)
+  load_kernels();
   std::mt19937_64 rng{std::random_device{}()};
   streams st{3};
   checker chk{8};
@@ -654,6 +669,128 @@ TEST_CASE("swap: a page-in in flight whose page-out was cancelled is waited for 
   CHECK(chk.wrong_checks() == 0);
   CHECK(wrong_on_host(x.data(s2), words, sx, st.s[2]) == 0);
   CHECK(scope.statistics().pageouts_cancelled >= 1);
+}
+
+TEST_CASE("swap: a page-out booked late leaves alone the buffer's newer page-out in flight",
+          "[gpu][swap]") {
+  // x's page-out (out1) is held on the GPU by a spin and its block goes to y; x is paged in (after
+  // out1), written anew and paged out again (out2, held by a longer spin) before the worker has
+  // booked out1. Booking out1 must not act on out2: it freed x's block and said x was on the
+  // host, so that a read of x paged in the slab's old contents (out1's) while out2 still waited.
+  load_kernels();
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{4};
+  checker chk{8};
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(2 * words * 4)};  // two blocks
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  cuda::stream_ref const s2{st.s[2]};
+  cuda::stream_ref const s3{st.s[3]};
+  std::uint64_t const sx1 = rng();
+  std::uint64_t const sx  = sx1 + 1;  // what x holds after its page-in
+  std::uint64_t const sy  = rng();
+  auto x                  = scope.allocate<std::uint32_t>(words, s0);
+  fill(x.data(s0), words, sx1, st.s[0]);
+  spin(200, st.s[0]);
+  REQUIRE(x.pageout(s0));                             // out1, after the spin
+  auto w = scope.allocate<std::uint32_t>(words, s1);  // the other block
+  fill(w.data(s1), words, rng(), st.s[1]);
+  auto y = scope.allocate<std::uint32_t>(words, s1);  // x's block, after out1
+  fill(y.data(s1), words, sy, st.s[1]);
+  w.reset();                       // its block goes to x's page-in
+  std::uint32_t* px = x.data(s2);  // paged in after out1
+  fill(px, words, sx, st.s[2]);
+  spin(600, st.s[2]);
+  REQUIRE(x.pageout(s2));  // out2, after the second spin
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().copies_out < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  auto const issued = scope.statistics();
+  REQUIRE(issued.copies_out == 2);  // out2 is issued ...
+  REQUIRE(issued.pageouts == 0);    // ... before out1 is booked (else the spin was too short)
+  until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().pageouts < 1 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  REQUIRE(scope.statistics().pageouts == 1);  // out1 booked; out2 still waits for its spin
+  // x's page-out is cancelled: stream 3 waits for out2 (not a page-in of out1's data).
+  chk.check(x.data(s3), words, sx, st.s[3]);
+  CHECK(chk.wrong_checks() == 0);
+  CHECK(wrong_on_host(x.data(s3), words, sx, st.s[3]) == 0);
+  chk.check(y.data(s1), words, sy, st.s[1]);
+  CHECK(chk.wrong_checks() == 0);
+  CHECK(scope.statistics().host_blocking_syncs == 0);
+}
+
+TEST_CASE("swap: a page-in booked late leaves alone the buffer's newer page-in in flight",
+          "[gpu][swap]") {
+  // x's prefetch (in1) waits for a block released after a spin; x is paged out again (out2, after
+  // in1), its block goes to y, and a second prefetch (in2) waits for a block released after a
+  // longer spin, all before the worker has booked in1. Booking in1 must not act on in2: it said
+  // x was resident, and x's release then gave in2's block to z after x's last stream only, so
+  // that in2 wrote x's data over z's.
+  load_kernels();
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{4};
+  checker chk{8};
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(2 * words * 4)};  // two blocks
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  cuda::stream_ref const s2{st.s[2]};
+  cuda::stream_ref const s3{st.s[3]};
+  std::uint64_t const sx = rng();
+  std::uint64_t const sy = rng();
+  std::uint64_t const sz = rng();
+  auto x                 = scope.allocate<std::uint32_t>(words, s0);
+  fill(x.data(s0), words, sx, st.s[0]);
+  REQUIRE(x.pageout(s0));
+  scope.wait_pageouts();
+  REQUIRE_FALSE(x.resident());
+  scope.reset_statistics();                           // wait_pageouts was a host sync
+  auto w = scope.allocate<std::uint32_t>(words, s1);  // a block, for in2 later
+  fill(w.data(s1), words, rng(), st.s[1]);
+  {
+    auto a = scope.allocate<std::uint32_t>(words, s0);  // the other, released after a spin
+    fill(a.data(s0), words, rng(), st.s[0]);
+    spin(200, st.s[0]);
+  }
+  x.need_prefetch();
+  scope.prefetch_all();  // in1: into a's block, after the spin
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().prefetches < 1 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  REQUIRE(scope.statistics().prefetches == 1);
+  REQUIRE(x.pageout(s2));                             // out2: stream 2 waits for in1 first
+  auto y = scope.allocate<std::uint32_t>(words, s3);  // x's block, after out2
+  fill(y.data(s3), words, sy, st.s[3]);
+  spin(600, st.s[1]);
+  w.reset();          // w's block, after the longer spin
+  x.need_prefetch();  // in2: into w's block, after out2 and the longer spin
+  until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().prefetches < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  auto const issued = scope.statistics();
+  REQUIRE(issued.prefetches == 2);  // in2 is issued ...
+  REQUIRE(issued.bytes_in == 0);    // ... before in1 is booked (else the spin was too short)
+  until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().bytes_in < words * 4 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  REQUIRE(scope.statistics().bytes_in == words * 4);  // in1 booked; in2 still waits
+  x.reset();  // its block goes after in2 (stream 2, its last, has waited for in1 only)
+  auto z = scope.allocate<std::uint32_t>(words, s0);  // in2's block
+  fill(z.data(s0), words, sz, st.s[0]);
+  WM_CUDA_TRY(cudaDeviceSynchronize());  // in2 has run: it must not have written over z
+  chk.check(z.data(s0), words, sz, st.s[0]);
+  chk.check(y.data(s3), words, sy, st.s[3]);
+  CHECK(chk.wrong_checks() == 0);
+  CHECK(wrong_on_host(z.data(s0), words, sz, st.s[0]) == 0);
+  CHECK(scope.statistics().host_blocking_syncs == 0);
 }
 
 TEST_CASE("swap: a page-out takes the slab range of a buffer whose page-in still runs",

@@ -129,12 +129,16 @@ inline void swap_core::complete(bool out, ticket const& t) {
       auto const it = records_.find(id);
       if (it == records_.end()) { continue; }
       record& r = it->second;
-      if (r.copy == t.end) { r.copy = nullptr; }
+      // This ticket is the buffer's copy in flight, or an older one: the buffer moved on since
+      // (paged in, then out again; its new copy is r.copy) and only the newer copy's completion
+      // may change its state (free its block, say it is on the host).
+      bool const current = r.copy == t.end;
+      if (current) { r.copy = nullptr; }
       if (out) {
         stats_.bytes_out += r.bytes;
         ++stats_.pageouts;
         if (r.after == t.end) { r.after = nullptr; }
-        if (r.st != state::out_issued) {  // its block was taken and a page-in followed
+        if (!current || r.st != state::out_issued) {  // its block was taken, a page-in followed
           continue;
         }
         if (r.kept) {  // pageout_begin: the data stays until pageout(); the host copy is valid
@@ -174,6 +178,7 @@ inline void swap_core::complete(bool out, ticket const& t) {
         }
       } else {
         stats_.bytes_in += r.bytes;
+        if (!current) { continue; }  // an older page-in: the buffer went out and in again since
         if (r.destroyed) {
           free_device(r);
           free_host(r);
