@@ -199,7 +199,8 @@ class swappable {
    * cancelling it. The data must not change until `pageout()` ends it (a copy made while kernels
    * still read the buffer: it starts as soon as the producer is done, not after the readers).
    * `pin()` and `need_prefetch()` cancel it (the buffer stays as if never paged out).
-   * @return false (nothing queued) if the buffer is pinned, not resident, or on its way out.
+   * @return false (nothing queued) if the buffer is pinned, not resident, on its way out, or
+   * its page-in copy may still run (`pageout()` then pages it out as usual).
    */
   bool pageout_begin(cuda::stream_ref stream);
   /** @brief Queues a prefetch at the back of the page-in queue (if the buffer is not resident

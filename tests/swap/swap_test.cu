@@ -793,6 +793,50 @@ TEST_CASE("swap: a page-in booked late leaves alone the buffer's newer page-in i
   CHECK(scope.statistics().host_blocking_syncs == 0);
 }
 
+TEST_CASE(
+    "swap: pageout_begin of a buffer whose page-in still runs does not skip the reader's wait",
+    "[gpu][swap]") {
+  // x's prefetch waits for a block released after a spin. pageout_begin(stream 1) made stream 1
+  // wait for it, but data() of a buffer being paged out that way gives the pointer to any stream
+  // without a wait: a read on stream 2 saw the block's previous contents. pageout_begin now
+  // declines while a page-in may still run; data() waits for it as for any page-in.
+  load_kernels();
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{3};
+  checker chk{8};
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(words * 4)};  // one block
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  cuda::stream_ref const s2{st.s[2]};
+  std::uint64_t const sx = rng();
+  auto x                 = scope.allocate<std::uint32_t>(words, s0);
+  fill(x.data(s0), words, sx, st.s[0]);
+  REQUIRE(x.pageout(s0));
+  scope.wait_pageouts();
+  REQUIRE_FALSE(x.resident());
+  {
+    auto a = scope.allocate<std::uint32_t>(words, s0);  // the block, released after a spin
+    fill(a.data(s0), words, sx + 1, st.s[0]);
+    spin(300, st.s[0]);
+  }
+  x.need_prefetch();
+  scope.prefetch_all();  // into a's block, after the spin
+  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().prefetches < 1 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds{100});
+  }
+  REQUIRE(scope.statistics().prefetches == 1);
+  REQUIRE(scope.statistics().bytes_in == 0);  // the page-in waits for the spin
+  CHECK_FALSE(x.pageout_begin(s1));
+  chk.check(x.data(s2), words, sx, st.s[2]);  // stream 2 is ordered after neither 0 nor 1
+  CHECK(chk.wrong_checks() == 0);
+  CHECK(wrong_on_host(x.data(s2), words, sx, st.s[2]) == 0);
+  REQUIRE(x.pageout(s2));  // a page-out as usual
+  chk.check(x.data(s1), words, sx, st.s[1]);
+  CHECK(chk.wrong_checks() == 0);
+}
+
 TEST_CASE("swap: a page-out takes the slab range of a buffer whose page-in still runs",
           "[gpu][swap]") {
   // A host that runs a step ahead of the GPU: the slab holds the previous step's page-ins until

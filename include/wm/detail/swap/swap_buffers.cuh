@@ -96,6 +96,9 @@ inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream, bool keep)
   switch (r.st) {
     case state::in_issued:
     case state::resident: {
+      // pageout_begin: data() then gives the block to any stream without a wait, which is
+      // wrong while a page-in still writes it (once the page-out is issued, r.copy is its copy).
+      if (keep && r.copy != nullptr) { return false; }
       // The page-out copies what came in: after a page-in in flight (in_issued, or resident
       // after a cancelled page-out of it).
       if (r.copy != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0)); }
@@ -194,7 +197,9 @@ inline void swap_core::release(std::uint64_t id) noexcept {
     r.destroyed = true;
     used(r);
     drop_kept(r);  // the release event below comes after the readers' work on r.last
-    if (r.st == state::in_issued) {  // r.last may be the legacy stream 0: still a stream
+    // A page-in still running (in_issued, or resident after a cancelled page-out): the block
+    // goes after it. r.last may be the legacy stream 0: still a stream.
+    if (r.copy != nullptr && (r.st == state::in_issued || r.st == state::resident)) {
       WM_CUDA_TRY(cudaStreamWaitEvent(r.last, r.copy, 0));
     }
     if (r.dev != npos) {
