@@ -406,14 +406,16 @@ class bench {
           "cache_bench: %-10s %-8s %8.3f ms/step (gather %.3f), hit rate %.4f, in %.1f MB/step = "
           "%.1f GB/s "
           "(%.2f of H2D), out %.1f MB/step = %.1f GB/s (%.2f of D2H); requests %llu, distinct "
-          "%llu, misses %llu, evictions %llu, write-backs %llu, bypasses %llu\n",
+          "%llu, misses %llu, evictions %llu, write-backs %llu, bypasses %llu, hit-first gathers "
+          "%llu\n",
           name, dist_names[d], r.ms, r.gather_ms, r.hit, r.in_bytes / 1e6, r.in_bytes / r.ms / 1e6,
           r.in_bytes / r.ms / 1e6 / res_.h2d, r.out_bytes / 1e6, r.out_bytes / r.ms / 1e6,
           r.out_bytes / r.ms / 1e6 / res_.d2h, static_cast<unsigned long long>(c.requests),
           static_cast<unsigned long long>(c.distinct_keys),
           static_cast<unsigned long long>(c.misses), static_cast<unsigned long long>(c.evictions),
           static_cast<unsigned long long>(c.write_backs),
-          static_cast<unsigned long long>(c.bypasses));
+          static_cast<unsigned long long>(c.bypasses),
+          static_cast<unsigned long long>(c.hit_first_gathers));
     } else {
       std::printf("cache_bench: %-10s %-8s %8.3f ms/step (gather %.3f)\n", name, dist_names[d],
                   r.ms, r.gather_ms);

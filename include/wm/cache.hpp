@@ -202,8 +202,11 @@ struct cache_options {
  * updates it in the table.
  */
 struct cache_statistics {
-  std::uint64_t requests{};          ///< keys asked for (with repeats)
-  std::uint64_t distinct_keys{};     ///< distinct keys per batch, summed over batches
+  std::uint64_t requests{};  ///< keys asked for (with repeats)
+  /// distinct keys per batch, summed over batches (a hit-first gather, see hit_first_gathers,
+  /// counts an invalid key, and a bypassed key past the first 65,536 of the batch, once per
+  /// occurrence)
+  std::uint64_t distinct_keys{};
   std::uint64_t hits{};              ///< requests served from a line
   std::uint64_t misses{};            ///< requests not in the cache
   std::uint64_t evictions{};         ///< valid lines replaced
@@ -213,6 +216,10 @@ struct cache_statistics {
   /// distinct keys of gathers read around the cache (every line of their set in use by the
   /// same batch; their requests count as misses, their weight rows in bytes_from_host)
   std::uint64_t bypasses{};
+  /// one-rank gathers that took the hit-first path: after gathers that missed at most one key
+  /// in 32, hits are copied from their lines in one pass over the keys and only the misses are
+  /// admitted, without sorting the batch (the path never changes a result, only the time)
+  std::uint64_t hit_first_gathers{};
 };
 
 }  // namespace wm

@@ -306,6 +306,90 @@ TEST_CASE("device cache: float, LRU, global-step Adam trains bit for bit like no
   every_geometry<float, wm::lru>(global);
 }
 
+namespace {
+
+/**
+ * Batches that mostly hit (a hot set that fits, 1 key in 48 from the whole table): after the
+ * first gathers, the gathers take the hit-first path (probe every key, copy hits from lines,
+ * admit only the misses, write dirty victims back at once). Training equals the uncached table
+ * bit for bit, the statistics add up exactly, an invalid key in a hit-first batch gives a zero
+ * row and is reported, and the path was taken.
+ */
+template <class T, class R, class Opt>
+void hit_first_bitwise(Opt opt, char const* what) {
+  std::uint64_t const seed = std::random_device{}();
+  INFO(what << ", seed " << seed);
+  wm::launch(1, [&](wm::communicator& comm) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreate(&s));
+    std::mt19937_64 rng{seed};
+    std::size_t const rows = 20000, dim = 16, n = 4000, hot_rows = 600;
+    auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
+    wm::cache_options co;
+    co.ratio     = 0.1;
+    co.hash_seed = static_cast<std::uint32_t>(rng());
+    wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
+        comm, rows, dim, opt, init, co};
+    wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
+    std::vector<std::int64_t> hot(hot_rows);
+    for (auto& h : hot) { h = static_cast<std::int64_t>(rng() % rows); }
+    std::uint64_t requests = 0, distinct = 0;
+    int const steps = 24, bad_step = 20;
+    for (int k = 0; k < steps; ++k) {
+      auto b = draw<T>(rng, rows, dim, n, k);
+      for (auto& key : b.keys) {
+        key = rng() % 48 == 0 ? static_cast<std::int64_t>(rng() % rows) : hot[rng() % hot_rows];
+      }
+      if (k == bad_step) { b.keys[n / 2] = static_cast<std::int64_t>(rows); }  // invalid
+      b.distinct = std::set<std::int64_t>(b.keys.begin(), b.keys.end()).size();
+      auto good  = b;  // what the plain table gathers and both update: valid keys only
+      if (k == bad_step) { good.keys[n / 2] = hot[0]; }
+      auto const got = gather(cached, b, s);
+      auto want      = gather(plain, good, s);
+      if (k == bad_step) {  // the invalid key's row is zero
+        std::fill_n(want.begin() + static_cast<std::ptrdiff_t>((n / 2) * dim * sizeof(T)),
+                    dim * sizeof(T), static_cast<unsigned char>(0));
+        bool threw = false;
+        try {
+          (void)cached.cache_stats();
+        } catch (wm::logic_error const&) { threw = true; }
+        RANK_REQUIRE_MSG(threw, what << ": the invalid key was not reported");
+      }
+      RANK_REQUIRE_MSG(got == want, what << ": gather of step " << k << " differs");
+      requests += b.keys.size();
+      distinct += b.distinct;
+      auto const st = cached.cache_stats();
+      RANK_REQUIRE_MSG(st.requests == requests, what << " step " << k << ": " << st.requests
+                                                     << " requests, " << requests << " made");
+      RANK_REQUIRE_MSG(st.distinct_keys == distinct, what << " step " << k << ": "
+                                                          << st.distinct_keys << " distinct, "
+                                                          << distinct << " made");
+      RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what << " step " << k);
+      apply(cached, good, s);
+      apply(plain, good, s);
+    }
+    auto const st = cached.cache_stats();
+    INFO("hit-first gathers " << st.hit_first_gathers << " of " << steps << ", hits " << st.hits
+                              << ", misses " << st.misses << ", evictions " << st.evictions
+                              << ", write-backs " << st.write_backs);
+    RANK_REQUIRE_MSG(st.hit_first_gathers >= static_cast<std::uint64_t>(steps) / 2,
+                     what << ": the hit-first path was not taken");
+    RANK_REQUIRE_MSG(st.write_backs > 0, what << ": no dirty victim was written back");
+    cached.flush(cuda::stream_ref{s});
+    RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": the flushed table");
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
+}  // namespace
+
+TEST_CASE("device cache: hit-first gathers, float, LFU, Adam", "[gpu]") {
+  hit_first_bitwise<float, wm::lfu>(wm::adam{}, "float LFU Adam");
+}
+TEST_CASE("device cache: hit-first gathers, half, LRU, SGD", "[gpu]") {
+  hit_first_bitwise<__half, wm::lru>(wm::sgd{}, "half LRU SGD");
+}
+
 TEST_CASE("read-only caches (group cache of one rank, read-only device cache) gather the table",
           "[gpu]") {
   std::uint64_t const seed = std::random_device{}();

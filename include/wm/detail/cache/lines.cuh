@@ -42,6 +42,7 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda/atomic>
 #include <cuda/cmath>
+#include <cuda/std/bit>
 
 #include <cuda_runtime_api.h>
 
@@ -49,8 +50,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
 namespace wm::detail::cache {
+
+/// One staged gather's counts (device, zeroed by the next call's first kernel, which publishes
+/// them to host-mapped memory): what the host reads to choose the next call's path.
+struct call_counters {
+  unsigned long long requests{};
+  unsigned long long misses{};
+  unsigned long long bypasses{};
+};
 
 /// One rank's lines as kernels see them (trivially copyable).
 template <class T, class Impl>
@@ -71,6 +81,8 @@ struct lines_ref {
   std::uint32_t* stage_keys{};
   unsigned* stage_count{};
   std::size_t stage_rows{};
+  /// This call's counts for the next call's choice of path (staged gathers only; else null).
+  call_counters* call{};
 
   /// The payload of staging slot @p i.
   [[nodiscard]] __device__ row_place<T> staged(std::size_t i) const noexcept {
@@ -229,6 +241,25 @@ __global__ void next_epoch_kernel(Counter* epoch) {
   atomicAdd(epoch, Counter{1});
 }
 
+/// The first kernel of a staged gather: shows the last staged gather's counts (if it made
+/// requests) in host-mapped @p shown, zeroes them (and @p miss_count when not null) and advances
+/// the batch counter.
+template <class Counter>
+__global__ void begin_staged_call_kernel(Counter* epoch, call_counters* call, call_counters* shown,
+                                         unsigned long long* miss_count) {
+  call_counters const last = *call;
+  if (last.requests != 0) {
+    auto volatile* const h = shown;
+    h->misses              = last.misses;
+    h->bypasses            = last.bypasses;
+    h->requests            = last.requests;
+    __threadfence_system();
+  }
+  *call = call_counters{};
+  if (miss_count != nullptr) { *miss_count = 0; }
+  atomicAdd(epoch, Counter{1});
+}
+
 /**
  * Before a staged admission call: every distinct key of batch @p b already cached gets its
  * way's bit in the set's batch mask for this call's epoch (one 64-bit CAS on the adjacent
@@ -376,6 +407,11 @@ __global__ void __launch_bounds__(line_block)
       }
     }
   }
+  if (lane == 0 && c.call != nullptr && count_requests && requests != 0) {
+    atomicAdd(&c.call->requests, requests);
+    atomicAdd(&c.call->misses, requests - hits);
+    if (bypasses != 0) { atomicAdd(&c.call->bypasses, bypasses); }
+  }
   if (lane == 0 && c.stats != nullptr) {
     if (count_requests && requests != 0) {
       atomicAdd(&c.stats->requests, requests);
@@ -425,11 +461,298 @@ __global__ void __launch_bounds__(line_block)
   }
 }
 
+// ---- the hit-first path: staged gathers with few misses ---------------------------------------
+//
+// A staged gather whose previous calls missed rarely skips the distinct-key plan: one pass probes
+// every occurrence without locks (a staged call runs alone, and nothing changes a line while the
+// pass runs), copies each hit row straight from its line and joins it to the batch (the first
+// occurrence to set the way's batch bit makes the replacement update, so each key is touched once
+// per batch, as in the planned path); the misses go to a list, which a second kernel admits under
+// the sets' locks in the list's order (each miss is read from the table once per key: a later
+// occurrence finds the line its first occurrence admitted). Dirty victims are written back at
+// once: with few misses there are few, and their order costs little.
+
+/// Positions of a hit-first pass's misses (bit 63: a hit whose replacement update needs the set's
+/// lock, a set-wide decay) and their count.
+struct miss_list {
+  std::uint64_t* entries{};
+  unsigned long long* count{};
+  /// The keys that bypassed the cache so far in this call (open addressing, empty: ~0; `memo`
+  /// entries, a power of two), so that each counts once.
+  unsigned long long* memo{};
+  std::size_t memo_size{};
+};
+inline constexpr unsigned long long memo_empty = ~0ull;
+
+/// Whether this is the first time @p key bypasses the cache in this call (one thread). Keys past
+/// a full memo count again.
+__device__ inline bool first_bypass(miss_list const& m, std::uint32_t key) noexcept {
+  std::size_t const mask = m.memo_size - 1;
+  std::size_t h          = mix32(key) & mask;
+  for (std::size_t probe = 0; probe < m.memo_size; ++probe, h = (h + 1) & mask) {
+    unsigned long long const prev = atomicCAS(&m.memo[h], memo_empty, key);
+    if (prev == memo_empty) { return true; }
+    if (prev == key) { return false; }
+  }
+  return true;
+}
+inline constexpr std::uint64_t deferred_touch = std::uint64_t{1} << 63;
+
+/// The replacement update of a hit on @p way without the set's lock, by one thread, in a
+/// hit-first pass: only the batch's first hit of a way updates it, so no other thread writes this
+/// way's state meanwhile (others may update other ways of the set). False when the update needs a
+/// set-wide decay: the caller leaves it to the locked kernel.
+template <class Impl>
+__device__ bool touch_unlocked(set_ref<Impl> const& s, int way) noexcept {
+  if constexpr (std::is_same_v<Impl, lru_impl>) {
+    // At most 32 stamps per set and batch: far enough below the wrap, the clock cannot reach it.
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> clock{s.header->clock};
+    if (clock.load(cuda::memory_order_relaxed) >= 0xffffffffu - 2u * ways) { return false; }
+    s.states[way] = clock.fetch_add(1u, cuda::memory_order_relaxed) + 1u;
+    return true;
+  } else {
+    static_assert(std::is_same_v<Impl, lfu_impl>, "touch_unlocked: an unknown replacement policy");
+    auto const state = s.states[way];
+    if (Impl::needs_decay(state, *s.header)) { return false; }
+    s.states[way] = static_cast<typename Impl::state_type>(state + 1);
+    return true;
+  }
+}
+
+/// Sets way @p way's bit in the set's batch mask for @p epoch (one 64-bit CAS on the adjacent
+/// batch and epoch words; a mask of another epoch is reset first). True for the thread that set
+/// it, false when it was set already.
+__device__ inline bool join_batch(set_header* h, int way, std::uint32_t epoch) noexcept {
+  static_assert(offsetof(set_header, epoch) == offsetof(set_header, batch) + 4);
+  auto* const word        = reinterpret_cast<unsigned long long*>(&h->batch);
+  std::uint32_t const bit = 1u << static_cast<unsigned>(way);
+  unsigned long long seen = *reinterpret_cast<unsigned long long volatile*>(word);
+  for (;;) {
+    auto const at            = static_cast<std::uint32_t>(seen >> 32);
+    std::uint32_t const mask = at == epoch ? static_cast<std::uint32_t>(seen) : 0u;
+    if ((mask & bit) != 0) { return false; }
+    unsigned long long const next = (static_cast<unsigned long long>(epoch) << 32) | (mask | bit);
+    unsigned long long const prev = atomicCAS(word, seen, next);
+    if (prev == seen) { return true; }
+    seen = prev;
+  }
+}
+
+/**
+ * The hit-first pass over the @p n keys of a staged gather (output row i for key i): a warp takes
+ * 32 keys, one per lane, each lane reading its key's set's 32 tags, joins the hits to the batch
+ * (the first to join a way updates its replacement state, or defers that to the locked kernel),
+ * copies the hit rows from their lines (eight in flight per lane), and appends the misses (and
+ * invalid keys, and deferred updates) to @p m. Counts requests, hits and the distinct hit keys.
+ */
+template <class W, class T, class Impl, class Index>
+__global__ void __launch_bounds__(line_block)
+    hit_first_kernel(lines_ref<T, Impl> c, std::size_t rows, Index const* keys, std::size_t n,
+                     packed_rows out, miss_list m) {
+  constexpr std::size_t none  = ~std::size_t{0};
+  constexpr int in_flight     = 8;
+  unsigned const lane         = threadIdx.x % ways;
+  std::size_t const warp      = grid_thread() / ways;
+  std::size_t const n_warps   = grid_threads() / ways;
+  std::uint32_t const epoch   = *c.epoch;
+  std::size_t const vecs      = c.dim * sizeof(T) / sizeof(W);
+  unsigned long long requests = 0, hits = 0, distinct = 0;
+  for (std::size_t i = grid_thread(); i < m.memo_size; i += grid_threads()) {
+    m.memo[i] = memo_empty;  // the miss kernel, after this one, fills it
+  }
+  for (std::size_t base = warp * ways; base < n; base += n_warps * ways) {
+    std::size_t const i   = base + lane;
+    bool const live       = i < n;
+    Index const key       = live ? keys[i] : Index{};
+    bool const valid      = live && valid_index(key, rows);
+    auto const k          = static_cast<std::uint32_t>(key);
+    std::uint32_t const s = valid ? c.meta.set_index(k) : 0u;
+    // Each lane probes its own key: the set's 32 tags in eight 16-byte loads, all issued before
+    // any compare (one round trip for the warp's 32 keys).
+    int way = no_way;
+    if (valid) {
+      auto const set      = c.meta.set(s);
+      auto const* const q = reinterpret_cast<uint4 const*>(set.tags);
+      uint4 tags[ways / 4];
+#pragma unroll
+      for (int j = 0; j < ways / 4; ++j) { tags[j] = q[j]; }
+      std::uint32_t const live_ways = set.header->valid;
+#pragma unroll
+      for (int j = 0; j < ways / 4; ++j) {
+        std::uint32_t const t4[4] = {tags[j].x, tags[j].y, tags[j].z, tags[j].w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          int const w = 4 * j + u;
+          if (t4[u] == k && ((live_ways >> w) & 1u) != 0) { way = w; }
+        }
+      }
+    }
+    bool const hit = way != no_way;
+    bool deferred  = false;
+    if (hit) {
+      auto const set = c.meta.set(s);
+      if (join_batch(set.header, way, epoch)) {
+        ++distinct;
+        deferred = !touch_unlocked(set, way);
+      }
+    }
+    requests += live ? 1 : 0;
+    hits += hit ? 1 : 0;
+    bool const listed     = live && (!hit || deferred);
+    std::uint32_t const b = __ballot_sync(full_warp, listed);
+    if (b != 0) {
+      unsigned long long at = 0;
+      if (lane == 0) { at = atomicAdd(m.count, static_cast<unsigned long long>(__popc(b))); }
+      at = __shfl_sync(full_warp, at, 0);
+      if (listed) {
+        m.entries[at + static_cast<unsigned>(__popc(b & ((1u << lane) - 1u)))] =
+            static_cast<std::uint64_t>(i) | (deferred ? deferred_touch : 0);
+      }
+    }
+    // The hit rows, from their lines: each lane loads its vectors of eight rows, then stores them.
+    std::size_t const slot = hit ? cache_ref<Impl>::slot(s, way) : none;
+    for (int t = 0; t < ways; t += in_flight) {
+      std::size_t from[in_flight];
+#pragma unroll
+      for (int u = 0; u < in_flight; ++u) {
+        from[u] = static_cast<std::size_t>(__shfl_sync(full_warp, slot, t + u));
+      }
+      for (std::size_t v = lane; v < vecs; v += ways) {
+        W a[in_flight];
+#pragma unroll
+        for (int u = 0; u < in_flight; ++u) {
+          if (from[u] != none) { a[u] = reinterpret_cast<W const*>(c.w + from[u] * c.dim)[v]; }
+        }
+#pragma unroll
+        for (int u = 0; u < in_flight; ++u) {
+          if (from[u] != none) {
+            reinterpret_cast<W*>(out.row(base + static_cast<std::size_t>(t + u)))[v] = a[u];
+          }
+        }
+      }
+    }
+  }
+  requests = __reduce_add_sync(full_warp, static_cast<unsigned>(requests));
+  hits     = __reduce_add_sync(full_warp, static_cast<unsigned>(hits));
+  distinct = __reduce_add_sync(full_warp, static_cast<unsigned>(distinct));
+  if (lane == 0 && requests != 0) {
+    atomicAdd(&c.stats->requests, requests);
+    atomicAdd(&c.stats->hits, hits);
+    if (distinct != 0) { atomicAdd(&c.stats->distinct_keys, distinct); }
+    atomicAdd(&c.call->requests, requests);
+  }
+}
+
+/**
+ * The misses of a hit-first pass (@p m), one warp per entry under its set's lock: a deferred entry
+ * makes its hit's replacement update (with the decay); a miss admits its key (write-allocate,
+ * dirty victim written back at once; a later miss of the same key finds the line) or bypasses the
+ * cache when the batch holds all 32 ways, and copies the row to output row i. An invalid key gives
+ * a zero row and sets *err. Counts misses, distinct keys (one per admitted key; a bypassed or
+ * invalid key once per occurrence), evictions, write-backs, bytes from the table and bypasses.
+ */
+template <class W, class T, class Impl, class Index>
+__global__ void __launch_bounds__(line_block)
+    miss_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::size_t rows, Index const* keys,
+                packed_rows out, miss_list m, unsigned* err) {
+  unsigned const lane         = threadIdx.x % ways;
+  std::size_t const warp      = grid_thread() / ways;
+  std::size_t const n_warps   = grid_threads() / ways;
+  std::size_t const count     = *m.count;
+  std::size_t const row_bytes = c.dim * sizeof(T);
+  std::uint32_t const epoch   = *c.epoch;
+  unsigned long long misses = 0, distinct = 0, evictions = 0, write_backs = 0, loaded = 0,
+                     bypasses = 0;
+  for (std::size_t e = warp; e < count; e += n_warps) {  // the same trip count in every lane
+    std::uint64_t const entry = m.entries[e];
+    std::size_t const i       = static_cast<std::size_t>(entry & ~deferred_touch);
+    Index const key           = keys[i];
+    void* const dst           = out.row(i);
+    if ((entry & deferred_touch) == 0) {
+      ++misses;
+      if (!valid_index(key, rows)) {
+        ++distinct;
+        for (std::size_t v = lane; v < row_bytes / sizeof(W); v += ways) {
+          static_cast<W*>(dst)[v] = W{};
+        }
+        if (lane == 0) { atomicOr(err, 1u); }
+        continue;
+      }
+    }
+    auto const k          = static_cast<std::uint32_t>(key);
+    std::uint32_t const s = c.meta.set_index(k);
+    auto const set        = c.meta.set(s);
+    lock_set(set.header, lane);
+    if ((entry & deferred_touch) != 0) {  // its row is in place; the batch keeps its line
+      warp_touch(set, warp_find(set, k, lane), lane);
+      unlock_set(set.header, lane);
+      continue;
+    }
+    warp_begin_batch(set, epoch, lane);
+    int way       = warp_find(set, k, lane);  // found: admitted by an earlier miss of the batch
+    bool bypassed = false;
+    if (way == no_way) {
+      admission const a = warp_admit(set, k, lane, set.header->batch);
+      way               = a.way;
+      bypassed          = way == no_way;
+      if (bypassed) {  // distinct the first time only
+        int first = 0;
+        if (lane == 0) { first = first_bypass(m, k) ? 1 : 0; }
+        if (__shfl_sync(full_warp, first, 0) != 0) {
+          ++distinct;
+          ++bypasses;
+        }
+      } else {
+        ++distinct;
+        if (lane == 0) { set.header->batch |= 1u << static_cast<unsigned>(way); }
+        auto const line = c.line(cache_ref<Impl>::slot(s, way));
+        if (a.evicted) { ++evictions; }
+        if (a.write_back) {
+          warp_move<W>(table.locate(a.old_key), line, c.dim, c.st_cols, lane);
+          ++write_backs;
+          __syncwarp();
+        }
+        warp_move<W>(line, table.locate(k), c.dim, c.st_cols, lane);
+        loaded += c.payload_bytes();
+        __syncwarp();
+      }
+    }
+    unlock_set(set.header, lane);
+    if (bypassed) {
+      warp_copy<W>(dst, table.locate(k).w, row_bytes, lane);
+      loaded += row_bytes;
+    } else {
+      warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, way)).w, row_bytes, lane);
+    }
+  }
+  if (lane == 0) {
+    if (misses != 0) {
+      atomicAdd(&c.stats->misses, misses);
+      atomicAdd(&c.call->misses, misses);
+    }
+    if (distinct != 0) { atomicAdd(&c.stats->distinct_keys, distinct); }
+    if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
+    if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
+    if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
+    if (bypasses != 0) {
+      atomicAdd(&c.stats->bypasses, bypasses);
+      atomicAdd(&c.call->bypasses, bypasses);
+    }
+  }
+}
+
 // ---- the storage --------------------------------------------------------------------------------
 
 /// The most victims one admission call stages (their payloads take device memory beside the
 /// lines; past this many, victims are written back at once, inside their set's lock).
 inline constexpr std::size_t max_staged = std::size_t{1} << 20;
+
+/// A staged gather takes the hit-first path after calls that missed at most one key in this
+/// many (bench/NOTES.md: where the unplanned misses start to cost more than the plan).
+inline constexpr unsigned long long hit_first_miss_share = 32;
+/// Distinct bypassed keys a hit-first gather counts exactly (its memo has room for twice as many
+/// keys, up to twice the batch).
+inline constexpr std::size_t hit_first_memo_keys = std::size_t{1} << 16;
 
 /// slots[i] = i; keys[i] = the sentinel 2^32 - 1 for the slots at or past *count (not taken).
 template <class Key>
@@ -478,7 +801,11 @@ class line_storage {
         stage_st_{stage_cap_ * st_cols},
         stage_steps_{steps ? stage_cap_ : std::size_t{0}},
         stage_keys_{stage_cap_},
-        stage_count_{stage_cap_ != 0 ? std::size_t{1} : std::size_t{0}} {
+        stage_count_{stage_cap_ != 0 ? std::size_t{1} : std::size_t{0}},
+        call_{1},
+        shown_{1} {
+    WM_CUDA_TRY(cudaMemset(call_.data(), 0, sizeof(call_counters)));
+    *shown_.data() = call_counters{};
     if (plan_.sets != 0) {
       WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
       WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
@@ -522,8 +849,38 @@ class line_storage {
              std::size_t const* order, packed_rows out, bool count_requests, unsigned* err,
              bool aux, cudaStream_t s, int blocks_per_sm = 8, bool staged = false) {
     if (n == 0) { return; }
+    auto c = ref();
+    if (staged) { c.call = call_.data(); }
+    int const vec = width(table, out);
+    std::size_t const bl =
+        std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
+                              static_cast<std::size_t>(sm_count()) *
+                                  static_cast<std::size_t>(std::max(blocks_per_sm, 1)));
+    if (staged && take_hit_first(n, order, out, count_requests, s)) {
+      std::size_t const memo =
+          std::size_t{2} << cuda::std::bit_width(std::min<std::size_t>(n, hit_first_memo_keys) - 1);
+      carver k;
+      auto const o_entries = k.add<std::uint64_t>(n);
+      auto const o_count   = k.add<unsigned long long>(1);
+      auto const o_memo    = k.add<unsigned long long>(memo);
+      std::byte* base      = ws_.reserve(k.total(), s);
+      miss_list const m{k.take<std::uint64_t>(base, o_entries),
+                        k.take<unsigned long long>(base, o_count),
+                        k.take<unsigned long long>(base, o_memo), memo};
+      begin_staged_call_kernel<<<1, 1, 0, s>>>(epoch_.data(), c.call, shown_.data(), m.count);
+      WM_CHECK_LAUNCH();
+      with_vector(vec, [&]<class W>() {
+        hit_first_kernel<W, T, Impl, Index>
+            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, keys, n, out, m);
+        WM_CHECK_LAUNCH();
+        miss_kernel<W, T, Impl, Index>
+            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, rows, keys, out, m, err);
+        WM_CHECK_LAUNCH();
+      });
+      ++hit_first_calls_;
+      return;
+    }
     auto const b = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
-    auto c       = ref();
     // Staged write-backs: at most one victim per distinct key, so n slots are enough.
     std::size_t const sn = staged ? std::min(stage_cap_, n) : 0;
     if (sn != 0) {
@@ -535,12 +892,12 @@ class line_storage {
       c.stage_rows  = sn;
       WM_CUDA_TRY(cudaMemsetAsync(stage_count_.data(), 0, sizeof(unsigned), s));
     }
-    int const vec = width(table, out);
-    std::size_t const bl =
-        std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
-                              static_cast<std::size_t>(sm_count()) *
-                                  static_cast<std::size_t>(std::max(blocks_per_sm, 1)));
-    next_epoch_kernel<<<1, 1, 0, s>>>(epoch_.data());  // this call is a batch of its own
+    if (staged) {  // this call is a batch of its own
+      begin_staged_call_kernel<<<1, 1, 0, s>>>(epoch_.data(), c.call, shown_.data(),
+                                               static_cast<unsigned long long*>(nullptr));
+    } else {
+      next_epoch_kernel<<<1, 1, 0, s>>>(epoch_.data());
+    }
     WM_CHECK_LAUNCH();
     if (sn != 0) {
       protect_kernel<T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, b);
@@ -612,7 +969,9 @@ class line_storage {
     WM_CUDA_TRY(cudaDeviceSynchronize());
     device_statistics d;
     WM_CUDA_TRY(cudaMemcpy(&d, stats_.data(), sizeof d, cudaMemcpyDeviceToHost));
-    return d.to_public();
+    cache_statistics st  = d.to_public();
+    st.hit_first_gathers = hit_first_calls_;
+    return st;
   }
 
   /// Sets every counter to zero (waits for the device).
@@ -620,9 +979,28 @@ class line_storage {
     WM_CUDA_TRY(cudaDeviceSynchronize());
     WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
     WM_CUDA_TRY(cudaDeviceSynchronize());
+    hit_first_calls_ = 0;
   }
 
  private:
+  /// Whether a staged gather of @p n keys takes the hit-first path: a plain gather (no order,
+  /// an output, counted), not captured in a graph (a graph keeps the path it was captured with,
+  /// so it keeps the one that suits any batch), and the last staged gather the device has shown
+  /// missed at most one key in hit_first_miss_share without bypasses. The shown counts lag a
+  /// call or two and may mix two calls: they choose a path, never a result.
+  [[nodiscard]] bool take_hit_first(std::size_t n, std::size_t const* order, packed_rows out,
+                                    bool count_requests, cudaStream_t s) const {
+    if (order != nullptr || out.base == nullptr || !count_requests || n == 0) { return false; }
+    cudaStreamCaptureStatus capture{};
+    WM_CUDA_TRY(cudaStreamIsCapturing(s, &capture));
+    if (capture != cudaStreamCaptureStatusNone) { return false; }
+    auto const volatile* const h    = shown_.data();
+    unsigned long long const req    = h->requests;
+    unsigned long long const misses = h->misses;
+    unsigned long long const bypass = h->bypasses;
+    return req != 0 && bypass == 0 && misses * hit_first_miss_share <= req;
+  }
+
   /// Widest access dividing every row size, stride and base the kernels copy.
   [[nodiscard]] int width(table_rows<T> const& table, packed_rows out) const noexcept {
     return vector_width({dim_ * sizeof(T), table.w.stride * sizeof(T),
@@ -650,6 +1028,9 @@ class line_storage {
   device_buffer<std::int64_t> stage_steps_;
   device_buffer<std::uint32_t> stage_keys_;
   device_buffer<unsigned> stage_count_;
+  device_buffer<call_counters> call_;   // this staged gather's counts
+  pinned_buffer<call_counters> shown_;  // the last ones the device showed (host-mapped)
+  std::size_t hit_first_calls_{};
   workspace stage_ws_;  // the staged keys' sort
   workspace ws_;        // the distinct-key plan of calls on the caller's stream
   workspace ws_aux_;    // the same for the engine's own-rows read beside them
