@@ -280,7 +280,6 @@ def test_swap_hooks():
               f"{st['kept']} kept, {st['bytes_out'] >> 20} MiB out, {st['bytes_in'] >> 20} MiB in, "
               f"{st['prefetches']} prefetches, {st['passive_pageins']} passive page-ins, "
               f"{st['live_buffers']} buffers alive after the steps")
-        del scope
 
 
 def test_swap_storage_reuse():
