@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <torch/extension.h>
 #include <unordered_map>
@@ -108,15 +109,16 @@ struct table_handle {
                       o.rows, " x ", o.dim);
     device = comm->device();
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
-    py::gil_scoped_release nogil;  // collective
-    if (o.location == "device") {
-      t = make_device_table(*comm, o);
-    } else if (o.location == "host") {
-      t = make_host_table(*comm, o);
-    } else {
-      throw std::invalid_argument{"wm_torch: location must be 'device' or 'host', not '" +
-                                  o.location + "'"};
+    TORCH_CHECK_VALUE(o.location == "device" || o.location == "host",
+                      "wm_torch: location must be 'device' or 'host', not '", o.location, "'");
+    std::string bad;  // a combination of policies that no table unit instantiates
+    {
+      py::gil_scoped_release nogil;  // collective
+      try {
+        t = o.location == "device" ? make_device_table(*comm, o) : make_host_table(*comm, o);
+      } catch (std::invalid_argument const& e) { bad = e.what(); }
     }
+    TORCH_CHECK_VALUE(bad.empty(), bad);
   }
 
   void gather(torch::Tensor const& keys, torch::Tensor& out) {
@@ -228,7 +230,8 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
  public:
   swap_handle(wm::swap_options const& o, std::size_t min_bytes)
       : scope_{std::make_shared<wm::swap_scope>(o)}, min_bytes_{min_bytes} {
-    device_ = scope_->options().device;
+    device_   = scope_->options().device;
+    capacity_ = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
   }
 
   /// Storages (by data pointer) that pack never copies: parameters, buffers.
@@ -358,6 +361,11 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       ++kept_;
       return nullptr;
     }
+    if (bytes > capacity_) {  // allocate would wait for page-outs that can never make room
+      ++kept_;
+      ++kept_no_room_;
+      return nullptr;
+    }
     auto const version         = t._version();
     auto const sizes           = t.sizes().vec();
     auto const strides         = t.strides().vec();
@@ -381,7 +389,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     auto sp              = std::make_shared<saved_buffer>();
     try {
       sp->buf = scope_->allocate<std::byte>(bytes, cuda::stream_ref{s});
-    } catch (wm::logic_error const&) {  // larger than the pool can ever hold
+    } catch (wm::logic_error const&) {  // every pool block held by buffers in use
       ++kept_;
       ++kept_no_room_;
       return nullptr;
@@ -423,8 +431,10 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     scope_->prefetch_all();
   }
 
+  static constexpr std::size_t pool_alignment = 256;  // the scope hands out multiples of it
   std::shared_ptr<wm::swap_scope> scope_;
   std::size_t min_bytes_;
+  std::size_t capacity_{0};
   int device_{0};
   std::recursive_mutex mutex_;
   std::unordered_map<c10::StorageImpl*, std::vector<saved_key>> saved_;

