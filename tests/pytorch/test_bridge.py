@@ -15,7 +15,7 @@
    optimizer on a read-only cache, a key out of range.
 
 Usage: python3 tests/pytorch/test_bridge.py   (exit 0 pass, 1 fail, 77 skipped: no torch, no
-CUDA toolkit for torch.utils.cpp_extension, or no GPU). The extension is built into
+CUDA toolkit or ninja for torch.utils.cpp_extension, or no GPU). The extension is built into
 WM_TORCH_BUILD_DIR (default <repo>/build/wm_torch); the first build takes a few minutes.
 """
 import os
@@ -39,6 +39,9 @@ if not torch.cuda.is_available():
     sys.exit(77)
 if cpp_extension.CUDA_HOME is None:
     print("SKIPPED: no CUDA toolkit for torch.utils.cpp_extension (set CUDA_HOME)")
+    sys.exit(77)
+if not cpp_extension.is_ninja_available():
+    print("SKIPPED: torch.utils.cpp_extension needs ninja (pip install ninja)")
     sys.exit(77)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
