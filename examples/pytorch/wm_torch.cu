@@ -1,0 +1,595 @@
+/*
+ * wm_torch: the PyTorch bridge of wm (a tutorial extension; see README.md beside this file).
+ *
+ * What it shows:
+ *  - A wm::communicator made from ids that torch.distributed carries (wm_torch.py broadcasts the
+ *    unique id with broadcast_object_list); one process per GPU, as under torchrun.
+ *  - wm::embedding tables (wm_torch_tables.hpp: device tables, host tables with a device cache)
+ *    fed with CUDA tensors by pointer and the current stream: `gather` into a tensor the caller
+ *    allocated, `apply_gradients` from the keys and gradients autograd produced. No copies.
+ *  - A wm::swap_scope as the storage behind torch.autograd.graph.saved_tensors_hooks: `pack`
+ *    copies a saved CUDA tensor into a swappable buffer of the scope's device pool and queues its
+ *    page-out (the copy runs on the current stream; the page-out waits for it by an event);
+ *    `unpack` returns a tensor over the buffer's device memory (`data(stream)` on the current
+ *    stream: a page-in if it is not resident) whose deleter releases the buffer stream-ordered.
+ *
+ * The Python side (wm_torch.py) builds this file with torch.utils.cpp_extension.load and wraps
+ * it in torch.nn.Module / optimizer / hooks classes; everything here checks its inputs and
+ * raises Python exceptions with a message that says what was expected.
+ */
+#include <wm/comm.hpp>
+#include <wm/swap.cuh>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <algorithm>
+#include <c10/cuda/CUDAGuard.h>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <torch/extension.h>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "wm_torch_tables.hpp"
+
+namespace py = pybind11;
+
+namespace wm_torch {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Checks of what crosses from Python
+
+void check_cuda(torch::Tensor const& t, char const* what, int device) {
+  TORCH_CHECK_VALUE(t.defined(), "wm_torch: ", what, " is undefined");
+  TORCH_CHECK_VALUE(t.is_cuda(), "wm_torch: ", what, " must be a CUDA tensor (on cuda:", device,
+                    "), got a tensor on ", t.device());
+  TORCH_CHECK_VALUE(t.device().index() == device, "wm_torch: ", what, " must be on cuda:", device,
+                    " (the communicator's GPU), got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "wm_torch: ", what,
+                    " must be contiguous (call .contiguous() first)");
+}
+
+void check_keys(torch::Tensor const& keys, int device) {
+  check_cuda(keys, "keys", device);
+  TORCH_CHECK_TYPE(keys.scalar_type() == torch::kInt64,
+                   "wm_torch: keys must be int64 (torch.long), got ", keys.scalar_type());
+}
+
+void check_rows(torch::Tensor const& values, char const* what, torch::Tensor const& keys,
+                std::size_t dim, int device) {
+  check_cuda(values, what, device);
+  TORCH_CHECK_TYPE(values.scalar_type() == torch::kFloat32, "wm_torch: ", what,
+                   " must be float32 (the table's type), got ", values.scalar_type());
+  TORCH_CHECK_VALUE(values.numel() == keys.numel() * static_cast<std::int64_t>(dim),
+                    "wm_torch: ", what, " must hold keys.numel() x dim = ", keys.numel(), " x ",
+                    dim, " values, got ", values.numel(), " (shape ", values.sizes(), ")");
+}
+
+[[nodiscard]] cudaStream_t current_stream(int device) {
+  return at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Communicator
+
+/// A wm::communicator shared by the tables made from it (they keep it alive).
+struct communicator_handle {
+  std::shared_ptr<wm::communicator> comm;
+};
+
+[[nodiscard]] py::bytes create_unique_id() {
+  auto const b = wm::unique_id::create().bytes();
+  return py::bytes(reinterpret_cast<char const*>(b.data()), b.size());
+}
+
+[[nodiscard]] communicator_handle make_communicator(py::bytes const& id, int rank, int size) {
+  std::string const s = id;
+  auto const uid      = wm::unique_id::from_bytes(
+           std::span<std::byte const>{reinterpret_cast<std::byte const*>(s.data()), s.size()});
+  py::gil_scoped_release nogil;  // waits for the other ranks
+  return communicator_handle{std::make_shared<wm::communicator>(uid, rank, size)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tables
+
+/// A table and the communicator it needs (declared first: destroyed after the table).
+struct table_handle {
+  std::shared_ptr<wm::communicator> comm;
+  std::unique_ptr<table> t;
+  int device{0};
+
+  table_handle(communicator_handle const& c, table_options const& o) : comm{c.comm} {
+    TORCH_CHECK_VALUE(comm && comm->valid(), "wm_torch: the communicator is not valid");
+    TORCH_CHECK_VALUE(o.rows > 0 && o.dim > 0, "wm_torch: a table needs rows > 0 and dim > 0, got ",
+                      o.rows, " x ", o.dim);
+    device = comm->device();
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    TORCH_CHECK_VALUE(o.location == "device" || o.location == "host",
+                      "wm_torch: location must be 'device' or 'host', not '", o.location, "'");
+    std::string bad;  // a combination of policies that no table unit instantiates
+    {
+      py::gil_scoped_release nogil;  // collective
+      try {
+        t = o.location == "device" ? make_device_table(*comm, o) : make_host_table(*comm, o);
+      } catch (std::invalid_argument const& e) { bad = e.what(); }
+    }
+    TORCH_CHECK_VALUE(bad.empty(), bad);
+  }
+
+  void gather(torch::Tensor const& keys, torch::Tensor& out) {
+    check_keys(keys, device);
+    check_rows(out, "out", keys, t->dim(), device);
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    cudaStream_t const s = current_stream(device);
+    py::gil_scoped_release nogil;
+    t->gather(keys.data_ptr<std::int64_t>(), static_cast<std::size_t>(keys.numel()),
+              out.data_ptr<float>(), s);
+  }
+
+  void apply_gradients(torch::Tensor const& keys, torch::Tensor const& grads, double lr) {
+    TORCH_CHECK_VALUE(t->trainable(), "wm_torch: this table has no optimizer (", t->description(),
+                      ")");
+    check_keys(keys, device);
+    check_rows(grads, "grads", keys, t->dim(), device);
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    cudaStream_t const s = current_stream(device);
+    py::gil_scoped_release nogil;  // collective; synchronizes the stream
+    t->apply_gradients(keys.data_ptr<std::int64_t>(), static_cast<std::size_t>(keys.numel()),
+                       grads.data_ptr<float>(), static_cast<float>(lr), s);
+  }
+
+  void write_rows(torch::Tensor const& keys, torch::Tensor const& values) {
+    check_keys(keys, device);
+    check_rows(values, "values", keys, t->dim(), device);
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    cudaStream_t const s = current_stream(device);
+    py::gil_scoped_release nogil;
+    t->write_rows(keys.data_ptr<std::int64_t>(), static_cast<std::size_t>(keys.numel()),
+                  values.data_ptr<float>(), s);
+  }
+
+  void prefetch(torch::Tensor const& keys) {
+    check_keys(keys, device);
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    cudaStream_t const s = current_stream(device);
+    py::gil_scoped_release nogil;
+    t->prefetch(keys.data_ptr<std::int64_t>(), static_cast<std::size_t>(keys.numel()), s);
+  }
+
+  void flush() {
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    t->flush(current_stream(device));
+  }
+  void invalidate() {
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    t->invalidate(current_stream(device));
+  }
+
+  [[nodiscard]] py::dict cache_stats() {
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
+    wm::cache_statistics st;
+    {
+      py::gil_scoped_release nogil;
+      st = t->cache_stats();
+    }
+    py::dict d;
+    d["requests"]         = st.requests;
+    d["distinct_keys"]    = st.distinct_keys;
+    d["hits"]             = st.hits;
+    d["misses"]           = st.misses;
+    d["evictions"]        = st.evictions;
+    d["write_backs"]      = st.write_backs;
+    d["bytes_from_host"]  = st.bytes_from_host;
+    d["bytes_from_peers"] = st.bytes_from_peers;
+    d["bypasses"]         = st.bypasses;
+    return d;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Swap scope and saved-tensor hooks
+
+class swap_handle;
+
+/// One saved tensor's copy: a swappable buffer and the tensor's metadata.
+struct saved_buffer {
+  std::shared_ptr<swap_handle> owner;  // keeps the scope alive while the buffer lives
+  wm::swappable<std::byte> buf;
+  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> strides;
+  c10::ScalarType dtype{};
+  int device{0};
+  std::size_t bytes{0};
+  ~saved_buffer();
+};
+
+/// Where a saved tensor came from, to hand the same buffer to a second save of the same data.
+struct saved_key {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // expired once the tensor's memory is freed
+  std::int64_t offset{0};
+  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> strides;
+  c10::ScalarType dtype{};
+  std::int64_t version{0};
+  std::weak_ptr<saved_buffer> saved;
+};
+
+/**
+ * A swap scope with the bookkeeping of the hooks: which storages were saved (the same tensor
+ * saved twice, e.g. a ReLU output that the next Linear saves too, is copied once), the order of
+ * the saves (the backward pass needs them in reverse), the storages never to copy (parameters),
+ * and counters. One recursive mutex guards it: a buffer's destructor (from a tensor's deleter,
+ * on whichever thread frees it) may run while this thread holds it.
+ */
+class swap_handle : public std::enable_shared_from_this<swap_handle> {
+ public:
+  swap_handle(wm::swap_options const& o, std::size_t min_bytes)
+      : scope_{std::make_shared<wm::swap_scope>(o)}, min_bytes_{min_bytes} {
+    device_   = scope_->options().device;
+    capacity_ = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
+  }
+
+  /// Storages (by data pointer) that pack never copies: parameters, buffers.
+  void set_skip(std::vector<std::uintptr_t> const& ptrs) {
+    std::lock_guard lk{mutex_};
+    skip_.clear();
+    skip_.insert(ptrs.begin(), ptrs.end());
+  }
+
+  /// The pack hook: a saved_buffer holding a copy of @p t, or None to keep @p t as it is (not
+  /// on this GPU, smaller than min_bytes, not dense, a skipped storage, no room in the pool).
+  py::object pack(torch::Tensor const& t) {
+    std::shared_ptr<saved_buffer> sp;
+    {
+      py::gil_scoped_release nogil;
+      sp = pack_impl(t);
+    }
+    if (!sp) { return py::none(); }
+    return py::cast(sp);
+  }
+
+  /// The unpack hook: a tensor over the buffer's device memory, valid on the current stream.
+  torch::Tensor unpack(std::shared_ptr<saved_buffer> const& sp) {
+    TORCH_CHECK_VALUE(sp && sp->owner.get() == this,
+                      "wm_torch: unpack of a buffer of another scope");
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(sp->device)};
+    cudaStream_t const s = current_stream(sp->device);
+    void* p              = nullptr;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard lk{mutex_};
+      if (auto_prefetch_ && !order_.empty()) { prefetch_all_locked(); }
+      p = sp->buf.data(cuda::stream_ref{s});
+      ++unpacks_;
+    }
+    // The deleter holds the buffer: it goes back to the pool (after the work queued on `s` at
+    // that time) when the last of the tensor and the packed handle is gone.
+    std::shared_ptr<saved_buffer> keep = sp;
+    return torch::from_blob(
+        p, sp->sizes, sp->strides, [keep](void*) mutable { keep.reset(); },
+        torch::TensorOptions{}.dtype(sp->dtype).device(torch::kCUDA, sp->device));
+  }
+
+  /// Queues every buffer saved since the last call for page-in, most recent first (the order
+  /// in which the backward pass needs them), then starts the page-in queue.
+  void prefetch_all() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk{mutex_};
+    prefetch_all_locked();
+  }
+
+  void set_auto_prefetch(bool on) {
+    std::lock_guard lk{mutex_};
+    auto_prefetch_ = on;
+  }
+
+  /// Waits until every queued page-in is done (tests; not needed for correctness).
+  void wait_prefetches() {
+    py::gil_scoped_release nogil;
+    scope_->wait_prefetches();
+  }
+
+  [[nodiscard]] py::dict statistics() {
+    wm::swap_statistics st;
+    {
+      py::gil_scoped_release nogil;
+      st = scope_->statistics();
+    }
+    py::dict d;
+    d["bytes_out"]             = st.bytes_out;
+    d["bytes_in"]              = st.bytes_in;
+    d["out_gbps"]              = st.out_gbps();
+    d["in_gbps"]               = st.in_gbps();
+    d["pageouts"]              = st.pageouts;
+    d["pageouts_cancelled"]    = st.pageouts_cancelled;
+    d["passive_pageins"]       = st.passive_pageins;
+    d["prefetches"]            = st.prefetches;
+    d["consumer_waits"]        = st.consumer_waits;
+    d["consumer_wait_seconds"] = st.consumer_wait_seconds;
+    d["host_blocking_syncs"]   = st.host_blocking_syncs;
+    d["host_wait_seconds"]     = st.host_wait_seconds;
+    d["worker_waits"]          = st.worker_waits;
+    d["resident_bytes"]        = st.resident_bytes;
+    d["peak_resident_bytes"]   = st.peak_resident_bytes;
+    d["device_allocations"]    = st.device_allocations;
+    d["pinned_allocations"]    = st.pinned_allocations;
+    std::lock_guard lk{mutex_};
+    d["packs"]         = packs_;
+    d["copies"]        = copies_;
+    d["bytes_copied"]  = bytes_copied_;
+    d["shared"]        = shared_;
+    d["kept"]          = kept_;
+    d["kept_no_room"]  = kept_no_room_;
+    d["unpacks"]       = unpacks_;
+    d["live_buffers"]  = live_;
+    d["device_budget"] = scope_->options().device_budget;
+    d["host_bytes"]    = scope_->options().host_bytes;
+    return d;
+  }
+
+  void reset_statistics() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk{mutex_};
+    scope_->reset_statistics();
+    packs_ = copies_ = bytes_copied_ = shared_ = kept_ = kept_no_room_ = unpacks_ = 0;
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+  void released() noexcept {
+    std::lock_guard lk{mutex_};
+    --live_;
+  }
+  std::recursive_mutex& mutex() noexcept { return mutex_; }
+
+ private:
+  std::shared_ptr<saved_buffer> pack_impl(torch::Tensor const& t) {
+    std::lock_guard lk{mutex_};
+    ++packs_;
+    if (!t.defined() || !t.is_cuda() || t.device().index() != device_ || !t.has_storage()) {
+      ++kept_;
+      return nullptr;
+    }
+    std::size_t const bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
+    if (bytes == 0 || bytes < min_bytes_ || !t.is_non_overlapping_and_dense() ||
+        skip_.contains(reinterpret_cast<std::uintptr_t>(t.storage().data()))) {
+      ++kept_;
+      return nullptr;
+    }
+    if (bytes > capacity_) {  // allocate would wait for page-outs that can never make room
+      ++kept_;
+      ++kept_no_room_;
+      return nullptr;
+    }
+    auto const version         = t._version();
+    auto const sizes           = t.sizes().vec();
+    auto const strides         = t.strides().vec();
+    c10::StorageImpl* const si = t.storage().unsafeGetStorageImpl();
+    // 1. The same data saved before (and still alive): share its buffer.
+    auto& keys = saved_[si];
+    std::erase_if(keys,
+                  [](saved_key const& k) { return k.storage.expired() || k.saved.expired(); });
+    for (auto const& k : keys) {
+      if (k.offset == t.storage_offset() && k.version == version && k.dtype == t.scalar_type() &&
+          k.sizes == sizes && k.strides == strides) {
+        if (auto sp = k.saved.lock()) {
+          ++shared_;
+          return sp;
+        }
+      }
+    }
+    // 2. A new buffer: device copy on the current stream, then the page-out after it.
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
+    cudaStream_t const s = current_stream(device_);
+    auto sp              = std::make_shared<saved_buffer>();
+    try {
+      sp->buf = scope_->allocate<std::byte>(bytes, cuda::stream_ref{s});
+    } catch (wm::logic_error const&) {  // every pool block held by buffers in use
+      ++kept_;
+      ++kept_no_room_;
+      return nullptr;
+    }
+    sp->owner = shared_from_this();
+    ++live_;
+    sp->sizes   = sizes;
+    sp->strides = strides;
+    sp->dtype   = t.scalar_type();
+    sp->device  = device_;
+    sp->bytes   = bytes;
+    // A dense tensor with non-negative strides starts at its lowest address and fills `bytes`.
+    std::byte* const dst = sp->buf.data(cuda::stream_ref{s});
+    WM_CUDA_TRY(cudaMemcpyAsync(dst, t.data_ptr(), bytes, cudaMemcpyDeviceToDevice, s));
+    // The caching allocator must not hand the source to another stream before the copy ran.
+    t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)));
+    (void)sp->buf.pageout(cuda::stream_ref{s});
+    keys.push_back(saved_key{t.storage().getWeakStorageImpl(), t.storage_offset(), sizes, strides,
+                             t.scalar_type(), version, sp});
+    order_.push_back(sp);
+    ++copies_;
+    bytes_copied_ += bytes;
+    if (saved_.size() > 4096) {  // drop the entries of freed storages now and then
+      std::erase_if(saved_, [](auto const& e) {
+        return std::all_of(e.second.begin(), e.second.end(), [](saved_key const& k) {
+          return k.storage.expired() || k.saved.expired();
+        });
+      });
+    }
+    return sp;
+  }
+
+  void prefetch_all_locked() {
+    scope_->prefetch_init();
+    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+      if (auto sp = it->lock()) { sp->buf.need_prefetch(); }
+    }
+    order_.clear();
+    scope_->prefetch_all();
+  }
+
+  static constexpr std::size_t pool_alignment = 256;  // the scope hands out multiples of it
+  std::shared_ptr<wm::swap_scope> scope_;
+  std::size_t min_bytes_;
+  std::size_t capacity_{0};
+  int device_{0};
+  std::recursive_mutex mutex_;
+  std::unordered_map<c10::StorageImpl*, std::vector<saved_key>> saved_;
+  std::unordered_set<std::uintptr_t> skip_;
+  std::vector<std::weak_ptr<saved_buffer>> order_;  // saves since the last prefetch_all
+  bool auto_prefetch_{true};
+  std::uint64_t packs_{0}, copies_{0}, bytes_copied_{0}, shared_{0}, kept_{0}, kept_no_room_{0},
+      unpacks_{0}, live_{0};
+};
+
+saved_buffer::~saved_buffer() {
+  if (!owner) { return; }  // never held pool memory
+  std::lock_guard lk{owner->mutex()};
+  buf.reset();  // after the work queued so far on the stream of its last data() call
+  owner->released();
+}  // then `owner` goes: the last buffer of a dropped scope destroys the scope
+
+}  // namespace
+}  // namespace wm_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace wm_torch;
+  m.doc() = "wm_torch: wm tables, communicators and swap scopes for PyTorch (see wm_torch.py)";
+
+  m.def("create_unique_id", &create_unique_id,
+        "A new wm::unique_id as bytes (rank 0 makes it; every rank passes it to Communicator)");
+
+  py::class_<communicator_handle>(m, "Communicator")
+      .def(py::init(&make_communicator), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
+           "Joins the group (collective; select the GPU with torch.cuda.set_device first)")
+      .def_property_readonly("rank", [](communicator_handle const& c) { return c.comm->rank(); })
+      .def_property_readonly("size", [](communicator_handle const& c) { return c.comm->size(); })
+      .def_property_readonly("device",
+                             [](communicator_handle const& c) { return c.comm->device(); })
+      .def_property_readonly("local_rank",
+                             [](communicator_handle const& c) { return c.comm->local_rank(); })
+      .def_property_readonly("local_size",
+                             [](communicator_handle const& c) { return c.comm->local_size(); })
+      .def(
+          "barrier",
+          [](communicator_handle& c) {
+            py::gil_scoped_release nogil;
+            c.comm->barrier();
+          },
+          "Waits for every rank (collective)");
+
+  py::class_<table_options>(m, "TableOptions")
+      .def(py::init<>())
+      .def_readwrite("rows", &table_options::rows)
+      .def_readwrite("dim", &table_options::dim)
+      .def_readwrite("location", &table_options::location)
+      .def_readwrite("cache", &table_options::cache)
+      .def_readwrite("cache_ratio", &table_options::cache_ratio)
+      .def_readwrite("cache_hash_seed", &table_options::cache_hash_seed)
+      .def_readwrite("optimizer", &table_options::optimizer)
+      .def_readwrite("weight_decay", &table_options::weight_decay)
+      .def_readwrite("beta1", &table_options::beta1)
+      .def_readwrite("beta2", &table_options::beta2)
+      .def_readwrite("eps", &table_options::eps)
+      .def_readwrite("decoupled", &table_options::decoupled)
+      .def_readwrite("global_step", &table_options::global_step)
+      .def_readwrite("sparse_adam_epsilon", &table_options::sparse_adam_epsilon)
+      .def_readwrite("init", &table_options::init)
+      .def_readwrite("init_a", &table_options::init_a)
+      .def_readwrite("init_b", &table_options::init_b)
+      .def_readwrite("init_seed", &table_options::init_seed);
+
+  py::class_<table_handle>(m, "Table")
+      .def(py::init<communicator_handle const&, table_options const&>(), py::arg("comm"),
+           py::arg("options"), "Allocates and initializes a table (collective)")
+      .def("gather", &table_handle::gather, py::arg("keys"), py::arg("out"),
+           "out[i, :] = row keys[i] on the current stream (keys int64, out float32, contiguous)")
+      .def("apply_gradients", &table_handle::apply_gradients, py::arg("keys"), py::arg("grads"),
+           py::arg("lr"),
+           "Sums the gradients of duplicate keys and updates each row once (collective; "
+           "synchronizes the current stream)")
+      .def("write_rows", &table_handle::write_rows, py::arg("keys"), py::arg("values"),
+           "Overwrites rows (a cache is emptied before and after)")
+      .def("prefetch", &table_handle::prefetch, py::arg("keys"),
+           "Admits the rows of the next batch into the cache")
+      .def("flush", &table_handle::flush)
+      .def("invalidate", &table_handle::invalidate)
+      .def("cache_stats", &table_handle::cache_stats)
+      .def("reset_cache_stats",
+           [](table_handle& h) {
+             c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
+             h.t->reset_cache_stats();
+           })
+      .def_property_readonly("cache_lines",
+                             [](table_handle const& h) { return h.t->cache_lines(); })
+      .def_property_readonly("global_step",
+                             [](table_handle const& h) { return h.t->global_step(); })
+      .def_property_readonly("rows", [](table_handle const& h) { return h.t->rows(); })
+      .def_property_readonly("dim", [](table_handle const& h) { return h.t->dim(); })
+      .def_property_readonly("device", [](table_handle const& h) { return h.device; })
+      .def_property_readonly("trainable", [](table_handle const& h) { return h.t->trainable(); })
+      .def_property_readonly("cached", [](table_handle const& h) { return h.t->cached(); })
+      .def_property_readonly("description",
+                             [](table_handle const& h) { return h.t->description(); })
+      .def(
+          "store",
+          [](table_handle& h, std::string const& prefix) {
+            c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
+            py::gil_scoped_release nogil;
+            h.t->store(prefix);
+          },
+          py::arg("prefix"), "Writes a checkpoint (collective)")
+      .def(
+          "load",
+          [](table_handle& h, std::string const& prefix) {
+            c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
+            py::gil_scoped_release nogil;
+            h.t->load(prefix);
+          },
+          py::arg("prefix"), "Reads a checkpoint (collective)");
+
+  py::class_<saved_buffer, std::shared_ptr<saved_buffer>>(m, "SavedBuffer")
+      .def_property_readonly("nbytes", [](saved_buffer const& b) { return b.bytes; })
+      .def_property_readonly("resident", [](saved_buffer const& b) { return b.buf.resident(); });
+
+  py::class_<swap_handle, std::shared_ptr<swap_handle>>(m, "SwapScope")
+      .def(py::init([](std::size_t device_budget, std::size_t host_bytes, int max_in_flight,
+                       std::size_t coalesce_below, std::size_t coalesce_limit,
+                       std::size_t prefetch_lookahead, double timeout_s, std::size_t min_bytes) {
+             TORCH_CHECK_VALUE(device_budget > 0 && host_bytes > 0,
+                               "wm_torch: a swap scope needs a device budget and host bytes > 0");
+             wm::swap_options o;
+             o.device_budget      = device_budget;
+             o.host_bytes         = host_bytes;
+             o.max_in_flight      = max_in_flight;
+             o.coalesce_below     = coalesce_below;
+             o.coalesce_limit     = coalesce_limit;
+             o.prefetch_lookahead = prefetch_lookahead;
+             o.timeout = std::chrono::milliseconds{static_cast<std::int64_t>(timeout_s * 1000)};
+             o.device  = static_cast<int>(c10::cuda::current_device());
+             py::gil_scoped_release nogil;
+             return std::make_shared<swap_handle>(o, min_bytes);
+           }),
+           py::arg("device_budget"), py::arg("host_bytes"), py::arg("max_in_flight") = 4,
+           py::arg("coalesce_below") = std::size_t{4} << 20,
+           py::arg("coalesce_limit") = std::size_t{32} << 20, py::arg("prefetch_lookahead") = 0,
+           py::arg("timeout_s") = 60.0, py::arg("min_bytes") = std::size_t{1} << 20,
+           "A wm::swap_scope on the current GPU: a device pool of device_budget bytes and a "
+           "pinned host slab of host_bytes")
+      .def("set_skip", &swap_handle::set_skip, py::arg("storage_ptrs"),
+           "Storages (data pointers) that pack never copies, e.g. parameters")
+      .def("pack", &swap_handle::pack, py::arg("tensor"),
+           "A SavedBuffer holding a copy of the tensor (page-out queued), or None to keep it")
+      .def("unpack", &swap_handle::unpack, py::arg("saved"),
+           "A tensor over the buffer's device memory, valid on the current stream")
+      .def("prefetch_all", &swap_handle::prefetch_all,
+           "Queues the buffers saved since the last call for page-in, most recent first")
+      .def("set_auto_prefetch", &swap_handle::set_auto_prefetch, py::arg("on"))
+      .def("wait_prefetches", &swap_handle::wait_prefetches)
+      .def("statistics", &swap_handle::statistics)
+      .def("reset_statistics", &swap_handle::reset_statistics)
+      .def_property_readonly("device", &swap_handle::device);
+}

@@ -1,0 +1,405 @@
+"""The PyTorch bridge (examples/pytorch) on a GPU: builds the extension and checks it.
+
+1. Forward: rows written with load_weights_ come back from the gather bitwise, for keys of any
+   shape with repeats, int64 and int32, through a device table and a cached host table.
+2. Training against torch.nn.Embedding(sparse=True) + torch.optim.SparseAdam / torch.optim.SGD
+   on the same fresh random data for several steps (device table; host table with a read-write
+   device cache so small that rows are evicted, written back and bypassed), both against a
+   float64 reference of the documented update (tolerance reasoning at TOL below).
+3. Swap hooks: a small bf16 MLP trained with wm_torch.SwapHooks gives bitwise the losses and
+   gradients of the same training without hooks (pool smaller than the saved activations, so
+   buffers go out and come back; explicit and automatic prefetch); a storage freed and reused
+   by a new tensor of the same shape is not mistaken for the old one; a pool too small for a
+   tensor keeps it in place.
+4. Bad input raises: CPU keys, float keys, wrong dtypes and devices, non-contiguous tensors, an
+   optimizer on a read-only cache, a key out of range.
+
+Usage: python3 tests/pytorch/test_bridge.py   (exit 0 pass, 1 fail, 77 skipped: no torch, no
+CUDA toolkit or ninja for torch.utils.cpp_extension, or no GPU). The extension is built into
+WM_TORCH_BUILD_DIR (default <repo>/build/wm_torch); the first build takes a few minutes.
+"""
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"),
+             ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")):
+    os.environ.setdefault(k, v)
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as e:
+    print(f"SKIPPED: {e}")
+    sys.exit(77)
+if not torch.cuda.is_available():
+    print("SKIPPED: no CUDA device")
+    sys.exit(77)
+if cpp_extension.CUDA_HOME is None:
+    print("SKIPPED: no CUDA toolkit for torch.utils.cpp_extension (set CUDA_HOME)")
+    sys.exit(77)
+if not cpp_extension.is_ninja_available():
+    print("SKIPPED: torch.utils.cpp_extension needs ninja (pip install ninja)")
+    sys.exit(77)
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples" / "pytorch"))
+import wm_torch  # noqa: E402
+
+DEV = torch.device("cuda", torch.cuda.current_device())
+
+# Tolerance of the training comparisons, against a float64 reference of the documented update.
+# Both wm and torch compute in float32 (unit roundoff u = 2^-24 = 6.0e-8). A step changes a
+# weight by one update: Adam's m, v, bias corrections, sqrt, division and the step size are
+# ~20 roundings, each relative to |update| <= lr * |m_hat / sqrt(v_hat)| <= lr * 3.2 (the
+# first step gives exactly lr; later |m_hat| / sqrt(v_hat) <= (1 - b1) / sqrt(1 - b2) after
+# bias correction), plus the sum of a key's duplicate gradients (at most ~12 terms here, all of
+# one sign per element: the noise R below shares its sign among a key's positions, so the sum
+# never cancels and its relative error stays <= 12 u), plus one rounding of the stored weight
+# (u |w|). Per step: <= u |w| + 32 u lr * 3.2; over STEPS = 6 with |w| <= 1.5 and lr = 0.01:
+# <= 6 (9.0e-8 + 6.1e-8) ~= 9e-7. The gradient of the next step depends on the weights, so an
+# error feeds back, damped by 1/B. TOL = 4e-6 (1 + |w|) leaves a factor > 4 (torch's SparseAdam
+# and SGD on the CPU stay below 0.04 TOL against this reference). What the test must catch moves
+# weights by far more: a lost duplicate (last wins: > 6000 TOL), per-row instead of global steps
+# (> 2000 TOL), a stale cached row (~lr). Epsilon's placement does not show at gradients of this
+# size (tests/embedding/torch_sparse_adam.py covers it).
+TOL_ABS, TOL_REL = 4e-6, 4e-6
+ROWS, STEPS, BATCH, HOT = 3000, 6, 2000, 150
+LR_ADAM, LR_SGD = 0.01, 0.01
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+results = []
+
+
+def check(name, ok, detail=""):
+    results.append(bool(ok))
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def run_case(name, fn):
+    try:
+        fn()
+    except Exception:  # a case that throws fails; the others still run
+        traceback.print_exc()
+        check(name, False, "raised")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Forward
+
+
+def keys_with_repeats(g, n, rows, hot):
+    k = torch.randint(0, rows, (n,), generator=g)
+    h = torch.randint(0, hot, (n // 3,), generator=g)
+    k[torch.randperm(n, generator=g)[: n // 3]] = h  # a third of the keys from a small hot set
+    return k
+
+
+def test_forward():
+    g = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+    for location, cache, dim in (("device", None, 32), ("device", None, 20), ("host", "read_write", 32),
+                                 ("host", "read_only", 24), ("host", None, 24)):
+        opt = wm_torch.SGD() if cache != "read_only" else None
+        emb = wm_torch.Embedding(ROWS, dim, location=location, cache=cache, cache_ratio=0.05, optimizer=opt,
+                                 init="uniform", init_a=-0.25, init_b=0.75, seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+        init = emb.rows().cpu()
+        spread_ok = bool(init.min() >= -0.25) and bool(init.max() <= 0.75) and float(init.std()) > 0.2
+        w = torch.rand(ROWS, dim, generator=g) * 2 - 1
+        emb.load_weights_(w)
+        keys = keys_with_repeats(g, 3 * 700, ROWS, 50).view(3, 700)
+        ok = True
+        for rep in range(2):  # the second time through a cache: hits
+            for kk in (keys, keys.int()):
+                out = emb(kk.to(DEV))
+                ok &= out.shape == (3, 700, dim) and out.dtype == torch.float32
+                ok &= torch.equal(out.cpu(), w[keys])
+        check(f"forward {emb._table.description} dim {dim}", ok and spread_ok,
+              f"init in [{float(init.min()):.3f}, {float(init.max()):.3f}], rows bitwise W[keys]")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Training against torch
+
+
+def make_batches(g, dim):
+    """Keys with repeats; per step a target table T (loss 0.5 |out - T[k]|^2 / B) and noise
+    R = S[k] * U added to the gradient, S a random sign per (row, column) and step, U in [0.5, 1]
+    per position: a key's duplicates share their sign, so their sum never cancels."""
+    batches = []
+    T = torch.rand(ROWS, dim, generator=g, dtype=torch.float64) * 2 - 1
+    for _ in range(STEPS):
+        k = keys_with_repeats(g, BATCH, ROWS, HOT)
+        S = torch.where(torch.rand(ROWS, dim, generator=g) < 0.5, -1.0, 1.0).double()
+        U = 0.5 + 0.5 * torch.rand(BATCH, dim, generator=g, dtype=torch.float64)
+        batches.append((k, T[k].clone(), (S[k] * U)))
+    return batches
+
+
+def loss_of(out, target, noise):
+    return 0.5 * ((out - target) ** 2).sum() / BATCH + (out * noise).sum()
+
+
+def reference(w0, batches, kind, lr):
+    """float64 SparseAdam / SGD on rows: duplicates summed, absent rows untouched; SparseAdam's
+    one step count and its epsilon: w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)."""
+    w = w0.double().clone()
+    m = torch.zeros_like(w)
+    v = torch.zeros_like(w)
+    for t, (k, target, noise) in enumerate(batches, start=1):
+        gout = (w[k] - target) / BATCH + noise
+        g = torch.zeros_like(w).index_add_(0, k, gout)
+        rows = torch.unique(k)
+        gr = g[rows]
+        if kind == "sgd":
+            w[rows] -= lr * gr
+        else:
+            m[rows] = B1 * m[rows] + (1 - B1) * gr
+            v[rows] = B2 * v[rows] + (1 - B2) * gr * gr
+            step = lr * (1 - B2 ** t) ** 0.5 / (1 - B1 ** t)
+            w[rows] -= step * m[rows] / (v[rows].sqrt() + EPS)
+    return w
+
+
+def train_torch(w0, batches, kind, lr):
+    emb = torch.nn.Embedding(ROWS, w0.shape[1], sparse=True, device=DEV)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    opt = (torch.optim.SparseAdam(emb.parameters(), lr=lr, betas=(B1, B2), eps=EPS) if kind == "adam"
+           else torch.optim.SGD(emb.parameters(), lr=lr))
+    for k, target, noise in batches:
+        opt.zero_grad()
+        loss_of(emb(k.to(DEV)), target.float().to(DEV), noise.float().to(DEV)).backward()
+        opt.step()
+    return emb.weight.detach().cpu().double()
+
+
+def train_wm(w0, batches, kind, lr, location, cache):
+    spec = wm_torch.SparseAdam(betas=(B1, B2), eps=EPS) if kind == "adam" else wm_torch.SGD()
+    emb = wm_torch.Embedding(ROWS, w0.shape[1], location=location, cache=cache, cache_ratio=0.05, optimizer=spec)
+    emb.load_weights_(w0)
+    opt = wm_torch.EmbeddingOptimizer(emb, lr=lr)
+    losses = []
+    for k, target, noise in batches:
+        opt.zero_grad()
+        out = emb(k.to(DEV))
+        assert out.requires_grad
+        loss = loss_of(out, target.float().to(DEV), noise.float().to(DEV))
+        loss.backward()
+        assert emb._anchor.grad is None and len(emb._pending) == 1
+        opt.step()
+        losses.append(float(loss.detach()))
+    stats = emb.cache_stats() if cache else None
+    return emb.rows().cpu().double(), emb.global_step, stats
+
+
+def test_training():
+    g = torch.Generator().manual_seed(int(time.time_ns() % 2**31) + 1)
+    for location, cache in (("device", None), ("host", "read_write")):
+        for kind, lr, dim in (("adam", LR_ADAM, 32), ("sgd", LR_SGD, 20)):
+            w0 = (torch.rand(ROWS, dim, generator=g) - 0.5)  # float32, in [-0.5, 0.5)
+            batches = make_batches(g, dim)
+            ref = reference(w0, batches, kind, lr)
+            ours, steps, stats = train_wm(w0, batches, kind, lr, location, cache)
+            theirs = train_torch(w0, batches, kind, lr)
+            tol = TOL_ABS + TOL_REL * ref.abs()
+            d_wm = (ours - ref).abs()
+            d_torch = (theirs - ref).abs()
+            moved = float((ref - w0.double()).abs().max())
+            ok = bool((d_wm <= tol).all()) and bool((d_torch <= tol).all()) and moved > 1e-2 and steps == STEPS
+            detail = (f"max |wm - f64| {float(d_wm.max()):.2e}, max |torch - f64| {float(d_torch.max()):.2e}, "
+                      f"max |wm - torch| {float((ours - theirs).abs().max()):.2e}, weights moved {moved:.3f}, "
+                      f"global step {steps}")
+            if stats is not None:  # the cache must have been used: lines replaced
+                ok &= stats["evictions"] > 0
+                detail += (f"; cache: {stats['hits']} hits, {stats['misses']} misses, {stats['evictions']} evictions,"
+                           f" {stats['write_backs']} write-backs, {stats['bypasses']} bypasses")
+            name = "torch.optim.SparseAdam" if kind == "adam" else "torch.optim.SGD(sparse)"
+            check(f"training vs {name}: {location} table, cache {cache}", ok, detail)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Swap hooks
+
+
+def make_mlp(layers, width, seed):
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        lin = torch.nn.Linear(width, width, bias=False)
+        torch.nn.init.uniform_(lin.weight, -1.7 / width ** 0.5, 1.7 / width ** 0.5)
+        mods += [lin, torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods).to(device=DEV, dtype=torch.bfloat16)
+
+
+def train_mlp(make_hooks, steps, layers, width, batch, explicit_prefetch):
+    model = make_mlp(layers, width, 7)
+    hooks = None if make_hooks is None else make_hooks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    x = torch.empty(batch, width, device=DEV, dtype=torch.bfloat16)
+    losses, grads = [], []
+    for _ in range(steps):
+        x.uniform_(-1.0, 1.0, generator=g)
+        opt.zero_grad(set_to_none=False)
+        if hooks is None:
+            y = model(x)
+            loss = 0.5 * y.float().pow(2).sum() / batch
+        else:
+            with hooks:
+                y = model(x)
+                loss = 0.5 * y.float().pow(2).sum() / batch
+            if explicit_prefetch:
+                hooks.prefetch_all()
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+        opt.step()
+        del y, loss
+    torch.cuda.synchronize()
+    return losses, grads
+
+
+def test_swap_hooks():
+    layers, width, batch, steps = 6, 1024, 4096, 3
+    act = batch * width * 2  # 8 MiB per bf16 activation; the float32 copy of the output is 16 MiB
+    base_losses, base_grads = train_mlp(None, steps, layers, width, batch, False)
+    for explicit in (True, False):
+        # A pool of 3 activations for 8 saved buffers a step (the float32 output takes 2 of them).
+        scope = wm_torch.SwapScope(3 * act, 16 * act, prefetch_lookahead=2 * act)
+        losses, grads = train_mlp(lambda model: wm_torch.SwapHooks(scope, skip=model), steps, layers, width,
+                                  batch, explicit)
+        st = scope.statistics()
+        same_loss = all(torch.equal(a, b) for a, b in zip(losses, base_losses))
+        same_grad = all(torch.equal(a, b) for ga, gb in zip(grads, base_grads) for a, b in zip(ga, gb))
+        moved = st["bytes_out"] > 0 and st["bytes_in"] > 0
+        # Per step: x_0 .. x_L and y.float() copied once each; the ReLU outputs x_1 .. x_{L-1} are
+        # saved by their ReLU and again by the next Linear (shared, not copied twice); the weights
+        # (W^T, saved by the Linears that need the gradient of their input) are skipped, or the
+        # copies would count them.
+        shared_ok = st["shared"] == steps * (layers - 1) and st["copies"] == steps * (layers + 2)
+        check(f"swap hooks: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} prefetch_all)",
+              same_loss and same_grad and moved and shared_ok and st["live_buffers"] == 0,
+              f"losses {[round(float(v), 5) for v in losses]}, {st['copies']} copies, {st['shared']} shared, "
+              f"{st['kept']} kept, {st['bytes_out'] >> 20} MiB out, {st['bytes_in'] >> 20} MiB in, "
+              f"{st['prefetches']} prefetches, {st['passive_pageins']} passive page-ins, "
+              f"{st['live_buffers']} buffers alive after the steps")
+
+
+def test_swap_storage_reuse():
+    """a_i = randn(n) saved by a_i * w, then freed: the caching allocator hands its block to
+    a_{i+1} (same size, same stream), a tensor of the same shape and version at the same address.
+    w.grad must be the sum of the a_i, not copies of a_0."""
+    n = 1 << 19  # 2 MiB of float32
+
+    def run(hooks):
+        w = torch.ones(n, device=DEV, requires_grad=True)
+        g = torch.Generator(device=DEV).manual_seed(5)
+        total = torch.zeros((), device=DEV)
+        ptrs = set()
+        for _ in range(4):
+            a = torch.randn(n, device=DEV, generator=g)
+            ptrs.add(a.data_ptr())
+            if hooks is None:
+                total = total + (a * w).sum()
+            else:
+                with hooks:
+                    total = total + (a * w).sum()
+            del a
+        total.backward()
+        torch.cuda.synchronize()
+        return w.grad.clone(), len(ptrs)
+
+    ref, _ = run(None)
+    scope = wm_torch.SwapScope(8 << 20, 64 << 20)
+    got, distinct = run(wm_torch.SwapHooks(scope))
+    st = scope.statistics()
+    check("swap hooks: a freed storage reused by a new tensor is a new save",
+          torch.equal(ref, got) and st["copies"] == 4 and st["shared"] == 0,
+          f"{distinct} distinct address(es) for 4 tensors, {st['copies']} copies, {st['shared']} shared")
+
+
+def test_swap_no_room():
+    scope = wm_torch.SwapScope(1 << 20, 16 << 20)  # a 1 MiB pool: a 4 MiB tensor cannot go in
+    w = torch.randn(1 << 20, device=DEV, requires_grad=True)
+    a = torch.randn(1 << 20, device=DEV)
+    with wm_torch.SwapHooks(scope):
+        loss = (a * w).sum()
+    loss.backward()
+    st = scope.statistics()
+    check("swap hooks: a tensor larger than the pool is kept", torch.equal(w.grad, a) and st["kept_no_room"] == 1,
+          f"{st['kept']} kept ({st['kept_no_room']} for want of room)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Bad input
+
+
+def raises(fn, types):
+    try:
+        fn()
+    except types as e:
+        return str(e).splitlines()[0][:140]
+    except Exception as e:  # the wrong kind of error
+        return f"WRONG {type(e).__name__}: {e}"
+    return None
+
+
+def test_bad_input():
+    emb = wm_torch.Embedding(100, 8, optimizer=wm_torch.SGD())
+    t = emb._table
+    k = torch.arange(10, device=DEV)
+    cases = [
+        ("CPU keys", lambda: emb(torch.arange(10)), ValueError),
+        ("float keys", lambda: emb(torch.arange(10, device=DEV).float()), TypeError),
+        ("keys not a tensor", lambda: emb([1, 2, 3]), TypeError),
+        ("gather into a CPU tensor", lambda: t.gather(k, torch.empty(10, 8)), ValueError),
+        ("gather into float64", lambda: t.gather(k, torch.empty(10, 8, device=DEV, dtype=torch.float64)), TypeError),
+        ("gather into a tensor of the wrong size", lambda: t.gather(k, torch.empty(10, 7, device=DEV)), ValueError),
+        ("int32 keys at the table", lambda: t.gather(k.int(), torch.empty(10, 8, device=DEV)), TypeError),
+        ("non-contiguous keys", lambda: t.gather(torch.arange(20, device=DEV)[::2], torch.empty(10, 8, device=DEV)),
+         ValueError),
+        ("float64 gradients", lambda: t.apply_gradients(k, torch.zeros(10, 8, device=DEV, dtype=torch.float64), 0.1),
+         TypeError),
+        ("CPU gradients", lambda: t.apply_gradients(k, torch.zeros(10, 8), 0.1), ValueError),
+        ("a key out of range", lambda: emb(torch.tensor([3, 100], device=DEV)), RuntimeError),
+        ("an optimizer on a read-only cache",
+         lambda: wm_torch.Embedding(100, 8, location="host", cache="read_only", optimizer=wm_torch.SGD()), ValueError),
+        ("a cache on a device table", lambda: wm_torch.Embedding(100, 8, cache="read_write", optimizer=wm_torch.SGD()),
+         ValueError),
+        ("an optimizer step on a frozen table", lambda: wm_torch.EmbeddingOptimizer(
+            [wm_torch.Embedding(100, 8, location="host", cache="read_only")], lr=0.1), ValueError),
+    ]
+    for name, fn, types in cases:
+        msg = raises(fn, types)
+        check(f"bad input raises {types.__name__}: {name}", msg is not None and not msg.startswith("WRONG"),
+              msg or "did not raise")
+    # The table still works after the errors.
+    out = emb(k)
+    check("the table works after the errors", torch.equal(out, emb.rows()[:10]))
+
+
+def main():
+    t0 = time.time()
+    try:
+        wm_torch.load()
+    except Exception:
+        traceback.print_exc()
+        print("FAIL building the extension")
+        print("0 passed, 1 failed")
+        return 1
+    print(f"extension ready in {time.time() - t0:.1f} s ({torch.cuda.get_device_name()}, torch {torch.__version__})",
+          flush=True)
+    for name, fn in (("forward", test_forward), ("training", test_training), ("swap hooks", test_swap_hooks),
+                     ("swap storage reuse", test_swap_storage_reuse), ("swap no room", test_swap_no_room),
+                     ("bad input", test_bad_input)):
+        run_case(name, fn)
+    passed = sum(results)
+    failed = len(results) - passed
+    print(f"{passed} passed, {failed} failed  ({time.time() - t0:.1f} s)")
+    return 0 if failed == 0 and passed > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
