@@ -33,9 +33,20 @@
  * stage by intersecting the tables with the new plan (detail/zero/reshard.hpp, checkpoint.hpp).
  *
  * Offload (`wm::offload_host`, with `wm::adam`): the fp32 master weights and moments live in
- * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once,
- * `step` waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights
- * back (and all-gathers them) while the CPU updates the next.
+ * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once
+ * (on a copy stream, so backward does not wait for it). With `zero_options::offload_pipeline`
+ * (the default) a host thread runs the CPU Adam on each bucket as soon as its gradients have
+ * landed, while backward goes on, and sends the bucket's new weights back into its (now free)
+ * device gradient shard; `step` then only sums the norm, waits for the last bucket and
+ * all-gathers (stage 3: copies) the new weights into place. The update is computed before the
+ * step's global gradient norm is known, with this step's learning rate (`prepare_step`, else the
+ * last step's) and no clipping, into a second host copy of the master weights and moments: `step`
+ * adopts it when the step applies as computed, and otherwise (an inf/NaN skip: nothing applies;
+ * clipping that scales the gradients, another learning rate, weights set in between: the update
+ * is redone after backward, as without the pipeline) leaves the first copy as it was. Results
+ * are the same bits either way. Without the pipeline `step` waits for the norm, runs the CPU Adam
+ * bucket by bucket and sends each bucket's weights back (and all-gathers them) while the CPU
+ * updates the next.
  *
  * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
  * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
@@ -54,6 +65,7 @@
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/detail/zero/residency.hpp>
+#include <wm/detail/zero/serial_worker.hpp>
 #include <wm/detail/zero/thread_pool.hpp>
 #include <wm/optimizer.hpp>
 #include <wm/zero_policy.hpp>
@@ -67,6 +79,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -178,7 +191,10 @@ class zero_optimizer {
    * @brief Takes the fp32 master weights of this rank's shard from the compute weights again
    * (at the next step), e.g. after writing weights through `weights(p)` (stages 1-2).
    */
-  void reset_master_weights() noexcept { masters_stale_ = true; }
+  void reset_master_weights() noexcept {
+    masters_stale_ = true;
+    spec_.invalid  = true;
+  }
 
   /**
    * @brief Reduces bucket @p b's gradients over the ranks (collective), on @p stream: stage 1
@@ -190,12 +206,21 @@ class zero_optimizer {
 
   /**
    * @brief One optimizer step with learning rate @p lr (collective), on @p stream, without
-   * waiting on the host: the norm partials, one scalar all-reduce, the fused update of every
-   * bucket shard, then (stages 1-2) the in-place all-gather of the weights. Stage 3: no group
-   * may be gathered (the gathered copies would be stale); the next `gather` brings the new
-   * weights.
+   * waiting on the host (`wm::offload_host`: it waits for the norm and the CPU Adam): the norm
+   * partials, one scalar all-reduce, the fused update of every bucket shard, then (stages 1-2) the
+   * in-place all-gather of the weights. Stage 3: no group may be gathered (the gathered copies
+   * would be stale); the next `gather` brings the new weights.
    */
   void step(float lr, cuda::stream_ref stream);
+
+  /**
+   * @brief `wm::offload_host` with `zero_options::offload_pipeline`: announces the learning rate
+   * the next `step` will get, before that step's first `reduce_gradients`, so that the CPU Adam
+   * can update each bucket as soon as its gradients land. Without it the pipeline assumes the
+   * last step's rate. A `step` with another rate is still right (its update is redone after
+   * backward) but not overlapped. Does nothing for the other policies.
+   */
+  void prepare_step(float lr) noexcept { next_lr_ = lr; }
 
   /**
    * @brief Stage 3: makes group @p g's weights available on @p stream (collective): its buckets
@@ -245,7 +270,8 @@ class zero_optimizer {
   [[nodiscard]] float const* loss_scale_device() const noexcept { return scale_; }
 
   /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
-  /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`.
+  /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`. With the
+  /// offload pipeline the pointer changes at each applied step (the two host copies alternate).
   [[nodiscard]] float const* master_shard() const noexcept { return master_; }
   /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
   [[nodiscard]] float const* state_shard(int k) const noexcept {
@@ -264,6 +290,19 @@ class zero_optimizer {
   void agree(std::string const& error, char const* what);
   void step_offload(float lr, cuda::stream_ref stream);
   double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
+  void norm_partials(std::size_t b, cudaStream_t s);
+  double* norm_total(cuda::stream_ref stream);  // the partials summed, then all-reduced
+  // Offload: bucket b's CPU Adam (this step's lr, count and gradient factor) from master_ and
+  // states_, in place or (separate) into master_alt_ and states_alt_, the new compute weights
+  // into host_weights_.
+  void cpu_update(std::size_t b, float lr, std::int64_t t, float factor, bool separate);
+  // On the worker: wait for the gradients, update, send the weights back.
+  void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor,
+                    detail::zero::serial_worker const& worker);
+  void finish_pipeline(cuda::stream_ref stream);  // waits for the worker (deadline)
+  // Host poll of @p e with the communicator's deadline (stops early once @p worker is cancelled).
+  void wait_event(cudaEvent_t e, char const* what,
+                  detail::zero::serial_worker const* worker = nullptr) const;
 
   communicator* comm_;
   Optimizer opt_;
@@ -291,6 +330,28 @@ class zero_optimizer {
   std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
   std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
   std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads
+  // Offload pipeline: the second host copy, the copy streams, and what the worker computes.
+  float* master_alt_{nullptr};
+  float* states_alt_{nullptr};
+  cudaStream_t d2h_stream_{nullptr};
+  cudaStream_t h2d_stream_{nullptr};
+  cudaEvent_t reduced_{nullptr};     // on the caller's stream after a bucket's reduction
+  std::vector<cudaEvent_t> landed_;  // per bucket: its gradients are on the host
+  cudaEvent_t d2h_done_{nullptr};    // the last D2H of a step
+  cudaEvent_t h2d_done_{nullptr};    // the last H2D of a step
+  struct speculation {
+    bool active{false};   // jobs of this step were posted
+    bool invalid{false};  // something changed the inputs after they were posted
+    float lr{0.0f};       // what the jobs assume
+    float factor{0.0f};
+    std::int64_t t{0};
+    std::size_t posted{0};
+  };
+  speculation spec_{};
+  bool step_open_{false};  // a reduce_gradients of this step was made
+  float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last
+  int device_{0};
+  std::unique_ptr<detail::zero::serial_worker> worker_;  // last: stops before the buffers go
   cudaStream_t gather_stream_{nullptr};
   cudaEvent_t gather_done_{nullptr};
   cudaEvent_t user_ready_{nullptr};

@@ -5,15 +5,18 @@
 // step's reference starts from the fp32 state the code under test holds, so the error measured
 // is that of one step; the bf16 copy must be the fp32 result rounded to nearest even.
 #include <wm/detail/zero/cpu_adam.hpp>
+#include <wm/detail/zero/serial_worker.hpp>
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -364,4 +367,53 @@ TEST_CASE("thread pool runs every task once and passes exceptions on", "[host]")
   int after = 0;
   pool.run(1, [&](std::size_t) { ++after; });  // still usable
   CHECK(after == 1);
+}
+
+TEST_CASE("serial worker runs jobs in order, waits with a deadline, drops a failed step's rest",
+          "[host]") {
+  using namespace std::chrono_literals;
+  auto const later = [] { return z::serial_worker::clock::now() + 10s; };
+  {
+    z::serial_worker w;
+    CHECK(w.wait_idle(later()));  // nothing posted: idle at once
+    std::vector<int> order;
+    for (int i = 0; i < 100; ++i) {
+      w.post([&order, i] { order.push_back(i); });
+    }
+    REQUIRE(w.wait_idle(later()));
+    REQUIRE(order.size() == 100);
+    for (int i = 0; i < 100; ++i) { CHECK(order[static_cast<std::size_t>(i)] == i); }
+
+    // A job that throws: the ones behind it are dropped, the error comes out once.
+    std::atomic<int> ran{0};
+    std::atomic<bool> go{false};
+    w.post([&] {
+      while (!go.load()) { std::this_thread::yield(); }
+      ++ran;
+    });
+    w.post([&] { throw std::runtime_error{"bucket 1"}; });
+    w.post([&] { ++ran; });
+    w.post([&] { ++ran; });
+    CHECK_FALSE(w.wait_idle(z::serial_worker::clock::now() + 20ms));  // the first still waits
+    go = true;
+    CHECK_THROWS_AS((void)w.wait_idle(later()), std::runtime_error);
+    CHECK(ran.load() == 1);
+    CHECK(w.wait_idle(later()));  // the error was reported once
+    w.post([&] { ++ran; });       // still usable
+    CHECK(w.wait_idle(later()));
+    CHECK(ran.load() == 2);
+    CHECK_FALSE(w.cancelled());
+  }
+  // The destructor tells a waiting job to stop, drops the queue and joins.
+  std::atomic<int> ran{0};
+  {
+    z::serial_worker w;
+    w.post([&] {
+      while (!w.cancelled()) { std::this_thread::sleep_for(1ms); }
+    });
+    for (int i = 0; i < 10; ++i) {
+      w.post([&] { ++ran; });
+    }
+  }
+  CHECK(ran.load() == 0);
 }
