@@ -313,10 +313,9 @@ int main(int argc, char** argv) {
       }
       for (std::size_t i = 3; i < 6; ++i) {
         auto const& off = rows[i];
-        std::printf(
-            "%s: CPU Adam alone on this rank's shard %.2f ms; step / CPU Adam = %.3f%s\n",
-            off.name.c_str(), off.cpu_adam_ms, off.ms / off.cpu_adam_ms,
-            i == 3 ? " (target <= 1.2)" : "");
+        std::printf("%s: CPU Adam alone on this rank's shard %.2f ms; step / CPU Adam = %.3f%s\n",
+                    off.name.c_str(), off.cpu_adam_ms, off.ms / off.cpu_adam_ms,
+                    i == 3 ? " (target <= 1.2)" : "");
       }
       std::printf("peak memory target: states within 3%% of the formula plus two buckets: %s\n",
                   [&] {

@@ -772,15 +772,16 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     float lr;
     bool announce;
     bool inf;
+    bool ahead;  // the pipeline's update applies as computed (unless clipping scales)
   };
   planned const steps[] = {
-      {0.05f, false, false},  // weights were just set: not computed ahead
-      {0.05f, false, false},  // the last step's rate: computed ahead
-      {0.1f, true, false},    // announced: computed ahead
-      {0.2f, false, false},   // a new rate, not announced: redone after backward
-      {0.2f, false, true},    // an inf on the last rank: skipped everywhere
-      {0.2f, false, false},   // after a skip
-      {0.15f, true, false},   // announced again
+      {0.05f, false, false, false},  // weights were just set: not computed ahead
+      {0.05f, false, false, true},   // the last step's rate: computed ahead
+      {0.1f, true, false, true},     // announced: computed ahead
+      {0.2f, false, false, false},   // a new rate, not announced: redone after backward
+      {0.2f, false, true, false},    // an inf on the last rank: skipped everywhere
+      {0.2f, false, false, true},    // after a skip
+      {0.15f, true, false, true},    // announced again
   };
   std::int64_t applied = 0;
   for (int t = 0; t < static_cast<int>(std::size(steps)); ++t) {
@@ -820,8 +821,14 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
         }
       }
     }
+    float const* const a_master = a.master_shard();
+    float const* const b_master = b.master_shard();
     a.step(st.lr, s);
     b.step(st.lr, s);
+    // The pipeline adopts its second copy (the pointer moves) exactly when it computed this
+    // step's update; the plain path updates in place.
+    REQUIRE((a.master_shard() != a_master) == (st.ahead && mode != 2));
+    REQUIRE(b.master_shard() == b_master);
     REQUIRE(a.last_step_skipped(s) == st.inf);
     REQUIRE(b.last_step_skipped(s) == st.inf);
     applied += st.inf ? 0 : 1;
