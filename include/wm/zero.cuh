@@ -295,7 +295,9 @@ class zero_optimizer {
   // Offload: bucket b's CPU Adam (this step's lr, count and gradient factor) from master_ and
   // states_, in place or (separate) into master_alt_ and states_alt_, the new compute weights
   // into host_weights_.
-  void cpu_update(std::size_t b, float lr, std::int64_t t, float factor, bool separate);
+  // Elements [first, first + count) of the bucket's shard (count 0: to its end).
+  void cpu_update(std::size_t b, float lr, std::int64_t t, float factor, bool separate,
+                  std::size_t first = 0, std::size_t count = 0);
   // On the worker: wait for the gradients, update, send the weights back.
   void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor,
                     detail::zero::serial_worker const& worker);
@@ -335,10 +337,13 @@ class zero_optimizer {
   float* states_alt_{nullptr};
   cudaStream_t d2h_stream_{nullptr};
   cudaStream_t h2d_stream_{nullptr};
-  cudaEvent_t reduced_{nullptr};     // on the caller's stream after a bucket's reduction
-  std::vector<cudaEvent_t> landed_;  // per bucket: its gradients are on the host
-  cudaEvent_t d2h_done_{nullptr};    // the last D2H of a step
-  cudaEvent_t h2d_done_{nullptr};    // the last H2D of a step
+  cudaEvent_t reduced_{nullptr};  // on the caller's stream after a bucket's reduction
+  // The pipeline moves and updates a bucket's shard in chunks of options_.offload_chunk_elements
+  // (a multiple of 64: the CPU Adam's vector bodies then cover the same elements as in one call).
+  std::vector<cudaEvent_t> landed_;       // per chunk: its gradients are on the host
+  std::vector<std::size_t> first_chunk_;  // bucket b's first chunk in landed_
+  cudaEvent_t d2h_done_{nullptr};         // the last D2H of a step
+  cudaEvent_t h2d_done_{nullptr};         // the last H2D of a step
   struct speculation {
     bool active{false};   // jobs of this step were posted
     bool invalid{false};  // something changed the inputs after they were posted

@@ -97,6 +97,11 @@ struct zero_options {
   /// first copy as it was; such a step is then redone after backward as without the pipeline.
   /// false: the update runs in `step`, after backward (no second copy).
   bool offload_pipeline{true};
+  /// With `offload_pipeline`: a bucket's gradients go to the host, and its update and weights
+  /// back, in chunks of this many elements (a multiple of 64), so that the update of a bucket
+  /// starts when its first chunk has landed and only its last chunk's weights are copied after
+  /// the update ends.
+  std::size_t offload_chunk_elements{std::size_t{1} << 24};
 };
 
 /// Device bytes a `wm::zero_optimizer` allocated at construction, per kind.

@@ -740,10 +740,15 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   wm::zero_options plain   = options;
   plain.offload_pipeline   = false;
   options.offload_pipeline = true;
+  // Chunks of 64 elements: a bucket (up to 2112 elements) moves and is updated in up to 34 parts.
+  options.offload_chunk_elements = 64;
   opt_t a{comm, params, 1024, make_optimizer<wm::adam>(), options};
   opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), plain};
   REQUIRE(a.buckets() >= 4);
   REQUIRE(a.memory().host > b.memory().host);  // the second copy
+  wm::zero_options odd       = options;
+  odd.offload_chunk_elements = 100;  // not a multiple of 64
+  REQUIRE_THROWS_AS((opt_t{comm, params, 1024, make_optimizer<wm::adam>(), odd}), wm::logic_error);
 
   std::mt19937_64 rng{seed};
   std::uniform_real_distribution<double> u(-1, 1);

@@ -54,6 +54,8 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   world_      = comm.size();
   WM_EXPECTS(std::isfinite(options_.loss_scale) && options_.loss_scale > 0.0f,
              "zero_optimizer: a finite loss scale above 0");
+  WM_EXPECTS(options_.offload_chunk_elements > 0 && options_.offload_chunk_elements % 64 == 0,
+             "zero_optimizer: offload_chunk_elements a positive multiple of 64");
   WM_EXPECTS(std::isfinite(options_.max_grad_norm),
              "zero_optimizer: a finite max_grad_norm (0: no clipping)");
   WM_EXPECTS(!options_.dynamic_loss_scale ||
@@ -85,6 +87,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   h = detail::mix64(h, options_.average_gradients ? 1 : 0);
   h = detail::mix64(h, options_.prefetch_bytes);
   h = detail::mix64(h, options_.offload_pipeline ? 1 : 0);
+  h = detail::mix64(h, options_.offload_chunk_elements);
   for (auto const& g : options_.groups) {
     for (auto p : g) { h = detail::mix64(h, p); }
     h = detail::mix64(h, ~0ull);
@@ -192,7 +195,13 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
         for (cudaEvent_t* e : {&reduced_, &d2h_done_, &h2d_done_}) {
           WM_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
         }
-        landed_.assign(plan_.buckets.size(), nullptr);
+        std::size_t chunks = 0;
+        for (auto const& b : plan_.buckets) {
+          first_chunk_.push_back(chunks);
+          chunks += std::max<std::size_t>(
+              1, cuda::ceil_div(b.shard_elements, options_.offload_chunk_elements));
+        }
+        landed_.assign(chunks, nullptr);
         for (auto& e : landed_) {
           WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
         }
@@ -448,9 +457,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
       // On the copy stream: backward goes on while the gradients go to the host.
       WM_CUDA_TRY(cudaEventRecord(reduced_, stream.get()));
       WM_CUDA_TRY(cudaStreamWaitEvent(d2h_stream_, reduced_, 0));
-      WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b], shard_gradients(b), size,
-                                  cudaMemcpyDeviceToHost, d2h_stream_));
-      WM_CUDA_TRY(cudaEventRecord(landed_[b], d2h_stream_));
+      std::size_t const chunk_bytes = options_.offload_chunk_elements * sizeof(T);
+      std::size_t c                 = first_chunk_[b];
+      for (std::size_t at = 0; at < size; at += chunk_bytes, ++c) {
+        WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b] + at,
+                                    static_cast<std::byte*>(shard_gradients(b)) + at,
+                                    std::min(chunk_bytes, size - at), cudaMemcpyDeviceToHost,
+                                    d2h_stream_));
+        WM_CUDA_TRY(cudaEventRecord(landed_[c], d2h_stream_));
+      }
       if (spec_.active) {
         ++spec_.posted;
         detail::zero::serial_worker const* w = worker_.get();
@@ -484,14 +499,16 @@ void zero_optimizer<Stage, Optimizer, Offload>::wait_event(
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, float lr, std::int64_t t,
-                                                           float factor, bool separate) {
+                                                           float factor, bool separate,
+                                                           std::size_t first, std::size_t count) {
   namespace z = detail::zero;
   if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
     auto const& bk         = plan_.buckets[b];
     std::size_t const n    = plan_.state_elements;
-    std::size_t const off  = bk.state_offset;
-    std::size_t const at   = shard_bytes_offset_[b];
-    std::size_t const size = bk.shard_elements * z::size_of(bk.type);
+    std::size_t const cnt  = count == 0 ? bk.shard_elements - first : count;
+    std::size_t const off  = bk.state_offset + first;
+    std::size_t const at   = shard_bytes_offset_[b] + first * z::size_of(bk.type);
+    std::size_t const size = cnt * z::size_of(bk.type);
     z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
                                 opt_.decoupled};
     float* const master_out = separate ? master_alt_ + off : nullptr;
@@ -502,16 +519,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, float 
           o, z::cpu_adam_step{lr, t, factor},
           z::cpu_adam_arrays<z::bf16_bits>{master_ + off, states_ + off, states_ + n + off,
                                            reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
-                                           reinterpret_cast<z::bf16_bits*>(host_weights_ + at),
-                                           bk.shard_elements, master_out, m_out, v_out},
+                                           reinterpret_cast<z::bf16_bits*>(host_weights_ + at), cnt,
+                                           master_out, m_out, v_out},
           *cpu_pool_);
     } else {
-      z::cpu_adam_update(
-          o, z::cpu_adam_step{lr, t, factor},
-          z::cpu_adam_arrays<float>{master_ + off, states_ + off, states_ + n + off,
-                                    reinterpret_cast<float const*>(host_grads_ + at), nullptr,
-                                    bk.shard_elements, master_out, m_out, v_out},
-          *cpu_pool_);
+      z::cpu_adam_update(o, z::cpu_adam_step{lr, t, factor},
+                         z::cpu_adam_arrays<float>{master_ + off, states_ + off, states_ + n + off,
+                                                   reinterpret_cast<float const*>(host_grads_ + at),
+                                                   nullptr, cnt, master_out, m_out, v_out},
+                         *cpu_pool_);
       std::memcpy(host_weights_ + at, separate ? master_out : master_ + off, size);
     }
   }
@@ -522,14 +538,20 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
     std::size_t b, float lr, std::int64_t t, float factor,
     detail::zero::serial_worker const& worker) {
   WM_CUDA_TRY(cudaSetDevice(device_));
-  wait_event(landed_[b], "a bucket's gradients on the host", &worker);
-  cpu_update(b, lr, t, factor, true);
-  // Into the bucket's device gradient shard (its gradients are on the host now): the compute
-  // weights stay as they are until step adopts the update.
-  auto const& bk = plan_.buckets[b];
-  WM_CUDA_TRY(cudaMemcpyAsync(shard_gradients(b), host_weights_ + shard_bytes_offset_[b],
-                              bk.shard_elements * detail::zero::size_of(bk.type),
-                              cudaMemcpyHostToDevice, h2d_stream_));
+  auto const& bk          = plan_.buckets[b];
+  std::size_t const esize = detail::zero::size_of(bk.type);
+  std::size_t c           = first_chunk_[b];
+  std::size_t const chunk = options_.offload_chunk_elements;
+  for (std::size_t first = 0; first < bk.shard_elements; first += chunk, ++c) {
+    std::size_t const count = std::min(chunk, bk.shard_elements - first);
+    wait_event(landed_[c], "a bucket's gradients on the host", &worker);
+    cpu_update(b, lr, t, factor, true, first, count);
+    // Into the bucket's device gradient shard (these gradients are on the host now): the
+    // compute weights stay as they are until step adopts the update.
+    WM_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(shard_gradients(b)) + first * esize,
+                                host_weights_ + shard_bytes_offset_[b] + first * esize,
+                                count * esize, cudaMemcpyHostToDevice, h2d_stream_));
+  }
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
