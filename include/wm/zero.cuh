@@ -38,13 +38,14 @@
  * (the default) a host thread runs the CPU Adam on each bucket as soon as its gradients have
  * landed, while backward goes on, and sends the bucket's new weights back into its (now free)
  * device gradient shard; `step` then only sums the norm, waits for the last bucket and
- * all-gathers (stage 3: copies) the new weights into place. The update is computed before the
- * step's global gradient norm is known, with this step's learning rate (`prepare_step`, else the
- * last step's) and no clipping, into a second host copy of the master weights and moments: `step`
- * adopts it when the step applies as computed, and otherwise (an inf/NaN skip: nothing applies;
- * clipping that scales the gradients, another learning rate, weights set in between: the update
- * is redone after backward, as without the pipeline) leaves the first copy as it was. Results
- * are the same bits either way. Without the pipeline `step` waits for the norm, runs the CPU Adam
+ * all-gathers (stage 3: copies) the new weights into place. A bucket updated before the step's
+ * global gradient norm is known is computed with this step's learning rate (`prepare_step`, else
+ * the last step's) and no clipping, into the other of two host copies of the master weights and
+ * moments; once `step` knows the norm it decides: the step applies as assumed (the buckets left
+ * are then updated in place, and those done ahead switch to their other copy), or it does not
+ * (an inf/NaN skip: nothing applies; clipping that scales the gradients, another learning rate,
+ * weights set in between: the update is redone after backward, as without the pipeline) and the
+ * work done ahead is dropped. Results are the same bits either way. Without the pipeline `step` waits for the norm, runs the CPU Adam
  * bucket by bucket and sends each bucket's weights back (and all-gathers them) while the CPU
  * updates the next.
  *
@@ -76,6 +77,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -271,12 +273,22 @@ class zero_optimizer {
 
   /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
   /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`. With the
-  /// offload pipeline the pointer changes at each applied step (the two host copies alternate).
-  [[nodiscard]] float const* master_shard() const noexcept { return master_; }
+  /// offload pipeline, call it between steps: it first brings the buckets whose current values
+  /// sit in the second host copy back into the first (a step begun is then redone after backward).
+  [[nodiscard]] float const* master_shard() const {
+    gather_host_copies();
+    return master_;
+  }
   /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
-  [[nodiscard]] float const* state_shard(int k) const noexcept {
+  [[nodiscard]] float const* state_shard(int k) const {
+    gather_host_copies();
     return states_ + static_cast<std::size_t>(k) * plan_.state_elements;
   }
+  /**
+   * @brief `wm::offload_host` with the pipeline: whether the last step's update was the one the
+   * pipeline computed beside backward (false: redone after backward, skipped, or no pipeline).
+   */
+  [[nodiscard]] bool last_step_pipelined() const noexcept { return pipelined_; }
 
  private:
   void* shard_weights(std::size_t b) const noexcept;  // the send block of bucket b's all-gather
@@ -292,9 +304,9 @@ class zero_optimizer {
   double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
   void norm_partials(std::size_t b, cudaStream_t s);
   double* norm_total(cuda::stream_ref stream);  // the partials summed, then all-reduced
-  // Offload: bucket b's CPU Adam (this step's lr, count and gradient factor) from master_ and
-  // states_, in place or (separate) into master_alt_ and states_alt_, the new compute weights
-  // into host_weights_.
+  // Offload: bucket b's CPU Adam (this step's lr, count and gradient factor) from its current
+  // host copy, in place or (separate) into the other copy, the new compute weights into
+  // host_weights_.
   // Elements [first, first + count) of the bucket's shard (count 0: to its end).
   void cpu_update(std::size_t b, float lr, std::int64_t t, float factor, bool separate,
                   std::size_t first = 0, std::size_t count = 0);
@@ -305,6 +317,9 @@ class zero_optimizer {
   // Host poll of @p e with the communicator's deadline (stops early once @p worker is cancelled).
   void wait_event(cudaEvent_t e, char const* what,
                   detail::zero::serial_worker const* worker = nullptr) const;
+  // Pipeline: copies the buckets whose current values are in the second host copy back into the
+  // first (master_, states_), so that those are current everywhere.
+  void gather_host_copies() const;
 
   communicator* comm_;
   Optimizer opt_;
@@ -352,8 +367,17 @@ class zero_optimizer {
     std::int64_t t{0};
     std::size_t posted{0};
   };
-  speculation spec_{};
-  bool step_open_{false};  // a reduce_gradients of this step was made
+  mutable speculation spec_{};  // mutable: gather_host_copies may invalidate it
+  bool step_open_{false};       // a reduce_gradients of this step was made
+  bool pipelined_{false};       // the last step adopted the pipeline's update
+  // Per bucket: 1 if its current master weights and moments are in master_alt_ / states_alt_.
+  mutable std::vector<std::uint8_t> alt_current_;
+  // Per bucket, written by the worker: its update of this step went to the other copy (ahead of
+  // the step's decision); else it ran in place after the decision.
+  std::vector<std::uint8_t> ahead_;
+  // What the worker does with a bucket it starts: 0 not decided (update into the other copy),
+  // 1 the step applies as assumed (update in place), 2 dropped (skip it).
+  mutable std::atomic<int> decision_{0};
   float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last
   int device_{0};
   std::unique_ptr<detail::zero::serial_worker> worker_;  // last: stops before the buffers go

@@ -90,12 +90,12 @@ struct zero_options {
   /// prefetched). 0: twice the largest group. Raised to the largest group if smaller.
   std::size_t prefetch_bytes{0};
   /// `wm::offload_host`: run each bucket's CPU Adam as soon as its gradients reach the host,
-  /// while backward goes on (the update of a step is still that step's: no delayed update). It
-  /// writes the new master weights and moments to a second host copy (12 more pinned bytes per
-  /// parameter of the shard) that `step` adopts, so a step that must not apply as computed (an
-  /// inf/NaN skip, clipping that scales, a learning rate other than the one announced) leaves the
-  /// first copy as it was; such a step is then redone after backward as without the pipeline.
-  /// false: the update runs in `step`, after backward (no second copy).
+  /// while backward goes on (the update of a step is still that step's: no delayed update). Until
+  /// `step` knows the gradient norm, it writes the new master weights and moments to a second
+  /// host copy (12 more pinned bytes per parameter of the shard), so a step that must not apply
+  /// as computed (an inf/NaN skip, clipping that scales, a learning rate other than the one
+  /// announced) leaves the current values as they were; such a step is then redone after
+  /// backward as without the pipeline. false: the update runs in `step`, after backward.
   bool offload_pipeline{true};
   /// With `offload_pipeline`: a bucket's gradients go to the host, and its update and weights
   /// back, in chunks of this many elements (a multiple of 64), so that the update of a bucket

@@ -826,14 +826,11 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
         }
       }
     }
-    float const* const a_master = a.master_shard();
-    float const* const b_master = b.master_shard();
     a.step(st.lr, s);
     b.step(st.lr, s);
-    // The pipeline adopts its second copy (the pointer moves) exactly when it computed this
-    // step's update; the plain path updates in place.
-    REQUIRE((a.master_shard() != a_master) == (st.ahead && mode != 2));
-    REQUIRE(b.master_shard() == b_master);
+    // The pipeline's update applies exactly on the steps it computed for; else it is redone.
+    REQUIRE(a.last_step_pipelined() == (st.ahead && mode != 2));
+    REQUIRE_FALSE(b.last_step_pipelined());
     REQUIRE(a.last_step_skipped(s) == st.inf);
     REQUIRE(b.last_step_skipped(s) == st.inf);
     applied += st.inf ? 0 : 1;
@@ -851,7 +848,9 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
       }
     }
     // Master weights and moments of this rank's shard (pinned host memory), read into buffers
-    // poisoned differently.
+    // poisoned differently. Not after every step: reading them brings every bucket's values into
+    // the first host copy, and the steps in between must work from whichever copy is current.
+    if (t % 3 != 2 && t + 1 != static_cast<int>(std::size(steps))) { continue; }
     std::size_t const n = plan.state_elements;
     comm.synchronize(s);
     for (int k = -1; k < wm::adam::states; ++k) {

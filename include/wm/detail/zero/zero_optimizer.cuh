@@ -202,6 +202,8 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
               1, cuda::ceil_div(b.shard_elements, options_.offload_chunk_elements));
         }
         landed_.assign(chunks, nullptr);
+        alt_current_.assign(plan_.buckets.size(), 0);
+        ahead_.assign(plan_.buckets.size(), 0);
         for (auto& e : landed_) {
           WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
         }
@@ -446,6 +448,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
       if (!step_open_) {  // the step's first bucket: what the CPU Adam assumes for all of them
         step_open_ = true;
         spec_      = {};
+        decision_.store(0, std::memory_order_relaxed);  // the worker is idle between steps
+        std::fill(ahead_.begin(), ahead_.end(), std::uint8_t{0});
         if (!masters_stale_ && std::isfinite(next_lr_)) {
           float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
           spec_.active      = true;
@@ -498,6 +502,37 @@ void zero_optimizer<Stage, Optimizer, Offload>::wait_event(
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
+  if (std::find(alt_current_.begin(), alt_current_.end(), std::uint8_t{1}) == alt_current_.end()) {
+    return;
+  }
+  if (step_open_ && spec_.active) {
+    // Mid-step: the worker may be writing the first copy of such a bucket. It stops taking
+    // buckets and ends; the step then redoes its update after backward.
+    decision_.store(2, std::memory_order_release);
+    spec_.invalid = true;
+    if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+      throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
+                       ": the offload pipeline's CPU Adam did not end within the communicator's "
+                       "timeout"};
+    }
+  }
+  std::size_t const n = plan_.state_elements;
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (alt_current_[b] == 0) { continue; }
+    auto const& bk         = plan_.buckets[b];
+    std::size_t const off  = bk.state_offset;
+    std::size_t const size = bk.shard_elements * sizeof(float);
+    std::memcpy(master_ + off, master_alt_ + off, size);
+    for (int k = 0; k < Optimizer::states; ++k) {
+      std::size_t const at = static_cast<std::size_t>(k) * n + off;
+      std::memcpy(states_ + at, states_alt_ + at, size);
+    }
+    alt_current_[b] = 0;
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, float lr, std::int64_t t,
                                                            float factor, bool separate,
                                                            std::size_t first, std::size_t count) {
@@ -511,24 +546,28 @@ void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, float 
     std::size_t const size = cnt * z::size_of(bk.type);
     z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
                                 opt_.decoupled};
-    float* const master_out = separate ? master_alt_ + off : nullptr;
-    float* const m_out      = separate ? states_alt_ + off : nullptr;
-    float* const v_out      = separate ? states_alt_ + n + off : nullptr;
+    // The bucket's current copy, and the other one (where an update ahead of the step goes).
+    bool const alt          = !alt_current_.empty() && alt_current_[b] != 0;
+    float* const master_in  = (alt ? master_alt_ : master_) + off;
+    float* const states_in  = (alt ? states_alt_ : states_) + off;
+    float* const master_out = separate ? (alt ? master_ : master_alt_) + off : nullptr;
+    float* const m_out      = separate ? (alt ? states_ : states_alt_) + off : nullptr;
+    float* const v_out      = separate ? m_out + n : nullptr;
     if (bk.type == z::element_type::bf16) {
       z::cpu_adam_update(
           o, z::cpu_adam_step{lr, t, factor},
-          z::cpu_adam_arrays<z::bf16_bits>{master_ + off, states_ + off, states_ + n + off,
+          z::cpu_adam_arrays<z::bf16_bits>{master_in, states_in, states_in + n,
                                            reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
                                            reinterpret_cast<z::bf16_bits*>(host_weights_ + at), cnt,
                                            master_out, m_out, v_out},
           *cpu_pool_);
     } else {
       z::cpu_adam_update(o, z::cpu_adam_step{lr, t, factor},
-                         z::cpu_adam_arrays<float>{master_ + off, states_ + off, states_ + n + off,
+                         z::cpu_adam_arrays<float>{master_in, states_in, states_in + n,
                                                    reinterpret_cast<float const*>(host_grads_ + at),
                                                    nullptr, cnt, master_out, m_out, v_out},
                          *cpu_pool_);
-      std::memcpy(host_weights_ + at, separate ? master_out : master_ + off, size);
+      std::memcpy(host_weights_ + at, separate ? master_out : master_in, size);
     }
   }
 }
@@ -537,6 +576,12 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
     std::size_t b, float lr, std::int64_t t, float factor,
     detail::zero::serial_worker const& worker) {
+  // Decided by now: in place (the step applies as assumed) or not at all (dropped). Not yet:
+  // into the other copy, which the step adopts or drops.
+  int const decision = decision_.load(std::memory_order_acquire);
+  if (decision == 2) { return; }
+  bool const ahead = decision == 0;
+  ahead_[b]        = ahead ? 1 : 0;
   WM_CUDA_TRY(cudaSetDevice(device_));
   auto const& bk          = plan_.buckets[b];
   std::size_t const esize = detail::zero::size_of(bk.type);
@@ -545,7 +590,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
   for (std::size_t first = 0; first < bk.shard_elements; first += chunk, ++c) {
     std::size_t const count = std::min(chunk, bk.shard_elements - first);
     wait_event(landed_[c], "a bucket's gradients on the host", &worker);
-    cpu_update(b, lr, t, factor, true, first, count);
+    cpu_update(b, lr, t, factor, ahead, first, count);
     // Into the bucket's device gradient shard (these gradients are on the host now): the
     // compute weights stay as they are until step adopts the update.
     WM_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(shard_gradients(b)) + first * esize,
@@ -654,13 +699,18 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     bool const pipeline    = options_.offload_pipeline;
     speculation const spec = std::exchange(spec_, speculation{});
     step_open_             = false;
+    pipelined_             = false;
     next_lr_               = lr;  // the next step's guess, unless prepare_step says otherwise
     if (pipeline) {               // the gradients' copies to the host, before the host reads them
       WM_CUDA_TRY(cudaEventRecord(d2h_done_, d2h_stream_));
       WM_CUDA_TRY(cudaStreamWaitEvent(s, d2h_done_, 0));
     }
-    if (masters_stale_) {
-      if (spec.active) { finish_pipeline(stream); }  // it reads the masters the widen rewrites
+    if (masters_stale_) {  // weights were set: the pipeline's work (if any) is dropped
+      if (spec.active) {
+        decision_.store(2, std::memory_order_release);
+        finish_pipeline(stream);  // it reads the masters that the widen rewrites
+      }
+      gather_host_copies();  // the moments stay; the masters come from the compute weights
       widen_masters(s);
     }
     // The pipeline took the partials as each bucket was reduced (its shards now hold weights).
@@ -668,10 +718,26 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     WM_CUDA_TRY(cudaMemcpyAsync(host_sumsq_, global, sizeof(double), cudaMemcpyDeviceToHost, s));
     // The norm, and every gradient shard on the host (reduce_gradients sent them).
     comm_->synchronize(stream, "zero_optimizer::step");
-    if (spec.active) { finish_pipeline(stream); }  // the CPU Adam of the last buckets
     double const sumsq = *host_sumsq_;
     float const scale  = host_scale_;  // this step's
     bool const skip    = !std::isfinite(sumsq);
+    float const ranks  = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+    float const factor =
+        skip ? 0.0f : z::grad_factor_of(sumsq, 1.0f / (scale * ranks), options_.max_grad_norm);
+    // The pipeline's update is this step's if it assumed this step's inputs: the same learning
+    // rate, count and gradient factor (clipping that scales changes the factor), every bucket,
+    // and no weights set since. Every rank decides the same (the inputs are collective).
+    bool const adopt =
+        spec.active && !skip && !spec.invalid && spec.posted == plan_.buckets.size() &&
+        spec.t == host_counters_[0] + 1 &&
+        std::bit_cast<std::uint32_t>(spec.lr) == std::bit_cast<std::uint32_t>(lr) &&
+        std::bit_cast<std::uint32_t>(spec.factor) == std::bit_cast<std::uint32_t>(factor);
+    if (spec.active) {
+      // The buckets the worker has not begun are done in place now (or not at all); then it
+      // ends the last buckets.
+      decision_.store(adopt ? 1 : 2, std::memory_order_release);
+      finish_pipeline(stream);
+    }
     if (options_.dynamic_loss_scale) {  // the next step's scale, on the host and the device
       z::update_scale(skip, host_scale_, host_counters_[3], options_.scale_growth,
                       options_.scale_backoff, options_.scale_growth_interval);
@@ -684,18 +750,10 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     }
     host_counters_[1]    = 0;
     std::int64_t const t = ++host_counters_[0];
-    float const ranks    = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-    float const factor   = z::grad_factor_of(sumsq, 1.0f / (scale * ranks), options_.max_grad_norm);
-    // The pipeline's update is this step's if it assumed this step's inputs: the same learning
-    // rate, count and gradient factor (clipping that scales changes the factor), every bucket,
-    // and no weights set since. Every rank decides the same (the inputs are collective).
-    bool const adopt =
-        spec.active && !spec.invalid && spec.posted == plan_.buckets.size() && spec.t == t &&
-        std::bit_cast<std::uint32_t>(spec.lr) == std::bit_cast<std::uint32_t>(lr) &&
-        std::bit_cast<std::uint32_t>(spec.factor) == std::bit_cast<std::uint32_t>(factor);
     if (adopt) {
-      std::swap(master_, master_alt_);
-      std::swap(states_, states_alt_);
+      // A bucket updated ahead of the decision has its current values in the other copy now.
+      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) { alt_current_[b] ^= ahead_[b]; }
+      pipelined_ = true;
       // The new weights wait in the gradient shards (the caller's stream waited for their H2D).
       for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
         auto const& bk = plan_.buckets[b];
@@ -818,6 +876,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
   namespace z                   = detail::zero;
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  gather_host_copies();
   if (masters_stale_) { widen_masters(stream.get()); }
   read_counters(stream);  // waits for the stream (with the communicator's deadline)
   std::int64_t const applied = host_counters_[0];
@@ -855,9 +914,13 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
   if constexpr (Offload::host) {  // the pipeline's jobs of a step begun before the load end
-    if (spec_.active) { finish_pipeline(stream); }
+    if (spec_.active) {
+      decision_.store(2, std::memory_order_release);
+      finish_pipeline(stream);
+    }
     spec_      = {};
     step_open_ = false;
+    std::fill(alt_current_.begin(), alt_current_.end(), std::uint8_t{0});  // load writes the first
   }
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
