@@ -45,9 +45,9 @@
  * are then updated in place, and those done ahead switch to their other copy), or it does not
  * (an inf/NaN skip: nothing applies; clipping that scales the gradients, another learning rate,
  * weights set in between: the update is redone after backward, as without the pipeline) and the
- * work done ahead is dropped. Results are the same bits either way. Without the pipeline `step` waits for the norm, runs the CPU Adam
- * bucket by bucket and sends each bucket's weights back (and all-gathers them) while the CPU
- * updates the next.
+ * work done ahead is dropped. Results are the same bits either way. Without the pipeline `step`
+ * waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights back (and
+ * all-gathers them) while the CPU updates the next.
  *
  * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
  * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
@@ -113,8 +113,8 @@ namespace wm {
  *                   element is updated every step, so its step count is the global one
  * @tparam Offload   `wm::no_offload`, or `wm::offload_host` (with `wm::adam`, bf16 or fp32
  *                   parameters): master weights and moments on the host, updated by the CPU
- *                   Adam bucket by bucket in `step` (which then waits for the norm on the host),
- *                   each bucket's weights sent back and all-gathered while the next is updated
+ *                   Adam bucket by bucket as each bucket's gradients land (the offload
+ *                   pipeline; `step` waits for the norm and the last bucket on the host)
  */
 template <zero_stage_policy Stage, sparse_optimizer Optimizer = adam,
           offload_policy Offload = no_offload>
