@@ -55,8 +55,8 @@
  * with an inf or NaN gradient is skipped on every rank and `last_step_skipped` says so. The
  * scale is not part of a checkpoint: `load` keeps the current one.
  *
- * Not implemented yet: gradient accumulation over micro-batches (backward overwrites the
- * gradients, and stages 2-3 zero the staging buffer after each reduce-scatter).
+ * Gradient accumulation over micro-batches: `accumulate_gradients(b, stream)` for every
+ * micro-batch but the last, `reduce_gradients(b, stream)` for the last, then `step`.
  */
 #pragma once
 
@@ -207,6 +207,22 @@ class zero_optimizer {
   void reduce_gradients(std::size_t b, cuda::stream_ref stream);
 
   /**
+   * @brief Gradient accumulation over micro-batches: reduces bucket @p b's gradients of a
+   * micro-batch that is not the step's last (collective, with the order rules of
+   * `reduce_gradients`) and adds them to the sum of the step's earlier micro-batches. Backward
+   * writes (overwrites) `gradients(p)` in every micro-batch as before; the last micro-batch calls
+   * `reduce_gradients(b)`, which adds its own and goes on as usual (offload: the sum goes to the
+   * host), and `step` updates with the sum (the loss scale and `average_gradients` apply once:
+   * scale the loss by 1 / micro-batches for a mean). Each micro-batch's reduced gradients are
+   * added to the sum in float and rounded to the compute type once. Stage 1 keeps the sum in a
+   * shard allocated with `zero_options::gradient_accumulation`; the arena then holds the last
+   * micro-batch's reduced gradients outside this rank's shard.
+   * @throw wm::logic_error on a bucket index out of range, or at stage 1 without
+   * `zero_options::gradient_accumulation`
+   */
+  void accumulate_gradients(std::size_t b, cuda::stream_ref stream);
+
+  /**
    * @brief One optimizer step with learning rate @p lr (collective), on @p stream, without
    * waiting on the host (`wm::offload_host`: it waits for the norm and the CPU Adam): the norm
    * partials, one scalar all-reduce, the fused update of every bucket shard, then (stages 1-2) the
@@ -320,6 +336,8 @@ class zero_optimizer {
   // Pipeline: copies the buckets whose current values are in the second host copy back into the
   // first (master_, states_), so that those are current everywhere.
   void gather_host_copies() const;
+  // reduce_gradients (last: the step's last micro-batch) and accumulate_gradients.
+  void reduce_bucket(std::size_t b, cuda::stream_ref stream, bool last);
 
   communicator* comm_;
   Optimizer opt_;
@@ -367,9 +385,11 @@ class zero_optimizer {
     std::int64_t t{0};
     std::size_t posted{0};
   };
-  mutable speculation spec_{};  // mutable: gather_host_copies may invalidate it
-  bool step_open_{false};       // a reduce_gradients of this step was made
-  bool pipelined_{false};       // the last step adopted the pipeline's update
+  mutable speculation spec_{};             // mutable: gather_host_copies may invalidate it
+  bool step_open_{false};                  // a reduce_gradients of this step was made
+  bool pipelined_{false};                  // the last step adopted the pipeline's update
+  std::vector<std::uint8_t> accumulated_;  // per bucket: a micro-batch's sum is kept this step
+  std::byte* accum_{nullptr};  // stage 1 with gradient_accumulation: the sums (shard layout)
   // Per bucket: 1 if its current master weights and moments are in master_alt_ / states_alt_.
   mutable std::vector<std::uint8_t> alt_current_;
   // Per bucket, written by the worker: its update of this step went to the other copy (ahead of

@@ -102,6 +102,10 @@ struct zero_options {
   /// starts when its first chunk has landed and only its last chunk's weights are copied after
   /// the update ends.
   std::size_t offload_chunk_elements{std::size_t{1} << 24};
+  /// Stage 1: allocate a gradient shard (counted in `zero_memory::buffers`) that keeps the sum of
+  /// a step's micro-batches, for `zero_optimizer::accumulate_gradients`. Stages 2-3 keep the sum
+  /// in their gradient shard and need nothing more.
+  bool gradient_accumulation{false};
 };
 
 /// Device bytes a `wm::zero_optimizer` allocated at construction, per kind.

@@ -865,6 +865,137 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   }
 }
 
+TEMPLATE_PRODUCT_TEST_CASE(
+    "zero_optimizer gradient accumulation equals one batch of the summed "
+    "gradients bit for bit",
+    "[ranked]", zero_cases::combo,
+    ((wm::zero_stage<1>, wm::adam), (wm::zero_stage<2>, wm::adam), (wm::zero_stage<3>, wm::adam),
+     (wm::zero_stage<1>, wm::adam, wm::offload_host),
+     (wm::zero_stage<2>, wm::adam, wm::offload_host),
+     (wm::zero_stage<3>, wm::adam, wm::offload_host))) {
+  // Optimizer a takes 3 micro-batches per step (accumulate_gradients, accumulate_gradients,
+  // reduce_gradients); optimizer b one batch whose gradients are their exact sum. Gradients are
+  // k / 64 · loss scale with |k| <= 10: every sum over 3 micro-batches and up to 8 ranks (at
+  // most 240 / 64) is exact in bf16, so the two must agree bit for bit: weights (poisoned before
+  // each step, stages 1-2), master weights and moments.
+  using stage_t   = typename TestType::stage;
+  using offload_t = typename TestType::offload;
+  using opt_t     = wm::zero_optimizer<stage_t, wm::adam, offload_t>;
+  auto& comm      = wm_test::comm();
+  stream_holder s;
+  std::uint64_t const seed = shared_seed(comm);
+  INFO("world " << comm.size());
+  auto const mp = model(0);
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  double const loss_scale = 8;
+  wm::zero_options options;
+  options.loss_scale            = static_cast<float>(loss_scale);
+  options.gradient_accumulation = true;
+  if constexpr (stage_t::value == 1) {
+    // Stage 1 keeps the sum in a shard of its own, only when asked to.
+    opt_t plain{comm, params, 1024, make_optimizer<wm::adam>(), wm::zero_options{}};
+    REQUIRE_THROWS_AS(plain.accumulate_gradients(0, s), wm::logic_error);
+  }
+  opt_t a{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  if constexpr (stage_t::value == 1) {
+    REQUIRE(a.memory().buffers == a.layout().arena_bytes / static_cast<std::size_t>(comm.size()));
+  }
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::size_t const n = elements_of(mp[p]);
+    if (n == 0) { continue; }
+    if (mp[p].type == zero_element_type::f32) {
+      std::vector<float> h(n);
+      for (auto& x : h) { x = static_cast<float>(u(rng)); }
+      a.set_weights(p, h.data(), s);
+      b.set_weights(p, h.data(), s);
+    } else {
+      std::vector<bf16> h(n);
+      for (auto& x : h) { x = __double2bfloat16(u(rng)); }
+      a.set_weights(p, h.data(), s);
+      b.set_weights(p, h.data(), s);
+    }
+    comm.synchronize(s);
+  }
+  // Gradient of micro-batch mb: k in [-10, 10].
+  auto grad = [&](int t, int mb, std::size_t p, std::size_t i) {
+    auto const k = static_cast<int>(mix(seed ^
+                                        mix(t * 7919ull + comm.rank() * 104729ull +
+                                            p * 15485863ull + mb * 32452843ull) ^
+                                        (i * 0x9E3779B97F4A7C15ull)) %
+                                    21) -
+                   10;
+    return k / 64.0 * loss_scale;
+  };
+  int const micro  = 3;
+  auto const& plan = a.layout();
+  for (int t = 0; t < 4; ++t) {
+    INFO("step " << t);
+    for (int mb = 0; mb < micro; ++mb) {
+      for (std::size_t bk = 0; bk < a.buckets(); ++bk) {
+        for (auto p : plan.buckets[bk].params) {
+          std::vector<double> g(elements_of(mp[p]));
+          for (std::size_t i = 0; i < g.size(); ++i) { g[i] = grad(t, mb, p, i); }
+          write_typed(mp[p].type, gradients_ptr(a, p, mp[p].type), g, comm, s.s);
+        }
+        if (mb + 1 < micro) {
+          a.accumulate_gradients(bk, s);
+        } else {
+          a.reduce_gradients(bk, s);
+        }
+      }
+      if (mb == 0 && t == 0) {  // a step with a bucket still accumulating is refused
+        REQUIRE_THROWS_AS(a.step(0.05f, s), wm::logic_error);
+      }
+    }
+    for (std::size_t bk = 0; bk < b.buckets(); ++bk) {
+      for (auto p : plan.buckets[bk].params) {
+        std::vector<double> g(elements_of(mp[p]), 0.0);
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          for (int mb = 0; mb < micro; ++mb) { g[i] += grad(t, mb, p, i); }
+        }
+        write_typed(mp[p].type, gradients_ptr(b, p, mp[p].type), g, comm, s.s);
+      }
+      b.reduce_gradients(bk, s);
+    }
+    if constexpr (stage_t::value < 3) {  // poison: the step rewrites every compute weight
+      for (std::size_t p = 0; p < mp.size(); ++p) {
+        std::vector<double> const nan(elements_of(mp[p]), std::numeric_limits<double>::quiet_NaN());
+        write_typed(mp[p].type, weights_ptr(a, p, mp[p].type), nan, comm, s.s);
+        write_typed(mp[p].type, weights_ptr(b, p, mp[p].type), nan, comm, s.s);
+      }
+    }
+    a.step(0.05f, s);
+    b.step(0.05f, s);
+    REQUIRE_FALSE(a.last_step_skipped(s));
+    REQUIRE(a.applied_steps(s) == t + 1);
+    for (std::size_t p = 0; p < mp.size(); ++p) {
+      auto const wa = read_param(a, p, mp[p], comm, s);
+      auto const wb = read_param(b, p, mp[p], comm, s);
+      REQUIRE(wa.size() == wb.size());
+      for (std::size_t i = 0; i < wa.size(); ++i) {
+        INFO("weight " << mp[p].name << "[" << i << "]");
+        REQUIRE(!std::isnan(wa[i]));
+        REQUIRE(std::memcmp(&wa[i], &wb[i], sizeof(double)) == 0);
+      }
+    }
+    std::size_t const n = plan.state_elements;
+    comm.synchronize(s);
+    for (int k = -1; k < wm::adam::states; ++k) {
+      INFO("state " << k << " (-1: master weights)");
+      std::vector<float> ga(n), gb(n);
+      WM_CUDA_TRY(cudaMemcpy(ga.data(), k < 0 ? a.master_shard() : a.state_shard(k), n * 4,
+                             cudaMemcpyDefault));
+      WM_CUDA_TRY(cudaMemcpy(gb.data(), k < 0 ? b.master_shard() : b.state_shard(k), n * 4,
+                             cudaMemcpyDefault));
+      REQUIRE(std::memcmp(ga.data(), gb.data(), n * 4) == 0);
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("zero_optimizer memory against the formula of DESIGN §8", "[ranked]",
                    wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
   auto& comm      = wm_test::comm();

@@ -88,6 +88,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   h = detail::mix64(h, options_.prefetch_bytes);
   h = detail::mix64(h, options_.offload_pipeline ? 1 : 0);
   h = detail::mix64(h, options_.offload_chunk_elements);
+  h = detail::mix64(h, options_.gradient_accumulation ? 1 : 0);
   for (auto const& g : options_.groups) {
     for (auto p : g) { h = detail::mix64(h, p); }
     h = detail::mix64(h, ~0ull);
@@ -152,9 +153,11 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   memory_.gradients        = Stage::value == 1 ? plan_.arena_bytes : shard_arena;
   memory_.master_weights   = plan_.state_elements * sizeof(float);
   memory_.optimizer_states = memory_.master_weights * static_cast<std::size_t>(Optimizer::states);
-  memory_.buffers          = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes;
-  memory_.scratch          = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
-  bool const pipeline      = Offload::host && options_.offload_pipeline;
+  std::size_t const accum_bytes =
+      Stage::value == 1 && options_.gradient_accumulation ? shard_arena : 0;
+  memory_.buffers     = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes + accum_bytes;
+  memory_.scratch     = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
+  bool const pipeline = Offload::host && options_.offload_pipeline;
   if constexpr (Offload::host) {  // master weights and moments live on the host (twice: pipeline)
     memory_.host =
         (memory_.master_weights + memory_.optimizer_states) * (pipeline ? 2 : 1) + 2 * shard_arena;
@@ -167,6 +170,8 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
     grads_   = z::device_alloc(memory_.gradients);
     staging_ = z::device_alloc(Stage::value >= 2 ? stagings * max_b : 0);
     pool_    = z::device_alloc(pool_bytes);
+    accum_   = z::device_alloc(accum_bytes);
+    accumulated_.assign(plan_.buckets.size(), 0);
     if constexpr (Offload::host) {
       // Pinned: the CPU Adam's arrays; the device reads and writes them too (UVA) where it widens
       // or narrows weights.
@@ -255,7 +260,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
   for (void* p :
        {static_cast<void*>(weights_), static_cast<void*>(grads_), static_cast<void*>(staging_),
         static_cast<void*>(pool_), static_cast<void*>(scratch_), static_cast<void*>(counters_),
-        static_cast<void*>(scale_)}) {
+        static_cast<void*>(scale_), static_cast<void*>(accum_)}) {
     if (p != nullptr) { (void)cudaFree(p); }
   }
   for (void* p : {static_cast<void*>(master_), static_cast<void*>(states_)}) {
@@ -279,7 +284,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
   master_alt_ = states_alt_ = nullptr;
   host_grads_ = host_weights_ = nullptr;
   host_sumsq_                 = nullptr;
-  weights_ = grads_ = staging_ = pool_ = nullptr;
+  weights_ = grads_ = staging_ = pool_ = accum_ = nullptr;
   master_ = states_ = nullptr;
   scratch_          = nullptr;
   counters_         = nullptr;
@@ -425,16 +430,61 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
   WM_EXPECTS(b < plan_.buckets.size(),
              "zero_optimizer::reduce_gradients: a bucket index below the bucket count (" +
                  std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
-  auto const& bk = plan_.buckets[b];
-  detail::zero::with_element_type(bk.type, [&](auto tag) {
-    using T = decltype(tag);
+  reduce_bucket(b, stream, true);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::accumulate_gradients(std::size_t b,
+                                                                     cuda::stream_ref stream) {
+  WM_EXPECTS(b < plan_.buckets.size(),
+             "zero_optimizer::accumulate_gradients: a bucket index below the bucket count (" +
+                 std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
+  WM_EXPECTS(Stage::value > 1 || options_.gradient_accumulation,
+             "zero_optimizer::accumulate_gradients at stage 1: construct with "
+             "zero_options::gradient_accumulation");
+  reduce_bucket(b, stream, false);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
+                                                              cuda::stream_ref stream, bool last) {
+  namespace z          = detail::zero;
+  cudaStream_t const s = stream.get();
+  auto const& bk       = plan_.buckets[b];
+  bool const summed    = accumulated_[b] != 0;  // earlier micro-batches of this step
+  accumulated_[b]      = last ? 0 : 1;
+  z::with_element_type(bk.type, [&](auto tag) {
+    using T                = decltype(tag);
+    std::size_t const mine = static_cast<std::size_t>(rank_) * bk.shard_elements;
+    auto add               = [&](T* out, T const* in) {
+      WM_CUDA_TRY(cub::DeviceFor::Bulk(bk.shard_elements, z::add_op<T>{out, in}, s));
+    };
     if constexpr (Stage::value == 1) {
-      T* g = reinterpret_cast<T*>(grads_ + bk.byte_offset);
+      T* g   = reinterpret_cast<T*>(grads_ + bk.byte_offset);
+      T* acc = reinterpret_cast<T*>(accum_ + shard_bytes_offset_[b]);
+      if (!last) {  // only this rank's block enters its sum: reduce-scatter in place
+        comm_->reduce_scatter(static_cast<T const*>(g), g + mine, bk.shard_elements, stream);
+        if (summed) {
+          add(acc, g + mine);
+        } else {
+          WM_CUDA_TRY(cudaMemcpyAsync(acc, g + mine, bk.shard_elements * sizeof(T),
+                                      cudaMemcpyDeviceToDevice, s));
+        }
+        return;
+      }
       comm_->all_reduce(g, g, bk.elements, stream);
+      if (summed) { add(g + mine, acc); }
     } else {
-      comm_->reduce_scatter(static_cast<T const*>(staging(b)), static_cast<T*>(shard_gradients(b)),
-                            bk.shard_elements, stream);
-      WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), stream.get()));
+      T* const st = static_cast<T*>(staging(b));
+      if (!summed) {
+        comm_->reduce_scatter(static_cast<T const*>(st), static_cast<T*>(shard_gradients(b)),
+                              bk.shard_elements, stream);
+      } else {  // in place in the staging buffer, then added to the shard's sum
+        comm_->reduce_scatter(static_cast<T const*>(st), st + mine, bk.shard_elements, stream);
+        add(static_cast<T*>(shard_gradients(b)), st + mine);
+      }
+      WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), s));
+      if (!last) { return; }
     }
     if constexpr (Offload::host) {  // to the CPU Adam at once (overlaps the rest of backward)
       std::size_t const size = bk.shard_elements * sizeof(T);
@@ -615,6 +665,10 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref stream) {
   namespace z          = detail::zero;
   cudaStream_t const s = stream.get();
+  WM_EXPECTS(
+      std::find(accumulated_.begin(), accumulated_.end(), std::uint8_t{1}) == accumulated_.end(),
+      "zero_optimizer::step: every bucket that accumulate_gradients took needs its "
+      "reduce_gradients (the step's last micro-batch) first");
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::step (stage 3): release every gathered group first");
