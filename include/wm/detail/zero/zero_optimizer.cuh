@@ -461,7 +461,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
     };
     if constexpr (Stage::value == 1) {
       T* g   = reinterpret_cast<T*>(grads_ + bk.byte_offset);
-      T* acc = reinterpret_cast<T*>(accum_ + shard_bytes_offset_[b]);
+      T* acc = accum_ == nullptr ? nullptr : reinterpret_cast<T*>(accum_ + shard_bytes_offset_[b]);
       if (!last) {  // only this rank's block enters its sum: reduce-scatter in place
         comm_->reduce_scatter(static_cast<T const*>(g), g + mine, bk.shard_elements, stream);
         if (summed) {
