@@ -10,8 +10,10 @@
  * gradients, fp32 masters and Adam moments) against the formula of DESIGN §8 and their ratio;
  * the communication buffers (staging buckets, stage-3 pool); the device memory the optimizer and
  * model allocated (cudaMemGetInfo before and after, activations included); pinned host bytes.
- * For the offload row: the time of the CPU Adam alone on this rank's shard, measured in the same
- * run, and the step's ratio to it (the issue's target: <= 1.2).
+ * Offload rows: the pipeline (the default), the pipeline with clipping that scales every step
+ * (its update redone after backward), and without the pipeline; for each, the CPU Adam alone on
+ * this rank's shard, measured in the same run, in place and into a second copy (the pipeline's
+ * form), and the step's ratio to it (the issue's target: <= 1.2, the pipeline's row).
  *
  * PyTorch peer (bench/peers/torch_zero.py), after the wm rows, on the same ranks (one process per
  * GPU through `python3 -m torch.distributed.run` when there are several, else plain python3) and
@@ -62,7 +64,8 @@ struct row {
   double buffers{};
   double allocated{};
   double host{};
-  double cpu_adam_ms{};  // offload: the CPU Adam alone on this shard
+  double cpu_adam_ms{};      // offload: the CPU Adam alone on this shard, in place
+  double cpu_adam_sep_ms{};  // the same into a second copy (the offload pipeline's form)
 };
 
 /// What rank 0 hands to the parent process for the peer's table (memory shared with the ranks).
@@ -149,12 +152,13 @@ void run_torch_peer(config const& c, int ranks, wm_figures const& wm) {
 }
 
 template <class Stage, class Offload>
-row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char const* name) {
+row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char const* name,
+             wm::zero_options const& options = {}) {
   using optimizer_type = wm::zero_optimizer<Stage, wm::adam, Offload>;
   auto const params    = wm_workload::zero_mlp_parameters(c.layers, c.width);
   WM_CUDA_TRY(cudaDeviceSynchronize());
   std::size_t const before = device_used();
-  optimizer_type opt{comm, params, std::size_t{256} << 20, wm::adam{}};
+  optimizer_type opt{comm, params, std::size_t{256} << 20, wm::adam{}, options};
   wm_workload::zero_mlp<optimizer_type> model{opt, c.layers, c.width, c.batch};
   model.init_weights(7, stream);
   WM_CUDA_TRY(cudaDeviceSynchronize());
@@ -182,23 +186,36 @@ row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char 
   r.ms = wm_bench::median(wm_bench::event_times_ms(once, 2, events, stream, comm));
   for (auto& e : events) { WM_CUDA_TRY(cudaEventDestroy(e)); }
   if constexpr (Offload::host) {
-    // The CPU Adam alone on arrays of this rank's shard size (the same pool size as the step's).
+    // The CPU Adam alone on arrays of this rank's shard size (the same pool size as the step's),
+    // in place, and into a second copy of master, m and v (the pipeline's form), alternating.
+    namespace z         = wm::detail::zero;
     std::size_t const n = opt.layout().state_elements;
     std::vector<float> master(n, 0.5f), mo(n, 0.0f), v(n, 0.0f);
-    std::vector<wm::detail::zero::bf16_bits> g(n, 0x3c00), out(n);
-    wm::detail::zero::thread_pool pool;
-    std::vector<double> ms;
-    for (int i = 0; i < 2 + c.steps; ++i) {
-      auto const t0 = std::chrono::steady_clock::now();
-      wm::detail::zero::cpu_adam_update(
-          wm::detail::zero::cpu_adam_options{}, wm::detail::zero::cpu_adam_step{1e-4f, i + 1, 1.0f},
-          wm::detail::zero::cpu_adam_arrays<wm::detail::zero::bf16_bits>{
-              master.data(), mo.data(), v.data(), g.data(), out.data(), n},
-          pool);
-      auto const t1 = std::chrono::steady_clock::now();
-      if (i >= 2) { ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count()); }
+    std::vector<float> master2(n, 0.5f), mo2(n, 0.0f), v2(n, 0.0f);
+    std::vector<z::bf16_bits> g(n, 0x3c00), out(n);
+    z::thread_pool pool;
+    for (int sep = 0; sep < 2; ++sep) {
+      std::vector<double> ms;
+      for (int i = 0; i < 2 + c.steps; ++i) {
+        bool const odd = sep == 1 && i % 2 == 1;
+        z::cpu_adam_arrays<z::bf16_bits> a{odd ? master2.data() : master.data(),
+                                           odd ? mo2.data() : mo.data(),
+                                           odd ? v2.data() : v.data(),
+                                           g.data(),
+                                           out.data(),
+                                           n};
+        if (sep == 1) {
+          a.master_out = odd ? master.data() : master2.data();
+          a.m_out      = odd ? mo.data() : mo2.data();
+          a.v_out      = odd ? v.data() : v2.data();
+        }
+        auto const t0 = std::chrono::steady_clock::now();
+        z::cpu_adam_update(z::cpu_adam_options{}, z::cpu_adam_step{1e-4f, i + 1, 1.0f}, a, pool);
+        auto const t1 = std::chrono::steady_clock::now();
+        if (i >= 2) { ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count()); }
+      }
+      (sep == 0 ? r.cpu_adam_ms : r.cpu_adam_sep_ms) = wm_bench::median(ms);
     }
-    r.cpu_adam_ms = wm_bench::median(ms);
   }
   return r;
 }
@@ -274,8 +291,19 @@ int main(int argc, char** argv) {
       rows.push_back(run_zero<wm::zero_stage<1>, wm::no_offload>(comm, c, stream, "ZeRO-1"));
       rows.push_back(run_zero<wm::zero_stage<2>, wm::no_offload>(comm, c, stream, "ZeRO-2"));
       rows.push_back(run_zero<wm::zero_stage<3>, wm::no_offload>(comm, c, stream, "ZeRO-3"));
+      // Offload: the pipeline (each bucket's CPU Adam as it lands; no clipping, the rate of the
+      // last step), the same with clipping that scales every step (the update is redone after
+      // backward), and without the pipeline (the update after backward).
       rows.push_back(
           run_zero<wm::zero_stage<2>, wm::offload_host>(comm, c, stream, "ZeRO-2, offload"));
+      wm::zero_options clipped;
+      clipped.max_grad_norm = 1e-6f;
+      rows.push_back(run_zero<wm::zero_stage<2>, wm::offload_host>(
+          comm, c, stream, "ZeRO-2, offload, clip", clipped));
+      wm::zero_options unpiped;
+      unpiped.offload_pipeline = false;
+      rows.push_back(run_zero<wm::zero_stage<2>, wm::offload_host>(
+          comm, c, stream, "ZeRO-2, offload, no pipe", unpiped));
       rows.push_back(run_plain(comm, c, stream));
       WM_CUDA_TRY(cudaStreamDestroy(stream));
       if (comm.rank() != 0) { return; }
@@ -299,11 +327,14 @@ int main(int argc, char** argv) {
                     r.formula > 0 ? r.states / r.formula : 0.0, r.buffers / gib, r.allocated / gib,
                     r.host / gib);
       }
-      auto const& off = rows[3];
-      std::printf(
-          "offload: CPU Adam alone on this rank's shard %.2f ms; step / CPU Adam = %.3f "
-          "(target <= 1.2)\n",
-          off.cpu_adam_ms, off.ms / off.cpu_adam_ms);
+      for (std::size_t i = 3; i < 6; ++i) {
+        auto const& off = rows[i];
+        std::printf(
+            "%s: CPU Adam alone on this rank's shard %.2f ms in place, %.2f ms into a second "
+            "copy; step / CPU Adam in place = %.3f%s, / into a copy = %.3f\n",
+            off.name.c_str(), off.cpu_adam_ms, off.cpu_adam_sep_ms, off.ms / off.cpu_adam_ms,
+            i == 3 ? " (target <= 1.2)" : "", off.ms / off.cpu_adam_sep_ms);
+      }
       std::printf("peak memory target: states within 3%% of the formula plus two buckets: %s\n",
                   [&] {
                     for (int i = 0; i < 4; ++i) {

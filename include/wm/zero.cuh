@@ -33,9 +33,21 @@
  * stage by intersecting the tables with the new plan (detail/zero/reshard.hpp, checkpoint.hpp).
  *
  * Offload (`wm::offload_host`, with `wm::adam`): the fp32 master weights and moments live in
- * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once,
- * `step` waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights
- * back (and all-gathers them) while the CPU updates the next.
+ * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once
+ * (on a copy stream, so backward does not wait for it). With `zero_options::offload_pipeline`
+ * (the default) a host thread runs the CPU Adam on each bucket as soon as its gradients have
+ * landed, while backward goes on, and sends the bucket's new weights back into its (now free)
+ * device gradient shard; `step` then only sums the norm, waits for the last bucket and
+ * all-gathers (stage 3: copies) the new weights into place. A bucket updated before the step's
+ * global gradient norm is known is computed with this step's learning rate (`prepare_step`, else
+ * the last step's) and no clipping, into the other of two host copies of the master weights and
+ * moments; once `step` knows the norm it decides: the step applies as assumed (the buckets left
+ * are then updated in place, and those done ahead switch to their other copy), or it does not
+ * (an inf/NaN skip: nothing applies; clipping that scales the gradients, another learning rate,
+ * weights set in between: the update is redone after backward, as without the pipeline) and the
+ * work done ahead is dropped. Results are the same bits either way. Without the pipeline `step`
+ * waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights back (and
+ * all-gathers them) while the CPU updates the next.
  *
  * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
  * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
@@ -43,8 +55,8 @@
  * with an inf or NaN gradient is skipped on every rank and `last_step_skipped` says so. The
  * scale is not part of a checkpoint: `load` keeps the current one.
  *
- * Not implemented yet: gradient accumulation over micro-batches (backward overwrites the
- * gradients, and stages 2-3 zero the staging buffer after each reduce-scatter).
+ * Gradient accumulation over micro-batches: `accumulate_gradients(b, stream)` for every
+ * micro-batch but the last, `reduce_gradients(b, stream)` for the last, then `step`.
  */
 #pragma once
 
@@ -54,6 +66,7 @@
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/detail/zero/residency.hpp>
+#include <wm/detail/zero/serial_worker.hpp>
 #include <wm/detail/zero/thread_pool.hpp>
 #include <wm/optimizer.hpp>
 #include <wm/zero_policy.hpp>
@@ -64,9 +77,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -98,8 +113,8 @@ namespace wm {
  *                   element is updated every step, so its step count is the global one
  * @tparam Offload   `wm::no_offload`, or `wm::offload_host` (with `wm::adam`, bf16 or fp32
  *                   parameters): master weights and moments on the host, updated by the CPU
- *                   Adam bucket by bucket in `step` (which then waits for the norm on the host),
- *                   each bucket's weights sent back and all-gathered while the next is updated
+ *                   Adam bucket by bucket as each bucket's gradients land (the offload
+ *                   pipeline; `step` waits for the norm and the last bucket on the host)
  */
 template <zero_stage_policy Stage, sparse_optimizer Optimizer = adam,
           offload_policy Offload = no_offload>
@@ -178,7 +193,10 @@ class zero_optimizer {
    * @brief Takes the fp32 master weights of this rank's shard from the compute weights again
    * (at the next step), e.g. after writing weights through `weights(p)` (stages 1-2).
    */
-  void reset_master_weights() noexcept { masters_stale_ = true; }
+  void reset_master_weights() noexcept {
+    masters_stale_ = true;
+    spec_.invalid  = true;
+  }
 
   /**
    * @brief Reduces bucket @p b's gradients over the ranks (collective), on @p stream: stage 1
@@ -189,13 +207,38 @@ class zero_optimizer {
   void reduce_gradients(std::size_t b, cuda::stream_ref stream);
 
   /**
+   * @brief Gradient accumulation over micro-batches: reduces bucket @p b's gradients of a
+   * micro-batch that is not the step's last (collective, with the order rules of
+   * `reduce_gradients`) and adds them to the sum of the step's earlier micro-batches. Backward
+   * writes (overwrites) `gradients(p)` in every micro-batch as before; the last micro-batch calls
+   * `reduce_gradients(b)`, which adds its own and goes on as usual (offload: the sum goes to the
+   * host), and `step` updates with the sum (the loss scale and `average_gradients` apply once:
+   * scale the loss by 1 / micro-batches for a mean). Each micro-batch's reduced gradients are
+   * added to the sum in float and rounded to the compute type once. Stage 1 keeps the sum in a
+   * shard allocated with `zero_options::gradient_accumulation`; the arena then holds the last
+   * micro-batch's reduced gradients outside this rank's shard.
+   * @throw wm::logic_error on a bucket index out of range, or at stage 1 without
+   * `zero_options::gradient_accumulation`
+   */
+  void accumulate_gradients(std::size_t b, cuda::stream_ref stream);
+
+  /**
    * @brief One optimizer step with learning rate @p lr (collective), on @p stream, without
-   * waiting on the host: the norm partials, one scalar all-reduce, the fused update of every
-   * bucket shard, then (stages 1-2) the in-place all-gather of the weights. Stage 3: no group
-   * may be gathered (the gathered copies would be stale); the next `gather` brings the new
-   * weights.
+   * waiting on the host (`wm::offload_host`: it waits for the norm and the CPU Adam): the norm
+   * partials, one scalar all-reduce, the fused update of every bucket shard, then (stages 1-2) the
+   * in-place all-gather of the weights. Stage 3: no group may be gathered (the gathered copies
+   * would be stale); the next `gather` brings the new weights.
    */
   void step(float lr, cuda::stream_ref stream);
+
+  /**
+   * @brief `wm::offload_host` with `zero_options::offload_pipeline`: announces the learning rate
+   * the next `step` will get, before that step's first `reduce_gradients`, so that the CPU Adam
+   * can update each bucket as soon as its gradients land. Without it the pipeline assumes the
+   * last step's rate. A `step` with another rate is still right (its update is redone after
+   * backward) but not overlapped. Does nothing for the other policies.
+   */
+  void prepare_step(float lr) noexcept { next_lr_ = lr; }
 
   /**
    * @brief Stage 3: makes group @p g's weights available on @p stream (collective): its buckets
@@ -245,12 +288,23 @@ class zero_optimizer {
   [[nodiscard]] float const* loss_scale_device() const noexcept { return scale_; }
 
   /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
-  /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`.
-  [[nodiscard]] float const* master_shard() const noexcept { return master_; }
+  /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`. With the
+  /// offload pipeline, call it between steps: it first brings the buckets whose current values
+  /// sit in the second host copy back into the first (a step begun is then redone after backward).
+  [[nodiscard]] float const* master_shard() const {
+    gather_host_copies();
+    return master_;
+  }
   /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
-  [[nodiscard]] float const* state_shard(int k) const noexcept {
+  [[nodiscard]] float const* state_shard(int k) const {
+    gather_host_copies();
     return states_ + static_cast<std::size_t>(k) * plan_.state_elements;
   }
+  /**
+   * @brief `wm::offload_host` with the pipeline: whether the last step's update was the one the
+   * pipeline computed beside backward (false: redone after backward, skipped, or no pipeline).
+   */
+  [[nodiscard]] bool last_step_pipelined() const noexcept { return pipelined_; }
 
  private:
   void* shard_weights(std::size_t b) const noexcept;  // the send block of bucket b's all-gather
@@ -264,6 +318,26 @@ class zero_optimizer {
   void agree(std::string const& error, char const* what);
   void step_offload(float lr, cuda::stream_ref stream);
   double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
+  void norm_partials(std::size_t b, cudaStream_t s);
+  double* norm_total(cuda::stream_ref stream);  // the partials summed, then all-reduced
+  // Offload: bucket b's CPU Adam (this step's lr, count and gradient factor) from its current
+  // host copy, in place or (separate) into the other copy, the new compute weights into
+  // host_weights_.
+  // Elements [first, first + count) of the bucket's shard (count 0: to its end).
+  void cpu_update(std::size_t b, float lr, std::int64_t t, float factor, bool separate,
+                  std::size_t first = 0, std::size_t count = 0);
+  // On the worker: wait for the gradients, update, send the weights back.
+  void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor,
+                    detail::zero::serial_worker const& worker);
+  void finish_pipeline(cuda::stream_ref stream);  // waits for the worker (deadline)
+  // Host poll of @p e with the communicator's deadline (stops early once @p worker is cancelled).
+  void wait_event(cudaEvent_t e, char const* what,
+                  detail::zero::serial_worker const* worker = nullptr) const;
+  // Pipeline: copies the buckets whose current values are in the second host copy back into the
+  // first (master_, states_), so that those are current everywhere.
+  void gather_host_copies() const;
+  // reduce_gradients (last: the step's last micro-batch) and accumulate_gradients.
+  void reduce_bucket(std::size_t b, cuda::stream_ref stream, bool last);
 
   communicator* comm_;
   Optimizer opt_;
@@ -291,6 +365,42 @@ class zero_optimizer {
   std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
   std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
   std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads
+  // Offload pipeline: the second host copy, the copy streams, and what the worker computes.
+  float* master_alt_{nullptr};
+  float* states_alt_{nullptr};
+  cudaStream_t d2h_stream_{nullptr};
+  cudaStream_t h2d_stream_{nullptr};
+  cudaEvent_t reduced_{nullptr};  // on the caller's stream after a bucket's reduction
+  // The pipeline moves and updates a bucket's shard in chunks of options_.offload_chunk_elements
+  // (a multiple of 64: the CPU Adam's vector bodies then cover the same elements as in one call).
+  std::vector<cudaEvent_t> landed_;       // per chunk: its gradients are on the host
+  std::vector<std::size_t> first_chunk_;  // bucket b's first chunk in landed_
+  cudaEvent_t d2h_done_{nullptr};         // the last D2H of a step
+  cudaEvent_t h2d_done_{nullptr};         // the last H2D of a step
+  struct speculation {
+    bool active{false};   // jobs of this step were posted
+    bool invalid{false};  // something changed the inputs after they were posted
+    float lr{0.0f};       // what the jobs assume
+    float factor{0.0f};
+    std::int64_t t{0};
+    std::size_t posted{0};
+  };
+  mutable speculation spec_{};             // mutable: gather_host_copies may invalidate it
+  bool step_open_{false};                  // a reduce_gradients of this step was made
+  bool pipelined_{false};                  // the last step adopted the pipeline's update
+  std::vector<std::uint8_t> accumulated_;  // per bucket: a micro-batch's sum is kept this step
+  std::byte* accum_{nullptr};  // stage 1 with gradient_accumulation: the sums (shard layout)
+  // Per bucket: 1 if its current master weights and moments are in master_alt_ / states_alt_.
+  mutable std::vector<std::uint8_t> alt_current_;
+  // Per bucket, written by the worker: its update of this step went to the other copy (ahead of
+  // the step's decision); else it ran in place after the decision.
+  std::vector<std::uint8_t> ahead_;
+  // What the worker does with a bucket it starts: 0 not decided (update into the other copy),
+  // 1 the step applies as assumed (update in place), 2 dropped (skip it).
+  mutable std::atomic<int> decision_{0};
+  float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last
+  int device_{0};
+  std::unique_ptr<detail::zero::serial_worker> worker_;  // last: stops before the buffers go
   cudaStream_t gather_stream_{nullptr};
   cudaEvent_t gather_done_{nullptr};
   cudaEvent_t user_ready_{nullptr};

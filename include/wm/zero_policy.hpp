@@ -89,6 +89,23 @@ struct zero_options {
   /// Stage 3: bytes of the gather pool that holds gathered weights (the groups in use plus one
   /// prefetched). 0: twice the largest group. Raised to the largest group if smaller.
   std::size_t prefetch_bytes{0};
+  /// `wm::offload_host`: run each bucket's CPU Adam as soon as its gradients reach the host,
+  /// while backward goes on (the update of a step is still that step's: no delayed update). Until
+  /// `step` knows the gradient norm, it writes the new master weights and moments to a second
+  /// host copy (12 more pinned bytes per parameter of the shard), so a step that must not apply
+  /// as computed (an inf/NaN skip, clipping that scales, a learning rate other than the one
+  /// announced) leaves the current values as they were; such a step is then redone after
+  /// backward as without the pipeline. false: the update runs in `step`, after backward.
+  bool offload_pipeline{true};
+  /// With `offload_pipeline`: a bucket's gradients go to the host, and its update and weights
+  /// back, in chunks of this many elements (a multiple of 64), so that the update of a bucket
+  /// starts when its first chunk has landed and only its last chunk's weights are copied after
+  /// the update ends.
+  std::size_t offload_chunk_elements{std::size_t{1} << 24};
+  /// Stage 1: allocate a gradient shard (counted in `zero_memory::buffers`) that keeps the sum of
+  /// a step's micro-batches, for `zero_optimizer::accumulate_gradients`. Stages 2-3 keep the sum
+  /// in their gradient shard and need nothing more.
+  bool gradient_accumulation{false};
 };
 
 /// Device bytes a `wm::zero_optimizer` allocated at construction, per kind.
@@ -100,7 +117,8 @@ struct zero_memory {
   std::size_t buffers{};           ///< bucket staging (stages 2-3) and the gather pool (stage 3)
   std::size_t scratch{};           ///< norm partials and step counters
   std::size_t host{};  ///< pinned host bytes (`wm::offload_host`: fp32 master weights, Adam
-                       ///< moments, gradient and weight shards); not part of total()
+                       ///< moments, gradient and weight shards; twice the master weights and
+                       ///< moments with `zero_options::offload_pipeline`); not part of total()
 
   /// The terms of the formula of DESIGN.md §8 (weights, gradients, master weights, states).
   [[nodiscard]] constexpr std::size_t model_states() const noexcept {

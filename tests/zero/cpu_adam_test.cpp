@@ -5,15 +5,18 @@
 // step's reference starts from the fp32 state the code under test holds, so the error measured
 // is that of one step; the bf16 copy must be the fp32 result rounded to nearest even.
 #include <wm/detail/zero/cpu_adam.hpp>
+#include <wm/detail/zero/serial_worker.hpp>
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -265,6 +268,87 @@ TEST_CASE("cpu adam: no bf16 copy, a null copy pointer and bad input", "[host]")
       wm::logic_error);
 }
 
+TEST_CASE("cpu adam: separate outputs equal the in-place update bit for bit", "[host]") {
+  // The offload pipeline writes each step's master weights and moments to a second copy (read
+  // from the first, which stays as it was). Aligned outputs take the streaming stores, outputs
+  // one element off 64 bytes the plain ones; both must equal the in-place result exactly.
+  std::mt19937_64 rng{std::random_device{}()};
+  std::uniform_real_distribution<float> unit{-1.0f, 1.0f};
+  z::thread_pool pool{3};
+  for (auto isa : supported_isas()) {
+    for (std::size_t n : {std::size_t{1}, std::size_t{33}, std::size_t{4096 * 5 + 19}}) {
+      for (std::size_t shift : {std::size_t{0}, std::size_t{1}}) {
+        for (bool bf16_grad : {false, true}) {
+          INFO(z::name_of(isa) << ", n " << n << ", shift " << shift << ", bf16 grad "
+                               << bf16_grad);
+          std::size_t const pad = 64;  // 64 floats: the vectors' 64-byte alignment is kept
+          std::vector<float> w(n), m(n), v(n), g(n);
+          std::vector<std::uint16_t> g16(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            w[i]   = unit(rng);
+            m[i]   = 0.1f * unit(rng);
+            v[i]   = 0.01f * std::abs(unit(rng));
+            g[i]   = unit(rng);
+            g16[i] = bf16_rne(g[i]);
+          }
+          // Separate outputs in over-aligned storage, at offset `shift` elements, poisoned.
+          std::vector<float> wo(n + pad, std::numeric_limits<float>::quiet_NaN()), mo = wo, vo = wo;
+          auto align = [&](std::vector<float>& x) {
+            auto const at = reinterpret_cast<std::uintptr_t>(x.data());
+            return x.data() + (64 - at % 64) % 64 / 4 + shift;
+          };
+          float *const wp = align(wo), *const mp = align(mo), *const vp = align(vo);
+          std::vector<std::uint16_t> out_in(n, 0xffff), out_sep(n + pad, 0xffff);
+          std::uint16_t* const op =
+              out_sep.data() +
+              (64 - reinterpret_cast<std::uintptr_t>(out_sep.data()) % 64) % 64 / 2 + shift;
+          std::vector<float> const w0 = w, m0 = m, v0 = v;
+          z::cpu_adam_options o;
+          z::cpu_adam_step const st{1e-2f, 7, 0.5f};
+          if (bf16_grad) {
+            z::cpu_adam_update(o, st,
+                               z::cpu_adam_arrays<z::bf16_bits>{w.data(), m.data(), v.data(),
+                                                                g16.data(), op, n, wp, mp, vp},
+                               pool, isa);
+          } else {
+            z::cpu_adam_update(o, st,
+                               z::cpu_adam_arrays<float>{w.data(), m.data(), v.data(), g.data(), op,
+                                                         n, wp, mp, vp},
+                               pool, isa);
+          }
+          CHECK(std::memcmp(w.data(), w0.data(), n * 4) == 0);  // inputs untouched
+          CHECK(std::memcmp(m.data(), m0.data(), n * 4) == 0);
+          CHECK(std::memcmp(v.data(), v0.data(), n * 4) == 0);
+          if (bf16_grad) {
+            z::cpu_adam_update(o, st,
+                               z::cpu_adam_arrays<z::bf16_bits>{w.data(), m.data(), v.data(),
+                                                                g16.data(), out_in.data(), n},
+                               pool, isa);
+          } else {
+            z::cpu_adam_update(
+                o, st,
+                z::cpu_adam_arrays<float>{w.data(), m.data(), v.data(), g.data(), out_in.data(), n},
+                pool, isa);
+          }
+          CHECK(std::memcmp(w.data(), wp, n * 4) == 0);
+          CHECK(std::memcmp(m.data(), mp, n * 4) == 0);
+          CHECK(std::memcmp(v.data(), vp, n * 4) == 0);
+          CHECK(std::memcmp(out_in.data(), op, n * 2) == 0);
+          CHECK(std::isnan(wp[n]));  // nothing written past the end
+          CHECK(op[n] == 0xffff);
+        }
+      }
+    }
+  }
+  std::vector<float> w(8), m(8), v(8), g(8);
+  CHECK_THROWS_AS(
+      z::cpu_adam_update(z::cpu_adam_options{}, z::cpu_adam_step{},
+                         z::cpu_adam_arrays<float>{w.data(), m.data(), v.data(), g.data(), nullptr,
+                                                   8, w.data(), nullptr, v.data()},
+                         pool),
+      wm::logic_error);
+}
+
 TEST_CASE("thread pool runs every task once and passes exceptions on", "[host]") {
   z::thread_pool pool{3};
   for (std::size_t tasks :
@@ -283,4 +367,53 @@ TEST_CASE("thread pool runs every task once and passes exceptions on", "[host]")
   int after = 0;
   pool.run(1, [&](std::size_t) { ++after; });  // still usable
   CHECK(after == 1);
+}
+
+TEST_CASE("serial worker runs jobs in order, waits with a deadline, drops a failed step's rest",
+          "[host]") {
+  using namespace std::chrono_literals;
+  auto const later = [] { return z::serial_worker::clock::now() + 10s; };
+  {
+    z::serial_worker w;
+    CHECK(w.wait_idle(later()));  // nothing posted: idle at once
+    std::vector<int> order;
+    for (int i = 0; i < 100; ++i) {
+      w.post([&order, i] { order.push_back(i); });
+    }
+    REQUIRE(w.wait_idle(later()));
+    REQUIRE(order.size() == 100);
+    for (int i = 0; i < 100; ++i) { CHECK(order[static_cast<std::size_t>(i)] == i); }
+
+    // A job that throws: the ones behind it are dropped, the error comes out once.
+    std::atomic<int> ran{0};
+    std::atomic<bool> go{false};
+    w.post([&] {
+      while (!go.load()) { std::this_thread::yield(); }
+      ++ran;
+    });
+    w.post([&] { throw std::runtime_error{"bucket 1"}; });
+    w.post([&] { ++ran; });
+    w.post([&] { ++ran; });
+    CHECK_FALSE(w.wait_idle(z::serial_worker::clock::now() + 20ms));  // the first still waits
+    go = true;
+    CHECK_THROWS_AS((void)w.wait_idle(later()), std::runtime_error);
+    CHECK(ran.load() == 1);
+    CHECK(w.wait_idle(later()));  // the error was reported once
+    w.post([&] { ++ran; });       // still usable
+    CHECK(w.wait_idle(later()));
+    CHECK(ran.load() == 2);
+    CHECK_FALSE(w.cancelled());
+  }
+  // The destructor tells a waiting job to stop, drops the queue and joins.
+  std::atomic<int> ran{0};
+  {
+    z::serial_worker w;
+    w.post([&] {
+      while (!w.cancelled()) { std::this_thread::sleep_for(1ms); }
+    });
+    for (int i = 0; i < 10; ++i) {
+      w.post([&] { ++ran; });
+    }
+  }
+  CHECK(ran.load() == 0);
 }

@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -707,6 +709,293 @@ TEST_CASE("zero_optimizer offload_host dynamic loss scale follows GradScaler", "
   }
 }
 
+TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offload bit for bit",
+                   "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  // Two optimizers on the same weights and gradients, one with the offload pipeline (each
+  // bucket's CPU Adam starts as its gradients land, into a second host copy that step adopts or
+  // drops), one without (the update after backward, in place). Steps that the pipeline computes
+  // ahead (the last step's rate, an announced one), one it must redo (a new rate), one skipped
+  // (an inf on the last rank), and per mode: no clipping, a threshold never reached (adopted),
+  // clipping that scales every step (always redone), dynamic loss scaling. Weights, master
+  // weights and both moments must be the same bits after every step; the compute weights are
+  // poisoned (NaN) before each step that applies, so every element must be written again.
+  using stage_t = TestType;
+  using opt_t   = wm::zero_optimizer<stage_t, wm::adam, wm::offload_host>;
+  auto& comm    = wm_test::comm();
+  stream_holder s;
+  int const world          = comm.size();
+  std::uint64_t const seed = shared_seed(comm);
+  int const mode           = GENERATE(0, 1, 2, 3);
+  INFO("mode " << mode << " world " << world);
+  auto const mp = model(0);
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  wm::zero_options options;
+  options.loss_scale    = 8.0f;
+  options.max_grad_norm = mode == 1 ? 1e6f : mode == 2 ? 0.05f : 0.0f;
+  if (mode == 3) {
+    options.dynamic_loss_scale    = true;
+    options.scale_growth_interval = 2;
+  }
+  wm::zero_options plain   = options;
+  plain.offload_pipeline   = false;
+  options.offload_pipeline = true;
+  // Chunks of 64 elements: a bucket (up to 2112 elements) moves and is updated in up to 34 parts.
+  options.offload_chunk_elements = 64;
+  opt_t a{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), plain};
+  REQUIRE(a.buckets() >= 4);
+  REQUIRE(a.memory().host > b.memory().host);  // the second copy
+  wm::zero_options odd       = options;
+  odd.offload_chunk_elements = 100;  // not a multiple of 64
+  REQUIRE_THROWS_AS((opt_t{comm, params, 1024, make_optimizer<wm::adam>(), odd}), wm::logic_error);
+
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  auto write_both = [&](auto&& ptr_of, std::size_t p, std::vector<double> const& v) {
+    write_typed(mp[p].type, ptr_of(a, p), v, comm, s.s);
+    write_typed(mp[p].type, ptr_of(b, p), v, comm, s.s);
+  };
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::size_t const n = elements_of(mp[p]);
+    if (n == 0) { continue; }
+    if (mp[p].type == zero_element_type::f32) {
+      std::vector<float> h(n);
+      for (auto& x : h) { x = static_cast<float>(u(rng)); }
+      a.set_weights(p, h.data(), s);
+      b.set_weights(p, h.data(), s);
+    } else {
+      std::vector<bf16> h(n);
+      for (auto& x : h) { x = __double2bfloat16(u(rng)); }
+      a.set_weights(p, h.data(), s);
+      b.set_weights(p, h.data(), s);
+    }
+    comm.synchronize(s);
+  }
+
+  struct planned {
+    float lr;
+    bool announce;
+    bool inf;
+    bool ahead;  // the pipeline's update applies as computed (unless clipping scales)
+  };
+  planned const steps[] = {
+      {0.05f, false, false, false},  // weights were just set: not computed ahead
+      {0.05f, false, false, true},   // the last step's rate: computed ahead
+      {0.1f, true, false, true},     // announced: computed ahead
+      {0.2f, false, false, false},   // a new rate, not announced: redone after backward
+      {0.2f, false, true, false},    // an inf on the last rank: skipped everywhere
+      {0.2f, false, false, true},    // after a skip
+      {0.15f, true, false, true},    // announced again
+  };
+  std::int64_t applied = 0;
+  for (int t = 0; t < static_cast<int>(std::size(steps)); ++t) {
+    auto const& st = steps[t];
+    INFO("step " << t << " lr " << st.lr);
+    double const scale = a.loss_scale(s);
+    REQUIRE(b.loss_scale(s) == scale);
+    if (st.announce) {
+      a.prepare_step(st.lr);
+      b.prepare_step(st.lr);
+    }
+    auto const& plan = a.layout();
+    for (std::size_t bk = 0; bk < a.buckets(); ++bk) {
+      for (auto p : plan.buckets[bk].params) {
+        std::vector<double> g(elements_of(mp[p]));
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          g[i] = grad_value(seed, t, comm.rank(), p, i, scale);
+        }
+        if (st.inf && comm.rank() == world - 1 && p == plan.buckets[bk].params.front()) {
+          g[g.size() / 2] = std::numeric_limits<double>::infinity();
+        }
+        write_both(
+            [](opt_t& o, std::size_t q) { return gradients_ptr(o, q, o.layout().params[q].type); },
+            p, g);
+      }
+      a.reduce_gradients(bk, s);
+      b.reduce_gradients(bk, s);
+    }
+    if constexpr (stage_t::value < 3) {
+      if (!st.inf) {  // poison: a step that applies rewrites every compute weight
+        for (std::size_t p = 0; p < mp.size(); ++p) {
+          std::vector<double> const nan(elements_of(mp[p]),
+                                        std::numeric_limits<double>::quiet_NaN());
+          write_both(
+              [](opt_t& o, std::size_t q) { return weights_ptr(o, q, o.layout().params[q].type); },
+              p, nan);
+        }
+      }
+    }
+    a.step(st.lr, s);
+    b.step(st.lr, s);
+    // The pipeline's update applies exactly on the steps it computed for; else it is redone.
+    REQUIRE(a.last_step_pipelined() == (st.ahead && mode != 2));
+    REQUIRE_FALSE(b.last_step_pipelined());
+    REQUIRE(a.last_step_skipped(s) == st.inf);
+    REQUIRE(b.last_step_skipped(s) == st.inf);
+    applied += st.inf ? 0 : 1;
+    REQUIRE(a.applied_steps(s) == applied);
+    REQUIRE(b.applied_steps(s) == applied);
+    // Compute weights: the same bits, none left poisoned.
+    for (std::size_t p = 0; p < mp.size(); ++p) {
+      auto const wa = read_param(a, p, mp[p], comm, s);
+      auto const wb = read_param(b, p, mp[p], comm, s);
+      REQUIRE(wa.size() == wb.size());
+      for (std::size_t i = 0; i < wa.size(); ++i) {
+        INFO("weight " << mp[p].name << "[" << i << "]");
+        REQUIRE(!std::isnan(wa[i]));
+        REQUIRE(std::memcmp(&wa[i], &wb[i], sizeof(double)) == 0);
+      }
+    }
+    // Master weights and moments of this rank's shard (pinned host memory), read into buffers
+    // poisoned differently. Not after every step: reading them brings every bucket's values into
+    // the first host copy, and the steps in between must work from whichever copy is current.
+    if (t % 3 != 2 && t + 1 != static_cast<int>(std::size(steps))) { continue; }
+    std::size_t const n = plan.state_elements;
+    comm.synchronize(s);
+    for (int k = -1; k < wm::adam::states; ++k) {
+      INFO("state " << k << " (-1: master weights)");
+      std::vector<std::uint32_t> ga(n, 0x7fc00001u), gb(n, 0x7fc00002u);
+      std::memcpy(ga.data(), k < 0 ? a.master_shard() : a.state_shard(k), n * 4);
+      std::memcpy(gb.data(), k < 0 ? b.master_shard() : b.state_shard(k), n * 4);
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < n; ++i) { differ += ga[i] != gb[i]; }
+      REQUIRE(differ == 0);
+    }
+  }
+}
+
+TEMPLATE_PRODUCT_TEST_CASE(
+    "zero_optimizer gradient accumulation equals one batch of the summed "
+    "gradients bit for bit",
+    "[ranked]", zero_cases::combo,
+    ((wm::zero_stage<1>, wm::adam), (wm::zero_stage<2>, wm::adam), (wm::zero_stage<3>, wm::adam),
+     (wm::zero_stage<1>, wm::adam, wm::offload_host),
+     (wm::zero_stage<2>, wm::adam, wm::offload_host),
+     (wm::zero_stage<3>, wm::adam, wm::offload_host))) {
+  // Optimizer a takes 3 micro-batches per step (accumulate_gradients, accumulate_gradients,
+  // reduce_gradients); optimizer b one batch whose gradients are their exact sum. Gradients are
+  // k / 64 · loss scale with |k| <= 10: every sum over 3 micro-batches and up to 8 ranks (at
+  // most 240 / 64) is exact in bf16, so the two must agree bit for bit: weights (poisoned before
+  // each step, stages 1-2), master weights and moments.
+  using stage_t   = typename TestType::stage;
+  using offload_t = typename TestType::offload;
+  using opt_t     = wm::zero_optimizer<stage_t, wm::adam, offload_t>;
+  auto& comm      = wm_test::comm();
+  stream_holder s;
+  std::uint64_t const seed = shared_seed(comm);
+  INFO("world " << comm.size());
+  auto const mp = model(0);
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  double const loss_scale = 8;
+  wm::zero_options options;
+  options.loss_scale            = static_cast<float>(loss_scale);
+  options.gradient_accumulation = true;
+  if constexpr (stage_t::value == 1) {
+    // Stage 1 keeps the sum in a shard of its own, only when asked to.
+    opt_t plain{comm, params, 1024, make_optimizer<wm::adam>(), wm::zero_options{}};
+    REQUIRE_THROWS_AS(plain.accumulate_gradients(0, s), wm::logic_error);
+  }
+  opt_t a{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  if constexpr (stage_t::value == 1) {
+    REQUIRE(a.memory().buffers == a.layout().arena_bytes / static_cast<std::size_t>(comm.size()));
+  }
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::size_t const n = elements_of(mp[p]);
+    if (n == 0) { continue; }
+    if (mp[p].type == zero_element_type::f32) {
+      std::vector<float> h(n);
+      for (auto& x : h) { x = static_cast<float>(u(rng)); }
+      a.set_weights(p, h.data(), s);
+      b.set_weights(p, h.data(), s);
+    } else {
+      std::vector<bf16> h(n);
+      for (auto& x : h) { x = __double2bfloat16(u(rng)); }
+      a.set_weights(p, h.data(), s);
+      b.set_weights(p, h.data(), s);
+    }
+    comm.synchronize(s);
+  }
+  // Gradient of micro-batch mb: k in [-10, 10].
+  auto grad = [&](int t, int mb, std::size_t p, std::size_t i) {
+    auto const k = static_cast<int>(mix(seed ^
+                                        mix(t * 7919ull + comm.rank() * 104729ull +
+                                            p * 15485863ull + mb * 32452843ull) ^
+                                        (i * 0x9E3779B97F4A7C15ull)) %
+                                    21) -
+                   10;
+    return k / 64.0 * loss_scale;
+  };
+  int const micro  = 3;
+  auto const& plan = a.layout();
+  for (int t = 0; t < 4; ++t) {
+    INFO("step " << t);
+    for (int mb = 0; mb < micro; ++mb) {
+      for (std::size_t bk = 0; bk < a.buckets(); ++bk) {
+        for (auto p : plan.buckets[bk].params) {
+          std::vector<double> g(elements_of(mp[p]));
+          for (std::size_t i = 0; i < g.size(); ++i) { g[i] = grad(t, mb, p, i); }
+          write_typed(mp[p].type, gradients_ptr(a, p, mp[p].type), g, comm, s.s);
+        }
+        if (mb + 1 < micro) {
+          a.accumulate_gradients(bk, s);
+        } else {
+          a.reduce_gradients(bk, s);
+        }
+      }
+      if (mb == 0 && t == 0) {  // a step with a bucket still accumulating is refused
+        REQUIRE_THROWS_AS(a.step(0.05f, s), wm::logic_error);
+      }
+    }
+    for (std::size_t bk = 0; bk < b.buckets(); ++bk) {
+      for (auto p : plan.buckets[bk].params) {
+        std::vector<double> g(elements_of(mp[p]), 0.0);
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          for (int mb = 0; mb < micro; ++mb) { g[i] += grad(t, mb, p, i); }
+        }
+        write_typed(mp[p].type, gradients_ptr(b, p, mp[p].type), g, comm, s.s);
+      }
+      b.reduce_gradients(bk, s);
+    }
+    if constexpr (stage_t::value < 3) {  // poison: the step rewrites every compute weight
+      for (std::size_t p = 0; p < mp.size(); ++p) {
+        std::vector<double> const nan(elements_of(mp[p]), std::numeric_limits<double>::quiet_NaN());
+        write_typed(mp[p].type, weights_ptr(a, p, mp[p].type), nan, comm, s.s);
+        write_typed(mp[p].type, weights_ptr(b, p, mp[p].type), nan, comm, s.s);
+      }
+    }
+    a.step(0.05f, s);
+    b.step(0.05f, s);
+    REQUIRE_FALSE(a.last_step_skipped(s));
+    REQUIRE(a.applied_steps(s) == t + 1);
+    for (std::size_t p = 0; p < mp.size(); ++p) {
+      auto const wa = read_param(a, p, mp[p], comm, s);
+      auto const wb = read_param(b, p, mp[p], comm, s);
+      REQUIRE(wa.size() == wb.size());
+      for (std::size_t i = 0; i < wa.size(); ++i) {
+        INFO("weight " << mp[p].name << "[" << i << "]");
+        REQUIRE(!std::isnan(wa[i]));
+        REQUIRE(std::memcmp(&wa[i], &wb[i], sizeof(double)) == 0);
+      }
+    }
+    std::size_t const n = plan.state_elements;
+    comm.synchronize(s);
+    for (int k = -1; k < wm::adam::states; ++k) {
+      INFO("state " << k << " (-1: master weights)");
+      std::vector<float> ga(n), gb(n);
+      WM_CUDA_TRY(cudaMemcpy(ga.data(), k < 0 ? a.master_shard() : a.state_shard(k), n * 4,
+                             cudaMemcpyDefault));
+      WM_CUDA_TRY(cudaMemcpy(gb.data(), k < 0 ? b.master_shard() : b.state_shard(k), n * 4,
+                             cudaMemcpyDefault));
+      REQUIRE(std::memcmp(ga.data(), gb.data(), n * 4) == 0);
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("zero_optimizer memory against the formula of DESIGN §8", "[ranked]",
                    wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
   auto& comm      = wm_test::comm();
@@ -766,7 +1055,17 @@ TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DE
   std::size_t const shard_arena = plan.arena_bytes / static_cast<std::size_t>(world);
   REQUIRE(mem.master_weights == 0);  // on the host
   REQUIRE(mem.optimizer_states == 0);
-  REQUIRE(mem.host == 3 * plan.state_elements * 4 + 2 * shard_arena);
+  // The pipeline (on by default) keeps a second copy of master weights and moments.
+  std::size_t const second = 3 * plan.state_elements * 4;
+  REQUIRE(mem.host == 2 * second + 2 * shard_arena);
+  {
+    wm::zero_options plain;
+    plain.offload_pipeline = false;
+    wm::zero_optimizer<TestType, wm::adam, wm::offload_host> unpiped{
+        comm, params, std::size_t{1} << 17, wm::adam{}, plain};
+    REQUIRE(unpiped.memory().host == second + 2 * shard_arena);
+    REQUIRE(unpiped.memory().model_states() == mem.model_states());
+  }
   std::vector<wm::detail::zero::param_spec> specs;
   for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
   auto const est      = wm::detail::zero::zero_memory_estimate(TestType::value, specs, world, true);
@@ -778,7 +1077,7 @@ TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DE
   REQUIRE(device <= est.device_bytes * 1.03);
   // The formula's host terms (states, gradient shard) plus the weight shard sent back.
   REQUIRE(host >= est.host_bytes);
-  REQUIRE(host <= est.host_bytes * 1.03 + static_cast<double>(shard_arena));
+  REQUIRE(host <= est.host_bytes * 1.03 + static_cast<double>(shard_arena + second));
   REQUIRE(opt.master_shard() != nullptr);
   // The CPU Adam reads no fp16 and has only torch's epsilon form.
   std::vector<wm::zero_parameter> half{{"h", {10}, wm::zero_element_type::f16}};

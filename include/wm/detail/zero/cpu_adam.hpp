@@ -82,6 +82,10 @@ struct cpu_adam_step {
 };
 
 /// One update's arrays, `n` elements each; `bf16_out` may be null. Grad is float or bf16_bits.
+/// master, m and v are updated in place, or, where `master_out`, `m_out` and `v_out` are all
+/// set, read from master, m, v and written there (the inputs stay as they were). Outputs that do
+/// not alias an input, and the bf16 copy, are written with streaming stores (no read for
+/// ownership) where they are aligned to 64 bytes.
 template <class Grad>
 struct cpu_adam_arrays {
   float* master{};
@@ -90,6 +94,9 @@ struct cpu_adam_arrays {
   Grad const* grad{};
   bf16_bits* bf16_out{};
   std::size_t n{};
+  float* master_out{};
+  float* m_out{};
+  float* v_out{};
 };
 
 // g++ 12 at -O3 reports its own AVX-512 intrinsics' _mm512_undefined_*() as maybe-uninitialized.
@@ -135,9 +142,38 @@ struct constants {
   return static_cast<bf16_bits>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+/// Where the update writes master, m and v (in place unless all three outputs are given).
+struct outputs {
+  float* master;
+  float* m;
+  float* v;
+  bool separate;
+};
+template <class Grad>
+[[nodiscard]] outputs outputs_of(cpu_adam_arrays<Grad> const& a) noexcept {
+  bool const separate = a.master_out != nullptr && a.m_out != nullptr && a.v_out != nullptr;
+  return separate ? outputs{a.master_out, a.m_out, a.v_out, true}
+                  : outputs{a.master, a.m, a.v, false};
+}
+
+/// Whether every separate output (and the bf16 copy) of [first, ...) is aligned to @p bytes.
+template <class Grad>
+[[nodiscard]] bool streamable(cpu_adam_arrays<Grad> const& a, outputs const& o, std::size_t first,
+                              std::size_t bytes) noexcept {
+  auto aligned = [&](void const* p) {
+    return p == nullptr || reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+  };
+  bool ok = a.bf16_out == nullptr || aligned(a.bf16_out + first);
+  if (o.separate) {
+    ok = ok && aligned(o.master + first) && aligned(o.m + first) && aligned(o.v + first);
+  }
+  return ok;
+}
+
 template <bool Decoupled, class Grad>
 void scalar_range(constants const& c, cpu_adam_arrays<Grad> const& a, std::size_t first,
                   std::size_t last) noexcept {
+  outputs const o = outputs_of(a);
   for (std::size_t i = first; i < last; ++i) {
     float g = to_float(a.grad[i]) * c.scale;
     float w = a.master[i];
@@ -150,9 +186,9 @@ void scalar_range(constants const& c, cpu_adam_arrays<Grad> const& a, std::size_
     float const v     = c.b2 * a.v[i] + c.omb2 * (g * g);
     float const denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
     w -= c.step_size * (m / denom);
-    a.m[i]      = m;
-    a.v[i]      = v;
-    a.master[i] = w;
+    o.m[i]      = m;
+    o.v[i]      = v;
+    o.master[i] = w;
     if (a.bf16_out != nullptr) { a.bf16_out[i] = to_bf16(w); }
   }
 }
@@ -167,6 +203,7 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(bf16_bits const* p) noex
   __m128i const h = _mm_loadu_si128(reinterpret_cast<__m128i const*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+template <bool Stream>
 __attribute__((target("avx2,fma"))) inline void store8_bf16(bf16_bits* p, __m256 w) noexcept {
   __m256i const b   = _mm256_castps_si256(w);
   __m256i const lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
@@ -176,13 +213,28 @@ __attribute__((target("avx2,fma"))) inline void store8_bf16(bf16_bits* p, __m256
   r                 = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
   // 32 → 16 bits: pack within 128-bit lanes, then take quadwords 0 and 2.
   __m256i const packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  if constexpr (Stream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+}
+template <bool Stream>
+__attribute__((target("avx2,fma"))) inline void store8(float* p, __m256 x) noexcept {
+  if constexpr (Stream) {
+    _mm256_stream_ps(p, x);
+  } else {
+    _mm256_storeu_ps(p, x);
+  }
 }
 
-template <bool Decoupled, class Grad>
-__attribute__((target("avx2,fma"))) void avx2_range(constants const& c,
-                                                    cpu_adam_arrays<Grad> const& a,
-                                                    std::size_t first, std::size_t last) noexcept {
+// Stream: the bf16 copy, and master, m and v where they go to separate outputs, are written with
+// streaming stores (the caller checked the alignment).
+template <bool Decoupled, bool Stream, class Grad>
+__attribute__((target("avx2,fma"))) void avx2_body(constants const& c,
+                                                   cpu_adam_arrays<Grad> const& a,
+                                                   std::size_t first, std::size_t last) noexcept {
+  outputs const o = outputs_of(a);
   __m256 const b1 = _mm256_set1_ps(c.b1), omb1 = _mm256_set1_ps(c.omb1);
   __m256 const b2 = _mm256_set1_ps(c.b2), omb2 = _mm256_set1_ps(c.omb2);
   __m256 const eps = _mm256_set1_ps(c.eps), scale = _mm256_set1_ps(c.scale);
@@ -202,12 +254,30 @@ __attribute__((target("avx2,fma"))) void avx2_range(constants const& c,
         _mm256_fmadd_ps(b2, _mm256_loadu_ps(a.v + i), _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
     __m256 const denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), ibc2, eps);
     w                  = _mm256_fnmadd_ps(step, _mm256_div_ps(m, denom), w);
-    _mm256_storeu_ps(a.m + i, m);
-    _mm256_storeu_ps(a.v + i, v);
-    _mm256_storeu_ps(a.master + i, w);
-    if (a.bf16_out != nullptr) { store8_bf16(a.bf16_out + i, w); }
+    if (Stream && o.separate) {
+      store8<true>(o.m + i, m);
+      store8<true>(o.v + i, v);
+      store8<true>(o.master + i, w);
+    } else {
+      store8<false>(o.m + i, m);
+      store8<false>(o.v + i, v);
+      store8<false>(o.master + i, w);
+    }
+    if (a.bf16_out != nullptr) { store8_bf16<Stream>(a.bf16_out + i, w); }
   }
+  if constexpr (Stream) { _mm_sfence(); }
   scalar_range<Decoupled>(c, a, i, last);
+}
+
+template <bool Decoupled, class Grad>
+__attribute__((target("avx2,fma"))) void avx2_range(constants const& c,
+                                                    cpu_adam_arrays<Grad> const& a,
+                                                    std::size_t first, std::size_t last) noexcept {
+  if (streamable(a, outputs_of(a), first, 32)) {
+    avx2_body<Decoupled, true>(c, a, first, last);
+  } else {
+    avx2_body<Decoupled, false>(c, a, first, last);
+  }
 }
 
 // ---- AVX-512F: 16 lanes ----
@@ -218,6 +288,7 @@ __attribute__((target("avx512f"))) inline __m512 load16(bf16_bits const* p) noex
   __m256i const h = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+template <bool Stream>
 __attribute__((target("avx512f"))) inline void store16_bf16(bf16_bits* p, __m512 w) noexcept {
   __m512i const b   = _mm512_castps_si512(w);
   __m512i const lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -225,13 +296,26 @@ __attribute__((target("avx512f"))) inline void store16_bf16(bf16_bits* p, __m512
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
   __mmask16 const nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
   r                   = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  if constexpr (Stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+}
+template <bool Stream>
+__attribute__((target("avx512f"))) inline void store16(float* p, __m512 x) noexcept {
+  if constexpr (Stream) {
+    _mm512_stream_ps(p, x);
+  } else {
+    _mm512_storeu_ps(p, x);
+  }
 }
 
-template <bool Decoupled, class Grad>
-__attribute__((target("avx512f"))) void avx512_range(constants const& c,
-                                                     cpu_adam_arrays<Grad> const& a,
-                                                     std::size_t first, std::size_t last) noexcept {
+template <bool Decoupled, bool Stream, class Grad>
+__attribute__((target("avx512f"))) void avx512_body(constants const& c,
+                                                    cpu_adam_arrays<Grad> const& a,
+                                                    std::size_t first, std::size_t last) noexcept {
+  outputs const o = outputs_of(a);
   __m512 const b1 = _mm512_set1_ps(c.b1), omb1 = _mm512_set1_ps(c.omb1);
   __m512 const b2 = _mm512_set1_ps(c.b2), omb2 = _mm512_set1_ps(c.omb2);
   __m512 const eps = _mm512_set1_ps(c.eps), scale = _mm512_set1_ps(c.scale);
@@ -251,12 +335,30 @@ __attribute__((target("avx512f"))) void avx512_range(constants const& c,
         _mm512_fmadd_ps(b2, _mm512_loadu_ps(a.v + i), _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
     __m512 const denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), ibc2, eps);
     w                  = _mm512_fnmadd_ps(step, _mm512_div_ps(m, denom), w);
-    _mm512_storeu_ps(a.m + i, m);
-    _mm512_storeu_ps(a.v + i, v);
-    _mm512_storeu_ps(a.master + i, w);
-    if (a.bf16_out != nullptr) { store16_bf16(a.bf16_out + i, w); }
+    if (Stream && o.separate) {
+      store16<true>(o.m + i, m);
+      store16<true>(o.v + i, v);
+      store16<true>(o.master + i, w);
+    } else {
+      store16<false>(o.m + i, m);
+      store16<false>(o.v + i, v);
+      store16<false>(o.master + i, w);
+    }
+    if (a.bf16_out != nullptr) { store16_bf16<Stream>(a.bf16_out + i, w); }
   }
+  if constexpr (Stream) { _mm_sfence(); }
   scalar_range<Decoupled>(c, a, i, last);
+}
+
+template <bool Decoupled, class Grad>
+__attribute__((target("avx512f"))) void avx512_range(constants const& c,
+                                                     cpu_adam_arrays<Grad> const& a,
+                                                     std::size_t first, std::size_t last) noexcept {
+  if (streamable(a, outputs_of(a), first, 64)) {
+    avx512_body<Decoupled, true>(c, a, first, last);
+  } else {
+    avx512_body<Decoupled, false>(c, a, first, last);
+  }
 }
 
 #endif  // WM_ZERO_X86
@@ -293,6 +395,9 @@ void cpu_adam_update(cpu_adam_options const& opt, cpu_adam_step s, cpu_adam_arra
   if (a.n == 0) { return; }
   WM_EXPECTS(a.master != nullptr && a.m != nullptr && a.v != nullptr && a.grad != nullptr,
              "master weights, m, v and gradients for every element");
+  WM_EXPECTS((a.master_out == nullptr) == (a.m_out == nullptr) &&
+                 (a.m_out == nullptr) == (a.v_out == nullptr),
+             "all three outputs (master, m, v) or none");
   auto const c             = cpu_adam_detail::make_constants(opt, s);
   std::size_t const tasks  = std::min<std::size_t>(pool.size(), (a.n + 4095) / 4096);
   std::size_t const blocks = (a.n + 63) / 64;

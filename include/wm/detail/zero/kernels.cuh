@@ -174,6 +174,16 @@ struct narrow_op {
   __device__ void operator()(std::size_t i) const { out[i] = static_cast<T>(in[i]); }
 };
 
+/// out[i] = T(float(out[i]) + float(in[i])): a micro-batch's reduced gradients added to a sum.
+template <class T>
+struct add_op {
+  T* out;
+  T const* in;
+  __device__ void operator()(std::size_t i) const {
+    out[i] = static_cast<T>(static_cast<float>(out[i]) + static_cast<float>(in[i]));
+  }
+};
+
 /// out[i] = value.
 struct fill_op {
   float* out;

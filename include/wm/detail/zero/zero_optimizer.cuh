@@ -1,6 +1,7 @@
 // Bodies of wm::zero_optimizer (declared in <wm/zero.cuh>).
 #pragma once
 
+#include <wm/detail/comm/posix.hpp>
 #include <wm/detail/cuda/utility.cuh>
 #include <wm/detail/zero/kernels.cuh>
 #include <wm/zero.cuh>
@@ -53,6 +54,8 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   world_      = comm.size();
   WM_EXPECTS(std::isfinite(options_.loss_scale) && options_.loss_scale > 0.0f,
              "zero_optimizer: a finite loss scale above 0");
+  WM_EXPECTS(options_.offload_chunk_elements > 0 && options_.offload_chunk_elements % 64 == 0,
+             "zero_optimizer: offload_chunk_elements a positive multiple of 64");
   WM_EXPECTS(std::isfinite(options_.max_grad_norm),
              "zero_optimizer: a finite max_grad_norm (0: no clipping)");
   WM_EXPECTS(!options_.dynamic_loss_scale ||
@@ -83,6 +86,9 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   h = detail::mix64(h, static_cast<std::uint64_t>(options_.scale_growth_interval));
   h = detail::mix64(h, options_.average_gradients ? 1 : 0);
   h = detail::mix64(h, options_.prefetch_bytes);
+  h = detail::mix64(h, options_.offload_pipeline ? 1 : 0);
+  h = detail::mix64(h, options_.offload_chunk_elements);
+  h = detail::mix64(h, options_.gradient_accumulation ? 1 : 0);
   for (auto const& g : options_.groups) {
     for (auto p : g) { h = detail::mix64(h, p); }
     h = detail::mix64(h, ~0ull);
@@ -147,10 +153,14 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   memory_.gradients        = Stage::value == 1 ? plan_.arena_bytes : shard_arena;
   memory_.master_weights   = plan_.state_elements * sizeof(float);
   memory_.optimizer_states = memory_.master_weights * static_cast<std::size_t>(Optimizer::states);
-  memory_.buffers          = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes;
-  memory_.scratch          = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
-  if constexpr (Offload::host) {  // master weights and moments live on the host
-    memory_.host             = memory_.master_weights + memory_.optimizer_states + 2 * shard_arena;
+  std::size_t const accum_bytes =
+      Stage::value == 1 && options_.gradient_accumulation ? shard_arena : 0;
+  memory_.buffers     = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes + accum_bytes;
+  memory_.scratch     = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
+  bool const pipeline = Offload::host && options_.offload_pipeline;
+  if constexpr (Offload::host) {  // master weights and moments live on the host (twice: pipeline)
+    memory_.host =
+        (memory_.master_weights + memory_.optimizer_states) * (pipeline ? 2 : 1) + 2 * shard_arena;
     memory_.master_weights   = 0;
     memory_.optimizer_states = 0;
   }
@@ -160,6 +170,8 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
     grads_   = z::device_alloc(memory_.gradients);
     staging_ = z::device_alloc(Stage::value >= 2 ? stagings * max_b : 0);
     pool_    = z::device_alloc(pool_bytes);
+    accum_   = z::device_alloc(accum_bytes);
+    accumulated_.assign(plan_.buckets.size(), 0);
     if constexpr (Offload::host) {
       // Pinned: the CPU Adam's arrays; the device reads and writes them too (UVA) where it widens
       // or narrows weights.
@@ -177,6 +189,30 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
       host_sumsq_   = reinterpret_cast<double*>(pinned(sizeof(double)));
       std::fill_n(states_, plan_.state_elements * Optimizer::states, initial_state(opt_));
       cpu_pool_ = std::make_unique<z::thread_pool>();
+      if (pipeline) {
+        master_alt_ = reinterpret_cast<float*>(pinned(plan_.state_elements * sizeof(float)));
+        states_alt_ = reinterpret_cast<float*>(
+            pinned(plan_.state_elements * Optimizer::states * sizeof(float)));
+        std::fill_n(states_alt_, plan_.state_elements * Optimizer::states, initial_state(opt_));
+        WM_CUDA_TRY(cudaGetDevice(&device_));
+        WM_CUDA_TRY(cudaStreamCreateWithFlags(&d2h_stream_, cudaStreamNonBlocking));
+        WM_CUDA_TRY(cudaStreamCreateWithFlags(&h2d_stream_, cudaStreamNonBlocking));
+        for (cudaEvent_t* e : {&reduced_, &d2h_done_, &h2d_done_}) {
+          WM_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+        }
+        std::size_t chunks = 0;
+        for (auto const& b : plan_.buckets) {
+          first_chunk_.push_back(chunks);
+          chunks += std::max<std::size_t>(
+              1, cuda::ceil_div(b.shard_elements, options_.offload_chunk_elements));
+        }
+        landed_.assign(chunks, nullptr);
+        alt_current_.assign(plan_.buckets.size(), 0);
+        ahead_.assign(plan_.buckets.size(), 0);
+        for (auto& e : landed_) {
+          WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        }
+      }
     } else {
       master_ = z::device_alloc<float>(plan_.state_elements);
       states_ = z::device_alloc<float>(plan_.state_elements * Optimizer::states);
@@ -205,6 +241,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
           cub::DeviceFor::Bulk(n, z::fill_op{states_, initial_state(opt_)}, gather_stream_));
     }
     WM_CUDA_TRY(cudaStreamSynchronize(gather_stream_));
+    if (pipeline) { worker_ = std::make_unique<z::serial_worker>(); }
   } catch (...) {
     free_all();
     throw;
@@ -218,23 +255,36 @@ zero_optimizer<Stage, Optimizer, Offload>::~zero_optimizer() {
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
+  worker_.reset();  // cancels a job that waits, joins: nothing on the host uses the buffers
   // cudaFree waits for the device work that may still use these buffers.
   for (void* p :
        {static_cast<void*>(weights_), static_cast<void*>(grads_), static_cast<void*>(staging_),
         static_cast<void*>(pool_), static_cast<void*>(scratch_), static_cast<void*>(counters_),
-        static_cast<void*>(scale_)}) {
+        static_cast<void*>(scale_), static_cast<void*>(accum_)}) {
     if (p != nullptr) { (void)cudaFree(p); }
   }
   for (void* p : {static_cast<void*>(master_), static_cast<void*>(states_)}) {
     if (p != nullptr) { (void)(Offload::host ? cudaFreeHost(p) : cudaFree(p)); }
   }
   for (void* p : {static_cast<void*>(host_grads_), static_cast<void*>(host_weights_),
-                  static_cast<void*>(host_sumsq_)}) {
+                  static_cast<void*>(host_sumsq_), static_cast<void*>(master_alt_),
+                  static_cast<void*>(states_alt_)}) {
     if (p != nullptr) { (void)cudaFreeHost(p); }
   }
+  for (cudaEvent_t e : landed_) { (void)cudaEventDestroy(e); }
+  landed_.clear();
+  for (cudaEvent_t* e : {&reduced_, &d2h_done_, &h2d_done_}) {
+    if (*e != nullptr) { (void)cudaEventDestroy(*e); }
+    *e = nullptr;
+  }
+  for (cudaStream_t* t : {&d2h_stream_, &h2d_stream_}) {
+    if (*t != nullptr) { (void)cudaStreamDestroy(*t); }
+    *t = nullptr;
+  }
+  master_alt_ = states_alt_ = nullptr;
   host_grads_ = host_weights_ = nullptr;
   host_sumsq_                 = nullptr;
-  weights_ = grads_ = staging_ = pool_ = nullptr;
+  weights_ = grads_ = staging_ = pool_ = accum_ = nullptr;
   master_ = states_ = nullptr;
   scratch_          = nullptr;
   counters_         = nullptr;
@@ -343,6 +393,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::set_weights(std::size_t p, T con
   if (pl.bucket == detail::zero::no_bucket) { return; }
   WM_EXPECTS(values != nullptr, "zero_optimizer::set_weights: values");
   masters_stale_ = true;
+  spec_.invalid  = true;
   if constexpr (Stage::value == 3) {
     for (auto const& f : plan_.fragments(pl.bucket, rank_)) {
       if (f.param != p) { continue; }
@@ -379,29 +430,245 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
   WM_EXPECTS(b < plan_.buckets.size(),
              "zero_optimizer::reduce_gradients: a bucket index below the bucket count (" +
                  std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
-  auto const& bk = plan_.buckets[b];
-  detail::zero::with_element_type(bk.type, [&](auto tag) {
-    using T = decltype(tag);
+  reduce_bucket(b, stream, true);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::accumulate_gradients(std::size_t b,
+                                                                     cuda::stream_ref stream) {
+  WM_EXPECTS(b < plan_.buckets.size(),
+             "zero_optimizer::accumulate_gradients: a bucket index below the bucket count (" +
+                 std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
+  WM_EXPECTS(Stage::value > 1 || options_.gradient_accumulation,
+             "zero_optimizer::accumulate_gradients at stage 1: construct with "
+             "zero_options::gradient_accumulation");
+  reduce_bucket(b, stream, false);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
+                                                              cuda::stream_ref stream, bool last) {
+  namespace z          = detail::zero;
+  cudaStream_t const s = stream.get();
+  auto const& bk       = plan_.buckets[b];
+  bool const summed    = accumulated_[b] != 0;  // earlier micro-batches of this step
+  accumulated_[b]      = last ? 0 : 1;
+  z::with_element_type(bk.type, [&](auto tag) {
+    using T                = decltype(tag);
+    std::size_t const mine = static_cast<std::size_t>(rank_) * bk.shard_elements;
+    auto add               = [&](T* out, T const* in) {
+      WM_CUDA_TRY(cub::DeviceFor::Bulk(bk.shard_elements, z::add_op<T>{out, in}, s));
+    };
     if constexpr (Stage::value == 1) {
-      T* g = reinterpret_cast<T*>(grads_ + bk.byte_offset);
+      T* g   = reinterpret_cast<T*>(grads_ + bk.byte_offset);
+      T* acc = accum_ == nullptr ? nullptr : reinterpret_cast<T*>(accum_ + shard_bytes_offset_[b]);
+      if (!last) {  // only this rank's block enters its sum: reduce-scatter in place
+        comm_->reduce_scatter(static_cast<T const*>(g), g + mine, bk.shard_elements, stream);
+        if (summed) {
+          add(acc, g + mine);
+        } else {
+          WM_CUDA_TRY(cudaMemcpyAsync(acc, g + mine, bk.shard_elements * sizeof(T),
+                                      cudaMemcpyDeviceToDevice, s));
+        }
+        return;
+      }
       comm_->all_reduce(g, g, bk.elements, stream);
+      if (summed) { add(g + mine, acc); }
     } else {
-      comm_->reduce_scatter(static_cast<T const*>(staging(b)), static_cast<T*>(shard_gradients(b)),
-                            bk.shard_elements, stream);
-      WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), stream.get()));
+      T* const st = static_cast<T*>(staging(b));
+      if (!summed) {
+        comm_->reduce_scatter(static_cast<T const*>(st), static_cast<T*>(shard_gradients(b)),
+                              bk.shard_elements, stream);
+      } else {  // in place in the staging buffer, then added to the shard's sum
+        comm_->reduce_scatter(static_cast<T const*>(st), st + mine, bk.shard_elements, stream);
+        add(static_cast<T*>(shard_gradients(b)), st + mine);
+      }
+      WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), s));
+      if (!last) { return; }
     }
     if constexpr (Offload::host) {  // to the CPU Adam at once (overlaps the rest of backward)
-      WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b], shard_gradients(b),
-                                  bk.shard_elements * sizeof(T), cudaMemcpyDeviceToHost,
-                                  stream.get()));
+      std::size_t const size = bk.shard_elements * sizeof(T);
+      if (!options_.offload_pipeline) {
+        WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b], shard_gradients(b), size,
+                                    cudaMemcpyDeviceToHost, stream.get()));
+        return;
+      }
+      // The norm partials now: the shard is the landing place of the new weights later.
+      norm_partials(b, stream.get());
+      if (!step_open_) {  // the step's first bucket: what the CPU Adam assumes for all of them
+        step_open_ = true;
+        spec_      = {};
+        decision_.store(0, std::memory_order_relaxed);  // the worker is idle between steps
+        std::fill(ahead_.begin(), ahead_.end(), std::uint8_t{0});
+        if (!masters_stale_ && std::isfinite(next_lr_)) {
+          float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+          spec_.active      = true;
+          spec_.lr          = next_lr_;
+          spec_.t           = host_counters_[0] + 1;
+          spec_.factor      = 1.0f / (host_scale_ * ranks);  // as step computes it, unclipped
+        }
+      }
+      // On the copy stream: backward goes on while the gradients go to the host.
+      WM_CUDA_TRY(cudaEventRecord(reduced_, stream.get()));
+      WM_CUDA_TRY(cudaStreamWaitEvent(d2h_stream_, reduced_, 0));
+      std::size_t const chunk_bytes = options_.offload_chunk_elements * sizeof(T);
+      std::size_t c                 = first_chunk_[b];
+      for (std::size_t at = 0; at < size; at += chunk_bytes, ++c) {
+        WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b] + at,
+                                    static_cast<std::byte*>(shard_gradients(b)) + at,
+                                    std::min(chunk_bytes, size - at), cudaMemcpyDeviceToHost,
+                                    d2h_stream_));
+        WM_CUDA_TRY(cudaEventRecord(landed_[c], d2h_stream_));
+      }
+      if (spec_.active) {
+        ++spec_.posted;
+        detail::zero::serial_worker const* w = worker_.get();
+        worker_->post([this, b, lr = spec_.lr, t = spec_.t, f = spec_.factor, w] {
+          pipeline_job(b, lr, t, f, *w);
+        });
+      }
     }
   });
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::wait_event(
+    cudaEvent_t e, char const* what, detail::zero::serial_worker const* worker) const {
+  auto const deadline = detail::deadline_after(comm_->timeout());
+  detail::backoff wait{std::chrono::microseconds{50}};
+  for (;;) {
+    cudaError_t const q = cudaEventQuery(e);
+    if (q == cudaSuccess) { return; }
+    if (q != cudaErrorNotReady) { WM_CUDA_TRY(q); }
+    if (worker != nullptr && worker->cancelled()) {
+      throw comm_error{"wm: zero_optimizer: the wait for " + std::string{what} + " was cancelled"};
+    }
+    if (detail::clock_type::now() >= deadline) {
+      throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) + ": waited for " +
+                       what + " longer than the communicator's timeout"};
+    }
+    wait.pause();
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
+  if (std::find(alt_current_.begin(), alt_current_.end(), std::uint8_t{1}) == alt_current_.end()) {
+    return;
+  }
+  if (step_open_ && spec_.active) {
+    // Mid-step: the worker may be writing the first copy of such a bucket. It stops taking
+    // buckets and ends; the step then redoes its update after backward.
+    decision_.store(2, std::memory_order_release);
+    spec_.invalid = true;
+    if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+      throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
+                       ": the offload pipeline's CPU Adam did not end within the communicator's "
+                       "timeout"};
+    }
+  }
+  std::size_t const n = plan_.state_elements;
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (alt_current_[b] == 0) { continue; }
+    auto const& bk         = plan_.buckets[b];
+    std::size_t const off  = bk.state_offset;
+    std::size_t const size = bk.shard_elements * sizeof(float);
+    std::memcpy(master_ + off, master_alt_ + off, size);
+    for (int k = 0; k < Optimizer::states; ++k) {
+      std::size_t const at = static_cast<std::size_t>(k) * n + off;
+      std::memcpy(states_ + at, states_alt_ + at, size);
+    }
+    alt_current_[b] = 0;
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, float lr, std::int64_t t,
+                                                           float factor, bool separate,
+                                                           std::size_t first, std::size_t count) {
+  namespace z = detail::zero;
+  if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
+    auto const& bk         = plan_.buckets[b];
+    std::size_t const n    = plan_.state_elements;
+    std::size_t const cnt  = count == 0 ? bk.shard_elements - first : count;
+    std::size_t const off  = bk.state_offset + first;
+    std::size_t const at   = shard_bytes_offset_[b] + first * z::size_of(bk.type);
+    std::size_t const size = cnt * z::size_of(bk.type);
+    z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
+                                opt_.decoupled};
+    // The bucket's current copy, and the other one (where an update ahead of the step goes).
+    bool const alt          = !alt_current_.empty() && alt_current_[b] != 0;
+    float* const master_in  = (alt ? master_alt_ : master_) + off;
+    float* const states_in  = (alt ? states_alt_ : states_) + off;
+    float* const master_out = separate ? (alt ? master_ : master_alt_) + off : nullptr;
+    float* const m_out      = separate ? (alt ? states_ : states_alt_) + off : nullptr;
+    float* const v_out      = separate ? m_out + n : nullptr;
+    if (bk.type == z::element_type::bf16) {
+      z::cpu_adam_update(
+          o, z::cpu_adam_step{lr, t, factor},
+          z::cpu_adam_arrays<z::bf16_bits>{master_in, states_in, states_in + n,
+                                           reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
+                                           reinterpret_cast<z::bf16_bits*>(host_weights_ + at), cnt,
+                                           master_out, m_out, v_out},
+          *cpu_pool_);
+    } else {
+      z::cpu_adam_update(o, z::cpu_adam_step{lr, t, factor},
+                         z::cpu_adam_arrays<float>{master_in, states_in, states_in + n,
+                                                   reinterpret_cast<float const*>(host_grads_ + at),
+                                                   nullptr, cnt, master_out, m_out, v_out},
+                         *cpu_pool_);
+      std::memcpy(host_weights_ + at, separate ? master_out : master_in, size);
+    }
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
+    std::size_t b, float lr, std::int64_t t, float factor,
+    detail::zero::serial_worker const& worker) {
+  // Decided by now: in place (the step applies as assumed) or not at all (dropped). Not yet:
+  // into the other copy, which the step adopts or drops.
+  int const decision = decision_.load(std::memory_order_acquire);
+  if (decision == 2) { return; }
+  bool const ahead = decision == 0;
+  ahead_[b]        = ahead ? 1 : 0;
+  WM_CUDA_TRY(cudaSetDevice(device_));
+  auto const& bk          = plan_.buckets[b];
+  std::size_t const esize = detail::zero::size_of(bk.type);
+  std::size_t c           = first_chunk_[b];
+  std::size_t const chunk = options_.offload_chunk_elements;
+  for (std::size_t first = 0; first < bk.shard_elements; first += chunk, ++c) {
+    std::size_t const count = std::min(chunk, bk.shard_elements - first);
+    wait_event(landed_[c], "a bucket's gradients on the host", &worker);
+    cpu_update(b, lr, t, factor, ahead, first, count);
+    // Into the bucket's device gradient shard (these gradients are on the host now): the
+    // compute weights stay as they are until step adopts the update.
+    WM_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(shard_gradients(b)) + first * esize,
+                                host_weights_ + shard_bytes_offset_[b] + first * esize,
+                                count * esize, cudaMemcpyHostToDevice, h2d_stream_));
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::finish_pipeline(cuda::stream_ref stream) {
+  if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+    throw comm_error{"wm: zero_optimizer::step on rank " + std::to_string(rank_) +
+                     ": the offload pipeline's CPU Adam did not end within the communicator's "
+                     "timeout"};
+  }
+  // Every H2D of the step is enqueued: the caller's stream waits for them.
+  WM_CUDA_TRY(cudaEventRecord(h2d_done_, h2d_stream_));
+  WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), h2d_done_, 0));
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref stream) {
   namespace z          = detail::zero;
   cudaStream_t const s = stream.get();
+  WM_EXPECTS(
+      std::find(accumulated_.begin(), accumulated_.end(), std::uint8_t{1}) == accumulated_.end(),
+      "zero_optimizer::step: every bucket that accumulate_gradients took needs its "
+      "reduce_gradients (the step's last micro-batch) first");
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::step (stage 3): release every gathered group first");
@@ -409,10 +676,10 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
     // A prefetch may still be reading the shard weights that the update rewrites.
     WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
   }
-  if (masters_stale_) { widen_masters(s); }
   if constexpr (Offload::host) {
     step_offload(lr, stream);
   } else {
+    if (masters_stale_) { widen_masters(s); }
     double* const global = norm_async(stream);
     // 3. The fused update of every shard, cast into the all-gather's send block.
     float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
@@ -445,20 +712,29 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::norm_partials(std::size_t b, cudaStream_t s) {
+  namespace z    = detail::zero;
+  auto const& bk = plan_.buckets[b];
+  z::with_element_type(bk.type, [&](auto tag) {
+    using T = decltype(tag);
+    z::norm_partials_kernel<T><<<partial_blocks_[b], z::norm_block, 0, s>>>(
+        static_cast<T const*>(shard_gradients(b)), bk.shard_elements,
+        scratch_ + partial_offset_[b]);
+    WM_CHECK_LAUNCH();
+  });
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 double* zero_optimizer<Stage, Optimizer, Offload>::norm_async(cuda::stream_ref stream) {
+  // 1. Σ g² of this rank's shards in float64 partials, summed in a fixed order.
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) { norm_partials(b, stream.get()); }
+  return norm_total(stream);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+double* zero_optimizer<Stage, Optimizer, Offload>::norm_total(cuda::stream_ref stream) {
   namespace z          = detail::zero;
   cudaStream_t const s = stream.get();
-  // 1. Σ g² of this rank's shards in float64 partials, summed in a fixed order.
-  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-    auto const& bk = plan_.buckets[b];
-    z::with_element_type(bk.type, [&](auto tag) {
-      using T = decltype(tag);
-      z::norm_partials_kernel<T><<<partial_blocks_[b], z::norm_block, 0, s>>>(
-          static_cast<T const*>(shard_gradients(b)), bk.shard_elements,
-          scratch_ + partial_offset_[b]);
-      WM_CHECK_LAUNCH();
-    });
-  }
   double* const local  = scratch_ + partials_;
   double* const global = local + 1;
   z::sum_partials_kernel<z::norm_block><<<1, z::norm_block, 0, s>>>(scratch_, partials_, local);
@@ -473,55 +749,93 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::stream_ref stream) {
   namespace z = detail::zero;
   if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
-    cudaStream_t const s = stream.get();
-    double* const global = norm_async(stream);
+    cudaStream_t const s   = stream.get();
+    bool const pipeline    = options_.offload_pipeline;
+    speculation const spec = std::exchange(spec_, speculation{});
+    step_open_             = false;
+    pipelined_             = false;
+    next_lr_               = lr;  // the next step's guess, unless prepare_step says otherwise
+    if (pipeline) {               // the gradients' copies to the host, before the host reads them
+      WM_CUDA_TRY(cudaEventRecord(d2h_done_, d2h_stream_));
+      WM_CUDA_TRY(cudaStreamWaitEvent(s, d2h_done_, 0));
+    }
+    if (masters_stale_) {  // weights were set: the pipeline's work (if any) is dropped
+      if (spec.active) {
+        decision_.store(2, std::memory_order_release);
+        finish_pipeline(stream);  // it reads the masters that the widen rewrites
+      }
+      gather_host_copies();  // the moments stay; the masters come from the compute weights
+      widen_masters(s);
+    }
+    // The pipeline took the partials as each bucket was reduced (its shards now hold weights).
+    double* const global = pipeline ? norm_total(stream) : norm_async(stream);
     WM_CUDA_TRY(cudaMemcpyAsync(host_sumsq_, global, sizeof(double), cudaMemcpyDeviceToHost, s));
     // The norm, and every gradient shard on the host (reduce_gradients sent them).
     comm_->synchronize(stream, "zero_optimizer::step");
     double const sumsq = *host_sumsq_;
     float const scale  = host_scale_;  // this step's
     bool const skip    = !std::isfinite(sumsq);
+    float const ranks  = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
+    float const factor =
+        skip ? 0.0f : z::grad_factor_of(sumsq, 1.0f / (scale * ranks), options_.max_grad_norm);
+    // The pipeline's update is this step's if it assumed this step's inputs: the same learning
+    // rate, count and gradient factor (clipping that scales changes the factor), every bucket,
+    // and no weights set since. Every rank decides the same (the inputs are collective).
+    bool const adopt =
+        spec.active && !skip && !spec.invalid && spec.posted == plan_.buckets.size() &&
+        spec.t == host_counters_[0] + 1 &&
+        std::bit_cast<std::uint32_t>(spec.lr) == std::bit_cast<std::uint32_t>(lr) &&
+        std::bit_cast<std::uint32_t>(spec.factor) == std::bit_cast<std::uint32_t>(factor);
+    if (spec.active) {
+      // The buckets the worker has not begun are done in place now (or not at all); then it
+      // ends the last buckets.
+      decision_.store(adopt ? 1 : 2, std::memory_order_release);
+      finish_pipeline(stream);
+    }
     if (options_.dynamic_loss_scale) {  // the next step's scale, on the host and the device
       z::update_scale(skip, host_scale_, host_counters_[3], options_.scale_growth,
                       options_.scale_backoff, options_.scale_growth_interval);
       WM_CUDA_TRY(cudaMemcpyAsync(scale_, &host_scale_, sizeof(float), cudaMemcpyHostToDevice, s));
     }
-    if (skip) {  // every rank sees the same sum: every rank skips
+    if (skip) {  // every rank sees the same sum: every rank skips (the pipeline's copy is dropped)
       host_counters_[1] = 1;
       ++host_counters_[2];
       return;
     }
     host_counters_[1]    = 0;
     std::int64_t const t = ++host_counters_[0];
-    float const ranks    = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-    float const factor   = z::grad_factor_of(sumsq, 1.0f / (scale * ranks), options_.max_grad_norm);
-    z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
-                                opt_.decoupled};
-    std::size_t const n = plan_.state_elements;
+    if (adopt) {
+      // A bucket updated ahead of the decision has its current values in the other copy now.
+      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) { alt_current_[b] ^= ahead_[b]; }
+      pipelined_ = true;
+      // The new weights wait in the gradient shards (the caller's stream waited for their H2D).
+      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+        auto const& bk = plan_.buckets[b];
+        if constexpr (Stage::value < 3) {
+          z::with_element_type(bk.type, [&](auto tag) {
+            using T = decltype(tag);
+            comm_->all_gather(static_cast<T const*>(shard_gradients(b)),
+                              reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
+                              stream);
+          });
+        } else {
+          WM_CUDA_TRY(cudaMemcpyAsync(shard_weights(b), shard_gradients(b),
+                                      bk.shard_elements * z::size_of(bk.type),
+                                      cudaMemcpyDeviceToDevice, s));
+        }
+      }
+      return;
+    }
+    // Redone after backward, in place (the pipeline's copy is dropped; its H2D copies read the
+    // weight buffers rewritten below, so they end first).
+    if (spec.active) { wait_event(h2d_done_, "the offload pipeline's copies"); }
     // Bucket by bucket: the CPU updates bucket b while bucket b - 1's weights go back to the GPU
     // and are all-gathered.
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       auto const& bk         = plan_.buckets[b];
-      std::size_t const off  = bk.state_offset;
       std::size_t const at   = shard_bytes_offset_[b];
       std::size_t const size = bk.shard_elements * z::size_of(bk.type);
-      if (bk.type == z::element_type::bf16) {
-        z::cpu_adam_update(
-            o, z::cpu_adam_step{lr, t, factor},
-            z::cpu_adam_arrays<z::bf16_bits>{
-                master_ + off, states_ + off, states_ + n + off,
-                reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
-                reinterpret_cast<z::bf16_bits*>(host_weights_ + at), bk.shard_elements},
-            *cpu_pool_);
-      } else {
-        z::cpu_adam_update(
-            o, z::cpu_adam_step{lr, t, factor},
-            z::cpu_adam_arrays<float>{master_ + off, states_ + off, states_ + n + off,
-                                      reinterpret_cast<float const*>(host_grads_ + at), nullptr,
-                                      bk.shard_elements},
-            *cpu_pool_);
-        std::memcpy(host_weights_ + at, master_ + off, size);
-      }
+      cpu_update(b, lr, t, factor, false);
       WM_CUDA_TRY(
           cudaMemcpyAsync(shard_weights(b), host_weights_ + at, size, cudaMemcpyHostToDevice, s));
       if constexpr (Stage::value < 3) { all_gather_bucket(b, weights_ + bk.byte_offset, stream); }
@@ -616,6 +930,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
   namespace z                   = detail::zero;
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  gather_host_copies();
   if (masters_stale_) { widen_masters(stream.get()); }
   read_counters(stream);  // waits for the stream (with the communicator's deadline)
   std::int64_t const applied = host_counters_[0];
@@ -652,6 +967,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   cudaStream_t const s          = stream.get();
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  if constexpr (Offload::host) {  // the pipeline's jobs of a step begun before the load end
+    if (spec_.active) {
+      decision_.store(2, std::memory_order_release);
+      finish_pipeline(stream);
+    }
+    spec_      = {};
+    step_open_ = false;
+    std::fill(alt_current_.begin(), alt_current_.end(), std::uint8_t{0});  // load writes the first
+  }
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::load (stage 3): release every gathered group first");
