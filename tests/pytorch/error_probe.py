@@ -1,6 +1,6 @@
 """Which path of a C++ error into Python works in this process environment (no GPU needed).
 
-The bridge's extension (examples/pytorch/wm_torch.cu) binds `_error_probe(kind)`, which raises one
+The bridge's extension (examples/pytorch/wm_torch.cpp) binds `_error_probe(kind)`, which raises one
 error by one path. Each kind runs here in its own process, so that a kind that kills its process
 (a segmentation fault: exit -11) does not hide the others; with a GPU, each runs a second time
 after the state of test_bridge.py (CUDA, a communicator, a table, a gather and its backward):
