@@ -1,6 +1,6 @@
 """wm_torch: wm's tables, communicators and swap scopes inside a PyTorch training loop.
 
-A tutorial module (see README.md beside it): `load()` builds the extension (wm_torch.cu and the
+A tutorial module (see README.md beside it): `load()` builds the extension (wm_torch.cpp and the
 table units) with torch.utils.cpp_extension against the source tree's include/ and returns it;
 the classes below wrap it the way a PyTorch user expects.
 
@@ -28,7 +28,7 @@ _REPO = _HERE.parent.parent
 _ext = None
 _lock = threading.Lock()
 
-_SOURCES = ["wm_torch.cu", "wm_torch_tables_device.cu", "wm_torch_tables_host.cu"]
+_SOURCES = ["wm_torch.cpp", "wm_torch_tables_device.cu", "wm_torch_tables_host.cu"]
 
 
 def _torch_nccl():
@@ -69,6 +69,23 @@ def build_flags(arch=None):
     ]
 
 
+def host_flags():
+    """The host compiler's flags for wm_torch.cpp, the bindings: C++20, -O3, and libcu++'s headers
+    (cuda/stream_ref), which nvcc finds by itself under the toolkit's include/cccl.
+
+    The bindings (pybind11, torch's headers, the checks that raise Python errors) are compiled
+    by the host compiler alone, as a CPU extension of torch is, not by nvcc: they hold no device
+    code (the table units hold the kernels)."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-DNDEBUG", "-std=c++20"]
+    if cpp_extension.CUDA_HOME is not None:
+        cccl = pathlib.Path(cpp_extension.CUDA_HOME) / "include" / "cccl"
+        if cccl.is_dir():
+            flags.append(f"-isystem{cccl}")
+    return flags
+
+
 def load(build_dir=None, verbose=None):
     """Builds (once; later calls reuse the build directory) and imports the extension.
 
@@ -94,7 +111,7 @@ def load(build_dir=None, verbose=None):
             name="wm_torch_ext",
             sources=[str(_HERE / s) for s in _SOURCES],
             extra_include_paths=[str(include), str(_HERE)] + nccl_include,
-            extra_cflags=["-O3", "-std=c++20"],
+            extra_cflags=host_flags(),
             extra_cuda_cflags=build_flags(),
             extra_ldflags=nccl_link,
             build_directory=str(build_dir),

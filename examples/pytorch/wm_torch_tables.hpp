@@ -1,6 +1,6 @@
 /*
  * The embedding tables of the PyTorch bridge behind one interface (`wm_torch::table`), so that
- * the extension's bindings (wm_torch.cu, which includes torch) know no wm template, and each
+ * the extension's bindings (wm_torch.cpp, which includes torch) know no wm template, and each
  * group of wm::embedding instantiations compiles in its own translation unit
  * (wm_torch_tables_*.cu, without torch's headers), in parallel.
  *

@@ -1,5 +1,5 @@
 // The bridge's device tables (no cache): wm::embedding<float, wm::no_cache, Optimizer, wm::device,
-// wm::chunked> with SGD, Adam or no optimizer. Kept apart from wm_torch.cu so that it compiles
+// wm::chunked> with SGD, Adam or no optimizer. Kept apart from wm_torch.cpp so that it compiles
 // without torch's headers and beside the other table units.
 #include "wm_torch_tables.cuh"
 

@@ -18,6 +18,7 @@ Usage: python3 tests/pytorch/test_bridge.py   (exit 0 pass, 1 fail, 77 skipped: 
 CUDA toolkit or ninja for torch.utils.cpp_extension, or no GPU). The extension is built into
 WM_TORCH_BUILD_DIR (default <repo>/build/wm_torch); the first build takes a few minutes.
 """
+import faulthandler
 import os
 import pathlib
 import sys
@@ -27,6 +28,7 @@ import traceback
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"),
              ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")):
     os.environ.setdefault(k, v)
+faulthandler.enable()  # a crash in the extension prints the Python stack of the case that died
 
 try:
     import torch
@@ -212,9 +214,11 @@ def test_training():
                       f"max |wm - torch| {float((ours - theirs).abs().max()):.2e}, weights moved {moved:.3f}, "
                       f"global step {steps}")
             if stats is not None:  # the cache must have been used: lines replaced
-                ok &= stats["evictions"] > 0
+                ok &= stats["evictions"] > 0 and stats["hits"] + stats["misses"] == stats["requests"]
+                ok &= isinstance(stats["hit_first_gathers"], int) and stats["hit_first_gathers"] >= 0
                 detail += (f"; cache: {stats['hits']} hits, {stats['misses']} misses, {stats['evictions']} evictions,"
-                           f" {stats['write_backs']} write-backs, {stats['bypasses']} bypasses")
+                           f" {stats['write_backs']} write-backs, {stats['bypasses']} bypasses,"
+                           f" {stats['hit_first_gathers']} hit-first gathers")
             name = "torch.optim.SparseAdam" if kind == "adam" else "torch.optim.SGD(sparse)"
             check(f"training vs {name}: {location} table, cache {cache}", ok, detail)
 

@@ -18,6 +18,7 @@
  * raises Python exceptions with a message that says what was expected.
  */
 #include <wm/comm.hpp>
+#include <wm/error.hpp>
 #include <wm/swap.cuh>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -26,11 +27,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <torch/extension.h>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "wm_torch_tables.hpp"
@@ -41,32 +44,98 @@ namespace wm_torch {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Checks of what crosses from Python
+// Errors and checks of what crosses from Python
+//
+// No C++ exception leaves this file through pybind11's translators: a failed check sets the
+// Python exception itself (PyErr_SetString) and throws py::error_already_set, which pybind11's
+// dispatcher restores before it consults any translator; every binding runs its body under
+// `guarded`, which turns the exceptions of wm (std::exception) and of torch (c10::Error) into
+// Python exceptions the same way. The checks never build a c10::Error (whose constructor walks
+// the whole C++ stack for its backtrace) and never reach torch's translator.
+
+/// Sets a Python exception of @p type with @p msg and throws py::error_already_set (GIL held).
+[[noreturn]] void raise_py(PyObject* type, std::string const& msg) {
+  PyErr_SetString(type, msg.c_str());
+  throw py::error_already_set();
+}
+
+/// Raises ValueError (expect_value) or TypeError (expect_type) with the streamed @p parts
+/// unless @p ok.
+template <class... Parts>
+void expect_value(bool ok, Parts const&... parts) {
+  if (!ok) [[unlikely]] { raise_py(PyExc_ValueError, c10::str(parts...)); }
+}
+template <class... Parts>
+void expect_type(bool ok, Parts const&... parts) {
+  if (!ok) [[unlikely]] { raise_py(PyExc_TypeError, c10::str(parts...)); }
+}
+
+/**
+ * Runs @p body (with the GIL held; a py::gil_scoped_release inside it is gone before a catch
+ * here runs) and turns a C++ exception into the Python exception a torch user expects:
+ * c10::ValueError / TypeError / IndexError / NotImplementedError as such, std::bad_alloc as
+ * MemoryError, any other c10::Error or std::exception (wm::logic_error, cuda_error, comm_error,
+ * io_error) as RuntimeError, with its message.
+ */
+template <class Body>
+decltype(auto) guarded(Body&& body) {
+  try {
+    return std::forward<Body>(body)();
+  } catch (py::error_already_set const&) { throw; } catch (c10::ValueError const& e) {
+    raise_py(PyExc_ValueError, e.what_without_backtrace());
+  } catch (c10::TypeError const& e) {
+    raise_py(PyExc_TypeError, e.what_without_backtrace());
+  } catch (c10::IndexError const& e) {
+    raise_py(PyExc_IndexError, e.what_without_backtrace());
+  } catch (c10::NotImplementedError const& e) {
+    raise_py(PyExc_NotImplementedError, e.what_without_backtrace());
+  } catch (c10::Error const& e) {
+    raise_py(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (py::builtin_exception const&) {
+    throw;  // pybind11's own (cast_error, ...): its default translator handles them
+  } catch (std::bad_alloc const&) {
+    raise_py(PyExc_MemoryError, "wm_torch: out of memory (std::bad_alloc)");
+  } catch (std::exception const& e) { raise_py(PyExc_RuntimeError, e.what()); }
+}
+
+/// A binding of member function @p f whose body runs under `guarded`.
+template <class C, class R, class... A>
+[[nodiscard]] auto guarded_method(R (C::*f)(A...)) {
+  return [f](C& self, A... a) -> R {
+    return guarded([&]() -> R { return (self.*f)(std::forward<A>(a)...); });
+  };
+}
+template <class C, class R, class... A>
+[[nodiscard]] auto guarded_method(R (C::*f)(A...) const) {
+  return [f](C const& self, A... a) -> R {
+    return guarded([&]() -> R { return (self.*f)(std::forward<A>(a)...); });
+  };
+}
 
 void check_cuda(torch::Tensor const& t, char const* what, int device) {
-  TORCH_CHECK_VALUE(t.defined(), "wm_torch: ", what, " is undefined");
-  TORCH_CHECK_VALUE(t.is_cuda(), "wm_torch: ", what, " must be a CUDA tensor (on cuda:", device,
-                    "), got a tensor on ", t.device());
-  TORCH_CHECK_VALUE(t.device().index() == device, "wm_torch: ", what, " must be on cuda:", device,
-                    " (the communicator's GPU), got ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "wm_torch: ", what,
-                    " must be contiguous (call .contiguous() first)");
+  expect_value(t.defined(), "wm_torch: ", what, " is undefined");
+  expect_value(t.is_cuda(), "wm_torch: ", what, " must be a CUDA tensor (on cuda:", device,
+               "), got a tensor on ", t.device());
+  expect_value(t.device().index() == device, "wm_torch: ", what, " must be on cuda:", device,
+               " (the communicator's GPU), got ", t.device());
+  expect_value(t.is_contiguous(), "wm_torch: ", what,
+               " must be contiguous (call .contiguous() first)");
 }
 
 void check_keys(torch::Tensor const& keys, int device) {
   check_cuda(keys, "keys", device);
-  TORCH_CHECK_TYPE(keys.scalar_type() == torch::kInt64,
-                   "wm_torch: keys must be int64 (torch.long), got ", keys.scalar_type());
+  expect_type(keys.scalar_type() == torch::kInt64,
+              "wm_torch: keys must be int64 (torch.long), got ", keys.scalar_type());
 }
 
 void check_rows(torch::Tensor const& values, char const* what, torch::Tensor const& keys,
                 std::size_t dim, int device) {
   check_cuda(values, what, device);
-  TORCH_CHECK_TYPE(values.scalar_type() == torch::kFloat32, "wm_torch: ", what,
-                   " must be float32 (the table's type), got ", values.scalar_type());
-  TORCH_CHECK_VALUE(values.numel() == keys.numel() * static_cast<std::int64_t>(dim),
-                    "wm_torch: ", what, " must hold keys.numel() x dim = ", keys.numel(), " x ",
-                    dim, " values, got ", values.numel(), " (shape ", values.sizes(), ")");
+  expect_type(values.scalar_type() == torch::kFloat32, "wm_torch: ", what,
+              " must be float32 (the table's type), got ", values.scalar_type());
+  expect_value(values.numel() == keys.numel() * static_cast<std::int64_t>(dim), "wm_torch: ", what,
+               " must hold keys.numel() x dim = ", keys.numel(), " x ", dim, " values, got ",
+               values.numel(), " (shape ", values.sizes(), ")");
 }
 
 [[nodiscard]] cudaStream_t current_stream(int device) {
@@ -104,13 +173,13 @@ struct table_handle {
   int device{0};
 
   table_handle(communicator_handle const& c, table_options const& o) : comm{c.comm} {
-    TORCH_CHECK_VALUE(comm && comm->valid(), "wm_torch: the communicator is not valid");
-    TORCH_CHECK_VALUE(o.rows > 0 && o.dim > 0, "wm_torch: a table needs rows > 0 and dim > 0, got ",
-                      o.rows, " x ", o.dim);
+    expect_value(comm && comm->valid(), "wm_torch: the communicator is not valid");
+    expect_value(o.rows > 0 && o.dim > 0, "wm_torch: a table needs rows > 0 and dim > 0, got ",
+                 o.rows, " x ", o.dim);
     device = comm->device();
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
-    TORCH_CHECK_VALUE(o.location == "device" || o.location == "host",
-                      "wm_torch: location must be 'device' or 'host', not '", o.location, "'");
+    expect_value(o.location == "device" || o.location == "host",
+                 "wm_torch: location must be 'device' or 'host', not '", o.location, "'");
     std::string bad;  // a combination of policies that no table unit instantiates
     {
       py::gil_scoped_release nogil;  // collective
@@ -118,7 +187,7 @@ struct table_handle {
         t = o.location == "device" ? make_device_table(*comm, o) : make_host_table(*comm, o);
       } catch (std::invalid_argument const& e) { bad = e.what(); }
     }
-    TORCH_CHECK_VALUE(bad.empty(), bad);
+    expect_value(bad.empty(), bad);
   }
 
   void gather(torch::Tensor const& keys, torch::Tensor& out) {
@@ -132,8 +201,7 @@ struct table_handle {
   }
 
   void apply_gradients(torch::Tensor const& keys, torch::Tensor const& grads, double lr) {
-    TORCH_CHECK_VALUE(t->trainable(), "wm_torch: this table has no optimizer (", t->description(),
-                      ")");
+    expect_value(t->trainable(), "wm_torch: this table has no optimizer (", t->description(), ")");
     check_keys(keys, device);
     check_rows(grads, "grads", keys, t->dim(), device);
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
@@ -178,15 +246,16 @@ struct table_handle {
       st = t->cache_stats();
     }
     py::dict d;
-    d["requests"]         = st.requests;
-    d["distinct_keys"]    = st.distinct_keys;
-    d["hits"]             = st.hits;
-    d["misses"]           = st.misses;
-    d["evictions"]        = st.evictions;
-    d["write_backs"]      = st.write_backs;
-    d["bytes_from_host"]  = st.bytes_from_host;
-    d["bytes_from_peers"] = st.bytes_from_peers;
-    d["bypasses"]         = st.bypasses;
+    d["requests"]          = st.requests;
+    d["distinct_keys"]     = st.distinct_keys;
+    d["hits"]              = st.hits;
+    d["misses"]            = st.misses;
+    d["evictions"]         = st.evictions;
+    d["write_backs"]       = st.write_backs;
+    d["bytes_from_host"]   = st.bytes_from_host;
+    d["bytes_from_peers"]  = st.bytes_from_peers;
+    d["bypasses"]          = st.bypasses;
+    d["hit_first_gathers"] = st.hit_first_gathers;
     return d;
   }
 };
@@ -255,8 +324,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
 
   /// The unpack hook: a tensor over the buffer's device memory, valid on the current stream.
   torch::Tensor unpack(std::shared_ptr<saved_buffer> const& sp) {
-    TORCH_CHECK_VALUE(sp && sp->owner.get() == this,
-                      "wm_torch: unpack of a buffer of another scope");
+    expect_value(sp && sp->owner.get() == this, "wm_torch: unpack of a buffer of another scope");
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(sp->device)};
     cudaStream_t const s = current_stream(sp->device);
     void* p              = nullptr;
@@ -452,6 +520,24 @@ saved_buffer::~saved_buffer() {
   owner->released();
 }  // then `owner` goes: the last buffer of a dropped scope destroys the scope
 
+/// Raises one error by one of the paths an error can take to Python (tests/pytorch/
+/// error_probe.py runs each in its own process to tell which path, if any, kills it).
+void error_probe(std::string const& kind) {
+  if (kind == "expect") {  // the bridge's checks: PyErr_SetString + error_already_set
+    expect_value(false, "wm_torch probe: expect_value");
+  } else if (kind == "guarded_wm") {  // a wm exception caught by guarded
+    guarded([] { throw wm::logic_error{"wm_torch probe: wm::logic_error under guarded"}; });
+  } else if (kind == "guarded_c10") {  // a c10::ValueError (built, then caught by guarded)
+    guarded([] { TORCH_CHECK_VALUE(false, "wm_torch probe: TORCH_CHECK_VALUE under guarded"); });
+  } else if (kind == "translator_std") {  // a std::exception through pybind11's translators
+    throw std::runtime_error{"wm_torch probe: std::runtime_error through the translators"};
+  } else if (kind == "translator_c10") {  // the path of the bridge before: c10 + translators
+    TORCH_CHECK_VALUE(false, "wm_torch probe: TORCH_CHECK_VALUE through the translators");
+  } else {
+    expect_value(false, "wm_torch probe: unknown kind '", kind, "'");
+  }
+}
+
 }  // namespace
 }  // namespace wm_torch
 
@@ -459,11 +545,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace wm_torch;
   m.doc() = "wm_torch: wm tables, communicators and swap scopes for PyTorch (see wm_torch.py)";
 
-  m.def("create_unique_id", &create_unique_id,
-        "A new wm::unique_id as bytes (rank 0 makes it; every rank passes it to Communicator)");
+  m.def("_error_probe", &error_probe, py::arg("kind"),
+        "Raises an error by one path (expect, guarded_wm, guarded_c10, translator_std, "
+        "translator_c10); tests/pytorch/error_probe.py");
+  m.def(
+      "create_unique_id", [] { return guarded([] { return create_unique_id(); }); },
+      "A new wm::unique_id as bytes (rank 0 makes it; every rank passes it to Communicator)");
 
   py::class_<communicator_handle>(m, "Communicator")
-      .def(py::init(&make_communicator), py::arg("unique_id"), py::arg("rank"), py::arg("size"),
+      .def(py::init([](py::bytes const& id, int rank, int size) {
+             return guarded([&] { return make_communicator(id, rank, size); });
+           }),
+           py::arg("unique_id"), py::arg("rank"), py::arg("size"),
            "Joins the group (collective; select the GPU with torch.cuda.set_device first)")
       .def_property_readonly("rank", [](communicator_handle const& c) { return c.comm->rank(); })
       .def_property_readonly("size", [](communicator_handle const& c) { return c.comm->size(); })
@@ -476,8 +569,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "barrier",
           [](communicator_handle& c) {
-            py::gil_scoped_release nogil;
-            c.comm->barrier();
+            guarded([&] {
+              py::gil_scoped_release nogil;
+              c.comm->barrier();
+            });
           },
           "Waits for every rank (collective)");
 
@@ -503,25 +598,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("init_seed", &table_options::init_seed);
 
   py::class_<table_handle>(m, "Table")
-      .def(py::init<communicator_handle const&, table_options const&>(), py::arg("comm"),
-           py::arg("options"), "Allocates and initializes a table (collective)")
-      .def("gather", &table_handle::gather, py::arg("keys"), py::arg("out"),
+      .def(py::init([](communicator_handle const& c, table_options const& o) {
+             return guarded([&] { return std::make_unique<table_handle>(c, o); });
+           }),
+           py::arg("comm"), py::arg("options"), "Allocates and initializes a table (collective)")
+      .def("gather", guarded_method(&table_handle::gather), py::arg("keys"), py::arg("out"),
            "out[i, :] = row keys[i] on the current stream (keys int64, out float32, contiguous)")
-      .def("apply_gradients", &table_handle::apply_gradients, py::arg("keys"), py::arg("grads"),
-           py::arg("lr"),
+      .def("apply_gradients", guarded_method(&table_handle::apply_gradients), py::arg("keys"),
+           py::arg("grads"), py::arg("lr"),
            "Sums the gradients of duplicate keys and updates each row once (collective; "
            "synchronizes the current stream)")
-      .def("write_rows", &table_handle::write_rows, py::arg("keys"), py::arg("values"),
-           "Overwrites rows (a cache is emptied before and after)")
-      .def("prefetch", &table_handle::prefetch, py::arg("keys"),
+      .def("write_rows", guarded_method(&table_handle::write_rows), py::arg("keys"),
+           py::arg("values"), "Overwrites rows (a cache is emptied before and after)")
+      .def("prefetch", guarded_method(&table_handle::prefetch), py::arg("keys"),
            "Admits the rows of the next batch into the cache")
-      .def("flush", &table_handle::flush)
-      .def("invalidate", &table_handle::invalidate)
-      .def("cache_stats", &table_handle::cache_stats)
+      .def("flush", guarded_method(&table_handle::flush))
+      .def("invalidate", guarded_method(&table_handle::invalidate))
+      .def("cache_stats", guarded_method(&table_handle::cache_stats))
       .def("reset_cache_stats",
            [](table_handle& h) {
-             c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
-             h.t->reset_cache_stats();
+             guarded([&] {
+               c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
+               h.t->reset_cache_stats();
+             });
            })
       .def_property_readonly("cache_lines",
                              [](table_handle const& h) { return h.t->cache_lines(); })
@@ -537,17 +636,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "store",
           [](table_handle& h, std::string const& prefix) {
-            c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
-            py::gil_scoped_release nogil;
-            h.t->store(prefix);
+            guarded([&] {
+              c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
+              py::gil_scoped_release nogil;
+              h.t->store(prefix);
+            });
           },
           py::arg("prefix"), "Writes a checkpoint (collective)")
       .def(
           "load",
           [](table_handle& h, std::string const& prefix) {
-            c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
-            py::gil_scoped_release nogil;
-            h.t->load(prefix);
+            guarded([&] {
+              c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(h.device)};
+              py::gil_scoped_release nogil;
+              h.t->load(prefix);
+            });
           },
           py::arg("prefix"), "Reads a checkpoint (collective)");
 
@@ -559,19 +662,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::size_t device_budget, std::size_t host_bytes, int max_in_flight,
                        std::size_t coalesce_below, std::size_t coalesce_limit,
                        std::size_t prefetch_lookahead, double timeout_s, std::size_t min_bytes) {
-             TORCH_CHECK_VALUE(device_budget > 0 && host_bytes > 0,
-                               "wm_torch: a swap scope needs a device budget and host bytes > 0");
-             wm::swap_options o;
-             o.device_budget      = device_budget;
-             o.host_bytes         = host_bytes;
-             o.max_in_flight      = max_in_flight;
-             o.coalesce_below     = coalesce_below;
-             o.coalesce_limit     = coalesce_limit;
-             o.prefetch_lookahead = prefetch_lookahead;
-             o.timeout = std::chrono::milliseconds{static_cast<std::int64_t>(timeout_s * 1000)};
-             o.device  = static_cast<int>(c10::cuda::current_device());
-             py::gil_scoped_release nogil;
-             return std::make_shared<swap_handle>(o, min_bytes);
+             return guarded([&] {
+               expect_value(device_budget > 0 && host_bytes > 0,
+                            "wm_torch: a swap scope needs a device budget and host bytes > 0");
+               wm::swap_options o;
+               o.device_budget      = device_budget;
+               o.host_bytes         = host_bytes;
+               o.max_in_flight      = max_in_flight;
+               o.coalesce_below     = coalesce_below;
+               o.coalesce_limit     = coalesce_limit;
+               o.prefetch_lookahead = prefetch_lookahead;
+               o.timeout = std::chrono::milliseconds{static_cast<std::int64_t>(timeout_s * 1000)};
+               o.device  = static_cast<int>(c10::cuda::current_device());
+               py::gil_scoped_release nogil;
+               return std::make_shared<swap_handle>(o, min_bytes);
+             });
            }),
            py::arg("device_budget"), py::arg("host_bytes"), py::arg("max_in_flight") = 4,
            py::arg("coalesce_below") = std::size_t{4} << 20,
@@ -579,17 +684,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_s") = 60.0, py::arg("min_bytes") = std::size_t{1} << 20,
            "A wm::swap_scope on the current GPU: a device pool of device_budget bytes and a "
            "pinned host slab of host_bytes")
-      .def("set_skip", &swap_handle::set_skip, py::arg("storage_ptrs"),
+      .def("set_skip", guarded_method(&swap_handle::set_skip), py::arg("storage_ptrs"),
            "Storages (data pointers) that pack never copies, e.g. parameters")
-      .def("pack", &swap_handle::pack, py::arg("tensor"),
+      .def("pack", guarded_method(&swap_handle::pack), py::arg("tensor"),
            "A SavedBuffer holding a copy of the tensor (page-out queued), or None to keep it")
-      .def("unpack", &swap_handle::unpack, py::arg("saved"),
+      .def("unpack", guarded_method(&swap_handle::unpack), py::arg("saved"),
            "A tensor over the buffer's device memory, valid on the current stream")
-      .def("prefetch_all", &swap_handle::prefetch_all,
+      .def("prefetch_all", guarded_method(&swap_handle::prefetch_all),
            "Queues the buffers saved since the last call for page-in, most recent first")
-      .def("set_auto_prefetch", &swap_handle::set_auto_prefetch, py::arg("on"))
-      .def("wait_prefetches", &swap_handle::wait_prefetches)
-      .def("statistics", &swap_handle::statistics)
-      .def("reset_statistics", &swap_handle::reset_statistics)
+      .def("set_auto_prefetch", guarded_method(&swap_handle::set_auto_prefetch), py::arg("on"))
+      .def("wait_prefetches", guarded_method(&swap_handle::wait_prefetches))
+      .def("statistics", guarded_method(&swap_handle::statistics))
+      .def("reset_statistics", guarded_method(&swap_handle::reset_statistics))
       .def_property_readonly("device", &swap_handle::device);
 }
