@@ -30,7 +30,9 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <torch/extension.h>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -59,15 +61,54 @@ namespace {
   throw py::error_already_set();
 }
 
-/// Raises ValueError (expect_value) or TypeError (expect_type) with the streamed @p parts
+// Messages are put together with std::to_string, not with std::ostream (nor c10::str, which
+// streams): on the GPU machine's torch 2.11 environment, `std::ostringstream << int` in code
+// built by torch.utils.cpp_extension crashed the process (a plain load_inline probe: `s << 5`
+// segfaults, `std::to_string(5)` and `s << "abc"` do not; bench/NOTES.md).
+inline void append(std::string& s, char const* x) {
+  s += x;
+}
+inline void append(std::string& s, std::string const& x) {
+  s += x;
+}
+inline void append(std::string& s, std::string_view x) {
+  s += x;
+}
+template <class T>
+requires std::is_arithmetic_v<T>
+void append(std::string& s, T x) {
+  s += std::to_string(x);
+}
+inline void append(std::string& s, c10::Device const& d) {
+  s += d.str();
+}
+inline void append(std::string& s, c10::ScalarType t) {
+  s += c10::toString(t);
+}
+inline void append(std::string& s, c10::IntArrayRef r) {
+  s += '[';
+  for (std::size_t i = 0; i < r.size(); ++i) {
+    if (i != 0) { s += ", "; }
+    s += std::to_string(r[i]);
+  }
+  s += ']';
+}
+template <class... Parts>
+[[nodiscard]] std::string message(Parts const&... parts) {
+  std::string s;
+  (append(s, parts), ...);
+  return s;
+}
+
+/// Raises ValueError (expect_value) or TypeError (expect_type) with the message of @p parts
 /// unless @p ok.
 template <class... Parts>
 void expect_value(bool ok, Parts const&... parts) {
-  if (!ok) [[unlikely]] { raise_py(PyExc_ValueError, c10::str(parts...)); }
+  if (!ok) [[unlikely]] { raise_py(PyExc_ValueError, message(parts...)); }
 }
 template <class... Parts>
 void expect_type(bool ok, Parts const&... parts) {
-  if (!ok) [[unlikely]] { raise_py(PyExc_TypeError, c10::str(parts...)); }
+  if (!ok) [[unlikely]] { raise_py(PyExc_TypeError, message(parts...)); }
 }
 
 /**
