@@ -602,7 +602,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
     // stops taking chunks and ends; its work is dropped and the step is redone after backward.
     decision_.store(2, std::memory_order_release);
     spec_.invalid = true;
-    if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+    bool idle     = false;
+    try {
+      idle = worker_->wait_idle(detail::deadline_after(comm_->timeout()));
+    } catch (...) {  // a job failed (the worker is idle): its work is dropped
+      chunks_dropped_ += static_cast<std::int64_t>(spares_.pending());
+      spares_.drop();
+      throw;
+    }
+    if (!idle) {
       throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
                        ": the offload pipeline's CPU Adam did not end within the communicator's "
                        "timeout"};
@@ -754,7 +762,14 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::finish_pipeline(cuda::stream_ref stream) {
-  if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+  bool idle = false;
+  try {
+    idle = worker_->wait_idle(detail::deadline_after(comm_->timeout()));
+  } catch (...) {  // a job failed (the worker is idle): what it did ahead is not the step's
+    end_speculation(false);
+    throw;
+  }
+  if (!idle) {
     throw comm_error{"wm: zero_optimizer::step on rank " + std::to_string(rank_) +
                      ": the offload pipeline's CPU Adam did not end within the communicator's "
                      "timeout"};
