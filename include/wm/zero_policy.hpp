@@ -109,8 +109,8 @@ struct zero_options {
   /// updated in place (the CPU idles until backward ends; `zero_optimizer::offload_stats`
   /// counts such waits). 1: a region for every chunk (never waits); 0: nothing is updated before
   /// the decision. The default, 0.25, covers a backward of up to about a quarter of the CPU
-  /// Adam's time (the MLPs of bench/zero_bench.cu: 15-20%) for a quarter of a full second copy's
-  /// memory; results are the same bits for every value.
+  /// Adam's time (the MLPs of bench/zero_bench.cu need less, bench/NOTES.md) for a quarter of a
+  /// full second copy's memory; results are the same bits for every value.
   float offload_spare_fraction{0.25f};
   /// With `offload_pipeline`: a bucket's gradients go to the host, and its update and weights
   /// back, in chunks of this many elements (a multiple of 64), so that the update of a bucket
