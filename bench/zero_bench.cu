@@ -10,10 +10,19 @@
  * gradients, fp32 masters and Adam moments) against the formula of DESIGN §8 and their ratio;
  * the communication buffers (staging buckets, stage-3 pool); the device memory the optimizer and
  * model allocated (cudaMemGetInfo before and after, activations included); pinned host bytes.
- * Offload rows: the pipeline (the default), the pipeline with clipping that scales every step
- * (its update redone after backward), and without the pipeline; for each, the CPU Adam alone on
- * this rank's shard, measured in the same run, in place and into a second copy (the pipeline's
- * form), and the step's ratio to it (the issue's target: <= 1.2, the pipeline's row).
+ * Offload rows: the pipeline (the default pool of spare regions, zero_options::
+ * offload_spare_fraction, or --spare-fraction), the pipeline with a region for every chunk (a
+ * full second copy), the pipeline with clipping that scales every step (its update redone after
+ * backward), and without the pipeline; for each, the CPU Adam alone on this rank's shard,
+ * measured in the same run after the optimizer is freed, in place and into a second copy (the
+ * pipeline's form, ahead of the step's decision), and the step's ratio to it (the issue's target:
+ * <= 1.2, the pipeline's row); for the pipeline rows, the chunks updated per timed step ahead of
+ * the decision, after it, redone, the waits for a free region and the regions used.
+ *
+ * --offload-only: only the offload rows without the pipeline and with it (the pool of
+ * --spare-fraction, else the default), for a model whose fp32 states do not fit on the GPU; a
+ * row that cannot allocate is reported and skipped; the CPU Adam alone is timed on 2^28 elements
+ * and scaled to the shard.
  *
  * PyTorch peer (bench/peers/torch_zero.py), after the wm rows, on the same ranks (one process per
  * GPU through `python3 -m torch.distributed.run` when there are several, else plain python3) and
@@ -22,7 +31,8 @@
  * and ZeRO-3, and their peak allocated memory per GPU. `--no-peer` skips it.
  *
  * Usage: zero_bench [--ranks N] [--layers L] [--width W] [--batch B] [--steps S] [--no-peer]
- *        (defaults: every GPU, 16 8192 8192 5)
+ *                   [--offload-only] [--spare-fraction F]
+ *        (defaults: every GPU, 16 8192 8192 5, the option's default fraction)
  */
 #include <wm/wm.cuh>
 #include <wm/zero.cuh>
@@ -51,6 +61,8 @@ struct config {
   /// The CPU Adam alone runs on at most this many elements (its time scaled to the shard): the
   /// measurement's own arrays take 28 bytes per element beside the optimizer's pinned states.
   std::size_t cpu_adam_elements{~std::size_t{0}};
+  /// The offload pipeline's pool of spare regions (zero_options::offload_spare_fraction).
+  float spare_fraction{wm::zero_options{}.offload_spare_fraction};
 };
 
 std::size_t device_used() {
@@ -71,6 +83,9 @@ struct row {
   double host{};
   double cpu_adam_ms{};      // offload: the CPU Adam alone on this shard, in place
   double cpu_adam_sep_ms{};  // the same into a second copy (the offload pipeline's form)
+  bool pipeline{false};      // offload with the pipeline: `stats` hold its timed steps
+  wm::zero_offload_stats stats{};
+  int timed_steps{0};
 };
 
 /// What rank 0 hands to the parent process for the peer's table (memory shared with the ranks).
@@ -161,40 +176,55 @@ row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char 
              wm::zero_options const& options = {}) {
   using optimizer_type = wm::zero_optimizer<Stage, wm::adam, Offload>;
   auto const params    = wm_workload::zero_mlp_parameters(c.layers, c.width);
-  WM_CUDA_TRY(cudaDeviceSynchronize());
-  std::size_t const before = device_used();
-  optimizer_type opt{comm, params, std::size_t{256} << 20, wm::adam{}, options};
-  wm_workload::zero_mlp<optimizer_type> model{opt, c.layers, c.width, c.batch};
-  model.init_weights(7, stream);
-  WM_CUDA_TRY(cudaDeviceSynchronize());
   row r;
-  r.name       = name;
-  r.allocated  = static_cast<double>(device_used() - before);
-  auto const m = opt.memory();
-  r.states     = static_cast<double>(m.model_states());
-  r.buffers    = static_cast<double>(m.buffers);
-  r.host       = static_cast<double>(m.host);
-  std::vector<wm::detail::zero::param_spec> specs;
-  for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
-  auto const est =
-      wm::detail::zero::zero_memory_estimate(Stage::value, specs, comm.size(), Offload::host);
-  r.formula = est.device_bytes;
-  int step  = 0;
-  auto once = [&] {
-    model.forward_backward(
-        1000003ull * static_cast<std::uint64_t>(step++) + static_cast<std::uint64_t>(comm.rank()),
-        stream);
-    opt.step(1e-4f, cuda::stream_ref{stream});
-  };
-  std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(c.steps));
-  for (auto& e : events) { WM_CUDA_TRY(cudaEventCreate(&e)); }
-  r.ms = wm_bench::median(wm_bench::event_times_ms(once, 2, events, stream, comm));
-  for (auto& e : events) { WM_CUDA_TRY(cudaEventDestroy(e)); }
+  r.name            = name;
+  r.pipeline        = Offload::host && options.offload_pipeline;
+  r.timed_steps     = c.steps;
+  std::size_t shard = 0;
+  {  // the optimizer and the model, freed before the CPU Adam alone allocates its arrays
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    std::size_t const before = device_used();
+    optimizer_type opt{comm, params, std::size_t{256} << 20, wm::adam{}, options};
+    wm_workload::zero_mlp<optimizer_type> model{opt, c.layers, c.width, c.batch};
+    model.init_weights(7, stream);
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    r.allocated  = static_cast<double>(device_used() - before);
+    auto const m = opt.memory();
+    r.states     = static_cast<double>(m.model_states());
+    r.buffers    = static_cast<double>(m.buffers);
+    r.host       = static_cast<double>(m.host);
+    std::vector<wm::detail::zero::param_spec> specs;
+    for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }
+    auto const est =
+        wm::detail::zero::zero_memory_estimate(Stage::value, specs, comm.size(), Offload::host);
+    r.formula = est.device_bytes;
+    shard     = opt.layout().state_elements;
+    int step  = 0;
+    wm::zero_offload_stats first{};  // before the first timed step (after the 2 warm-ups)
+    auto once = [&] {
+      if (step == 2) { first = opt.offload_stats(); }  // between steps: the worker is idle
+      model.forward_backward(
+          1000003ull * static_cast<std::uint64_t>(step++) + static_cast<std::uint64_t>(comm.rank()),
+          stream);
+      opt.step(1e-4f, cuda::stream_ref{stream});
+    };
+    std::vector<cudaEvent_t> events(2 * static_cast<std::size_t>(c.steps));
+    for (auto& e : events) { WM_CUDA_TRY(cudaEventCreate(&e)); }
+    r.ms = wm_bench::median(wm_bench::event_times_ms(once, 2, events, stream, comm));
+    for (auto& e : events) { WM_CUDA_TRY(cudaEventDestroy(e)); }
+    auto const last        = opt.offload_stats();
+    r.stats                = last;
+    r.stats.chunks_ahead   = last.chunks_ahead - first.chunks_ahead;
+    r.stats.chunks_after   = last.chunks_after - first.chunks_after;
+    r.stats.chunks_dropped = last.chunks_dropped - first.chunks_dropped;
+    r.stats.chunks_redone  = last.chunks_redone - first.chunks_redone;
+    r.stats.region_waits   = last.region_waits - first.region_waits;
+    r.stats.wait_seconds   = last.wait_seconds - first.wait_seconds;
+  }
   if constexpr (Offload::host) {
     // The CPU Adam alone on arrays of this rank's shard size (the same pool size as the step's),
     // in place, and into a second copy of master, m and v (the pipeline's form), alternating.
     namespace z                 = wm::detail::zero;
-    std::size_t const shard     = opt.layout().state_elements;
     std::size_t const n         = std::min(shard, c.cpu_adam_elements);
     double const scale_to_shard = n > 0 ? static_cast<double>(shard) / static_cast<double>(n) : 1.0;
     std::vector<float> master(n, 0.5f), mo(n, 0.0f), v(n, 0.0f);
@@ -266,6 +296,10 @@ int main(int argc, char** argv) {
       peer = false;
       continue;
     }
+    if (std::strcmp(argv[i], "--spare-fraction") == 0 && i + 1 < argc) {
+      c.spare_fraction = std::strtof(argv[++i], nullptr);
+      continue;
+    }
     if (std::strcmp(argv[i], "--offload-only") == 0) {
       offload_only        = true;
       peer                = false;
@@ -291,6 +325,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "zero_bench: layers, width, batch and steps >= 1 expected\n");
     return 2;
   }
+  if (!(c.spare_fraction >= 0.0f && c.spare_fraction <= 1.0f)) {
+    std::fprintf(stderr, "zero_bench: --spare-fraction in [0, 1] expected\n");
+    return 2;
+  }
   int const gpus = wm::local_device_count();
   if (gpus == 0) {
     std::printf("zero_bench: no GPU found, nothing to measure\n");
@@ -314,8 +352,12 @@ int main(int argc, char** argv) {
           if (comm.rank() == 0) { std::printf("zero_bench: %s: not run: %s\n", name, e.what()); }
         }
       };
-      wm::zero_options clipped;
-      clipped.max_grad_norm = 1e-6f;
+      wm::zero_options piped;  // the pool of spare regions of --spare-fraction
+      piped.offload_spare_fraction = c.spare_fraction;
+      wm::zero_options clipped     = piped;
+      clipped.max_grad_norm        = 1e-6f;
+      wm::zero_options full;  // a region for every chunk: the full second copy
+      full.offload_spare_fraction = 1.0f;
       wm::zero_options unpiped;
       unpiped.offload_pipeline = false;
       if (offload_only) {
@@ -324,7 +366,8 @@ int main(int argc, char** argv) {
                                                                "ZeRO-2, offload, no pipe", unpiped);
         });
         add("ZeRO-2, offload", [&] {
-          return run_zero<wm::zero_stage<2>, wm::offload_host>(comm, c, stream, "ZeRO-2, offload");
+          return run_zero<wm::zero_stage<2>, wm::offload_host>(comm, c, stream, "ZeRO-2, offload",
+                                                               piped);
         });
       } else {
         rows.push_back(run_zero<wm::zero_stage<1>, wm::no_offload>(comm, c, stream, "ZeRO-1"));
@@ -333,8 +376,10 @@ int main(int argc, char** argv) {
         // Offload: the pipeline (each bucket's CPU Adam as it lands; no clipping, the rate of
         // the last step), the same with clipping that scales every step (the update is redone
         // after backward), and without the pipeline (the update after backward).
-        rows.push_back(
-            run_zero<wm::zero_stage<2>, wm::offload_host>(comm, c, stream, "ZeRO-2, offload"));
+        rows.push_back(run_zero<wm::zero_stage<2>, wm::offload_host>(comm, c, stream,
+                                                                     "ZeRO-2, offload", piped));
+        rows.push_back(run_zero<wm::zero_stage<2>, wm::offload_host>(
+            comm, c, stream, "ZeRO-2, offload, full copy", full));
         rows.push_back(run_zero<wm::zero_stage<2>, wm::offload_host>(
             comm, c, stream, "ZeRO-2, offload, clip", clipped));
         rows.push_back(run_zero<wm::zero_stage<2>, wm::offload_host>(
@@ -388,6 +433,19 @@ int main(int argc, char** argv) {
             "copy; step / CPU Adam in place = %.3f%s, / into a copy = %.3f\n",
             off.name.c_str(), off.cpu_adam_ms, off.cpu_adam_sep_ms, off.ms / off.cpu_adam_ms,
             off.name == "ZeRO-2, offload" ? " (target <= 1.2)" : "", off.ms / off.cpu_adam_sep_ms);
+      }
+      for (auto const& off : rows) {
+        if (!off.pipeline) { continue; }
+        auto const& st     = off.stats;
+        double const steps = off.timed_steps;
+        std::printf(
+            "%s: pinned %.2f GiB; per timed step: %.1f chunks ahead of the decision, %.1f after "
+            "it, %.1f redone, %.1f dropped; %.2f waits for a free region (%.2f ms each step); "
+            "spare regions %zu of %zu elements (%.2f GiB), peak %zu in use\n",
+            off.name.c_str(), off.host / gib, st.chunks_ahead / steps, st.chunks_after / steps,
+            st.chunks_redone / steps, st.chunks_dropped / steps, st.region_waits / steps,
+            1e3 * st.wait_seconds / steps, st.spare_regions, st.region_elements,
+            static_cast<double>(st.spare_regions * st.region_elements * 12) / gib, st.peak_regions);
       }
       std::printf("peak memory target: states within 3%% of the formula plus two buckets: %s\n",
                   [&] {

@@ -40,14 +40,17 @@
  * device gradient shard; `step` then only sums the norm, waits for the last bucket and
  * all-gathers (stage 3: copies) the new weights into place. A bucket updated before the step's
  * global gradient norm is known is computed with this step's learning rate (`prepare_step`, else
- * the last step's) and no clipping, into the other of two host copies of the master weights and
- * moments; once `step` knows the norm it decides: the step applies as assumed (the buckets left
- * are then updated in place, and those done ahead switch to their other copy), or it does not
- * (an inf/NaN skip: nothing applies; clipping that scales the gradients, another learning rate,
- * weights set in between: the update is redone after backward, as without the pipeline) and the
- * work done ahead is dropped. Results are the same bits either way. Without the pipeline `step`
- * waits for the norm, runs the CPU Adam bucket by bucket and sends each bucket's weights back (and
- * all-gathers them) while the CPU updates the next.
+ * the last step's) and no clipping, chunk by chunk (`offload_chunk_elements`) into a spare host
+ * region (a pool of `zero_options::offload_spare_fraction` of the masters and moments; a chunk
+ * whose values are in a region writes them back to its place instead); once `step` knows the norm
+ * it decides: the step applies as assumed (the chunks left are updated in place, and those done
+ * ahead take what they wrote as current), or it does not (an inf/NaN skip: nothing applies;
+ * clipping that scales the gradients, another learning rate, weights set in between: the update is
+ * redone after backward, as without the pipeline) and the work done ahead is dropped. A chunk that
+ * finds no free region waits for the decision and is then updated in place. Results are the same
+ * bits either way, for any pool size. Without the pipeline `step` waits for the norm, runs the CPU
+ * Adam bucket by bucket and sends each bucket's weights back (and all-gathers them) while the CPU
+ * updates the next.
  *
  * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
  * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
@@ -67,6 +70,7 @@
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/detail/zero/residency.hpp>
 #include <wm/detail/zero/serial_worker.hpp>
+#include <wm/detail/zero/spare_regions.hpp>
 #include <wm/detail/zero/thread_pool.hpp>
 #include <wm/optimizer.hpp>
 #include <wm/zero_policy.hpp>
@@ -77,6 +81,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -289,8 +294,8 @@ class zero_optimizer {
 
   /// This rank's fp32 master weights: `layout().state_elements` floats on the device (pinned
   /// host memory with `wm::offload_host`), in the order of `layout().fragments(rank)`. With the
-  /// offload pipeline, call it between steps: it first brings the buckets whose current values
-  /// sit in the second host copy back into the first (a step begun is then redone after backward).
+  /// offload pipeline, call it between steps: it first copies the chunks whose current values
+  /// sit in a spare region back to their place (a step begun is then redone after backward).
   [[nodiscard]] float const* master_shard() const {
     gather_host_copies();
     return master_;
@@ -305,6 +310,12 @@ class zero_optimizer {
    * pipeline computed beside backward (false: redone after backward, skipped, or no pipeline).
    */
   [[nodiscard]] bool last_step_pipelined() const noexcept { return pipelined_; }
+  /**
+   * @brief `wm::offload_host` with the pipeline: chunks updated ahead of the step's decision, in
+   * place after it, dropped and redone, waits for a spare region, and the spare pool's size and
+   * peak use, since construction. Call it between steps (zero for the other policies).
+   */
+  [[nodiscard]] zero_offload_stats offload_stats() const noexcept;
 
  private:
   void* shard_weights(std::size_t b) const noexcept;  // the send block of bucket b's all-gather
@@ -320,12 +331,27 @@ class zero_optimizer {
   double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
   void norm_partials(std::size_t b, cudaStream_t s);
   double* norm_total(cuda::stream_ref stream);  // the partials summed, then all-reduced
-  // Offload: bucket b's CPU Adam (this step's lr, count and gradient factor) from its current
-  // host copy, in place or (separate) into the other copy, the new compute weights into
-  // host_weights_.
-  // Elements [first, first + count) of the bucket's shard (count 0: to its end).
-  void cpu_update(std::size_t b, float lr, std::int64_t t, float factor, bool separate,
-                  std::size_t first = 0, std::size_t count = 0);
+  // Offload: the CPU Adam of elements [first, first + count) of bucket b's shard (this step's lr,
+  // count and gradient factor), reading master weights, m and v at @p in and writing them to
+  // @p out (the same pointers: in place), the new compute weights into host_weights_.
+  void cpu_update(std::size_t b, std::size_t first, std::size_t count, float lr, std::int64_t t,
+                  float factor, std::array<float*, 3> in, std::array<float*, 3> out);
+  // Master weights, m and v of elements [first, ...) of bucket b's shard, at their place.
+  [[nodiscard]] std::array<float*, 3> home_states(std::size_t b, std::size_t first) const noexcept;
+  // Pipeline: master weights, m and v of chunk @p c at @p where (home or a spare region).
+  [[nodiscard]] std::array<float*, 3> chunk_states(
+      std::size_t c, detail::zero::spare_regions::region_index where) const noexcept;
+  // Pipeline: elements in chunk @p c.
+  [[nodiscard]] std::size_t chunk_elements(std::size_t c) const noexcept;
+  // On the worker, no free spare region: waits for the decision (cancellable, with the deadline).
+  void wait_decision(detail::zero::serial_worker const& worker);
+  // Pipeline, the worker idle: the work done ahead becomes current (@p adopt) or is dropped.
+  void end_speculation(bool adopt);
+  // The worker idle: away_ and peak_regions_ from spares_.
+  void sync_spares() noexcept {
+    away_         = spares_.away();
+    peak_regions_ = spares_.peak_in_use();
+  }
   // On the worker: wait for the gradients, update, send the weights back.
   void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor,
                     detail::zero::serial_worker const& worker);
@@ -333,8 +359,8 @@ class zero_optimizer {
   // Host poll of @p e with the communicator's deadline (stops early once @p worker is cancelled).
   void wait_event(cudaEvent_t e, char const* what,
                   detail::zero::serial_worker const* worker = nullptr) const;
-  // Pipeline: copies the buckets whose current values are in the second host copy back into the
-  // first (master_, states_), so that those are current everywhere.
+  // Pipeline: copies the chunks whose current values are in a spare region back to their place
+  // (master_, states_), so that those are current everywhere.
   void gather_host_copies() const;
   // reduce_gradients (last: the step's last micro-batch) and accumulate_gradients.
   void reduce_bucket(std::size_t b, cuda::stream_ref stream, bool last);
@@ -365,18 +391,21 @@ class zero_optimizer {
   std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
   std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
   std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads
-  // Offload pipeline: the second host copy, the copy streams, and what the worker computes.
-  float* master_alt_{nullptr};
-  float* states_alt_{nullptr};
+  // Offload pipeline: the spare regions (each [master | m | v] of region_elements_ floats), the
+  // copy streams, and what the worker computes.
+  float* spare_{nullptr};
+  std::size_t region_elements_{0};
   cudaStream_t d2h_stream_{nullptr};
   cudaStream_t h2d_stream_{nullptr};
   cudaEvent_t reduced_{nullptr};  // on the caller's stream after a bucket's reduction
   // The pipeline moves and updates a bucket's shard in chunks of options_.offload_chunk_elements
   // (a multiple of 64: the CPU Adam's vector bodies then cover the same elements as in one call).
-  std::vector<cudaEvent_t> landed_;       // per chunk: its gradients are on the host
-  std::vector<std::size_t> first_chunk_;  // bucket b's first chunk in landed_
-  cudaEvent_t d2h_done_{nullptr};         // the last D2H of a step
-  cudaEvent_t h2d_done_{nullptr};         // the last H2D of a step
+  std::vector<cudaEvent_t> landed_;        // per chunk: its gradients are on the host
+  std::vector<std::size_t> first_chunk_;   // bucket b's first chunk in landed_
+  std::vector<std::size_t> chunk_bucket_;  // per chunk: its bucket and first element in the shard
+  std::vector<std::size_t> chunk_first_;
+  cudaEvent_t d2h_done_{nullptr};  // the last D2H of a step
+  cudaEvent_t h2d_done_{nullptr};  // the last H2D of a step
   struct speculation {
     bool active{false};   // jobs of this step were posted
     bool invalid{false};  // something changed the inputs after they were posted
@@ -390,14 +419,23 @@ class zero_optimizer {
   bool pipelined_{false};                  // the last step adopted the pipeline's update
   std::vector<std::uint8_t> accumulated_;  // per bucket: a micro-batch's sum is kept this step
   std::byte* accum_{nullptr};  // stage 1 with gradient_accumulation: the sums (shard layout)
-  // Per bucket: 1 if its current master weights and moments are in master_alt_ / states_alt_.
-  mutable std::vector<std::uint8_t> alt_current_;
-  // Per bucket, written by the worker: its update of this step went to the other copy (ahead of
-  // the step's decision); else it ran in place after the decision.
-  std::vector<std::uint8_t> ahead_;
-  // What the worker does with a bucket it starts: 0 not decided (update into the other copy),
-  // 1 the step applies as assumed (update in place), 2 dropped (skip it).
+  // Per chunk: where its current master weights and moments are (its place or a spare region),
+  // and what the worker wrote ahead. The worker uses it during a step (between the first
+  // reduce_gradients and finish_pipeline), the caller's thread otherwise.
+  mutable detail::zero::spare_regions spares_;
+  mutable std::size_t away_{0};  // spares_.away() when the worker was last idle
+  std::size_t peak_regions_{0};  // spares_.peak_in_use() then
+  // What the worker does with a chunk it starts: 0 not decided (update it ahead, into a spare
+  // region, if one is free; else wait), 1 the step applies as assumed (update in place), 2
+  // dropped (stop).
   mutable std::atomic<int> decision_{0};
+  // Statistics (offload_stats): the worker's counts, and the caller's.
+  std::atomic<std::int64_t> chunks_ahead_{0};
+  std::atomic<std::int64_t> chunks_after_{0};
+  std::atomic<std::int64_t> region_waits_{0};
+  std::atomic<std::int64_t> wait_ns_{0};
+  mutable std::int64_t chunks_dropped_{0};
+  std::int64_t chunks_redone_{0};
   float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last
   int device_{0};
   std::unique_ptr<detail::zero::serial_worker> worker_;  // last: stops before the buffers go

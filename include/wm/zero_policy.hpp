@@ -10,6 +10,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -91,12 +92,26 @@ struct zero_options {
   std::size_t prefetch_bytes{0};
   /// `wm::offload_host`: run each bucket's CPU Adam as soon as its gradients reach the host,
   /// while backward goes on (the update of a step is still that step's: no delayed update). Until
-  /// `step` knows the gradient norm, it writes the new master weights and moments to a second
-  /// host copy (12 more pinned bytes per parameter of the shard), so a step that must not apply
-  /// as computed (an inf/NaN skip, clipping that scales, a learning rate other than the one
-  /// announced) leaves the current values as they were; such a step is then redone after
-  /// backward as without the pipeline. false: the update runs in `step`, after backward.
+  /// `step` knows the gradient norm, a chunk (`offload_chunk_elements`) is updated into a spare
+  /// host region (`offload_spare_fraction`), so that a step that must not apply as computed (an
+  /// inf/NaN skip, clipping that scales, a learning rate other than the one announced) leaves the
+  /// current values as they were; such a step is then redone after backward as without the
+  /// pipeline. Once `step` has decided, the chunks left are updated in place. false: the update
+  /// runs in `step`, after backward.
   bool offload_pipeline{true};
+  /// With `offload_pipeline`: the spare host regions for the chunks updated before `step`'s
+  /// decision, as a fraction of the shard's chunks: ceil(fraction × chunks) regions, each the
+  /// largest chunk's master weights and moments (about 12 pinned bytes per parameter times the
+  /// fraction, beside the 16 of the unpipelined path).
+  /// Only the part of the update that runs while backward does needs a region: with the CPU
+  /// Adam slower than backward (what makes offload worth it), a fraction of about backward's time
+  /// over the CPU Adam's. A chunk that finds no free region waits for the decision and is then
+  /// updated in place (the CPU idles until backward ends; `zero_optimizer::offload_stats`
+  /// counts such waits). 1: a region for every chunk (never waits); 0: nothing is updated before
+  /// the decision. The default, 0.25, covers a backward of up to about a quarter of the CPU
+  /// Adam's time (the MLPs of bench/zero_bench.cu need less, bench/NOTES.md) for a quarter of a
+  /// full second copy's memory; results are the same bits for every value.
+  float offload_spare_fraction{0.25f};
   /// With `offload_pipeline`: a bucket's gradients go to the host, and its update and weights
   /// back, in chunks of this many elements (a multiple of 64), so that the update of a bucket
   /// starts when its first chunk has landed and only its last chunk's weights are copied after
@@ -117,8 +132,9 @@ struct zero_memory {
   std::size_t buffers{};           ///< bucket staging (stages 2-3) and the gather pool (stage 3)
   std::size_t scratch{};           ///< norm partials and step counters
   std::size_t host{};  ///< pinned host bytes (`wm::offload_host`: fp32 master weights, Adam
-                       ///< moments, gradient and weight shards; twice the master weights and
-                       ///< moments with `zero_options::offload_pipeline`); not part of total()
+                       ///< moments, gradient and weight shards, and with
+                       ///< `zero_options::offload_pipeline` the spare regions of
+                       ///< `offload_spare_fraction`); not part of total()
 
   /// The terms of the formula of DESIGN.md §8 (weights, gradients, master weights, states).
   [[nodiscard]] constexpr std::size_t model_states() const noexcept {
@@ -128,6 +144,24 @@ struct zero_memory {
   [[nodiscard]] constexpr std::size_t total() const noexcept {
     return model_states() + buffers + scratch;
   }
+};
+
+/**
+ * @brief What the offload pipeline did (`wm::offload_host` with `zero_options::offload_pipeline`),
+ * counted since construction; `zero_optimizer::offload_stats()` reads it between steps. A chunk
+ * is `zero_options::offload_chunk_elements` elements of a bucket's shard (the last one of a
+ * bucket may be shorter).
+ */
+struct zero_offload_stats {
+  std::int64_t chunks_ahead{};    ///< updated while backward ran, before the step's decision
+  std::int64_t chunks_after{};    ///< updated by the pipeline in place, after the decision
+  std::int64_t chunks_dropped{};  ///< updated ahead for a step that did not apply as assumed
+  std::int64_t chunks_redone{};   ///< updated after backward by `step` (not ahead, or redone)
+  std::int64_t region_waits{};    ///< a chunk found no free spare region: waited for the decision
+  double wait_seconds{};          ///< time spent in those waits
+  std::size_t spare_regions{};    ///< regions in the pool (`offload_spare_fraction`)
+  std::size_t region_elements{};  ///< elements per region (the largest chunk)
+  std::size_t peak_regions{};     ///< most regions in use at once
 };
 
 }  // namespace wm

@@ -15,6 +15,7 @@
 #include <wm/zero.cuh>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +24,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -716,9 +718,16 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   // drops), one without (the update after backward, in place). Steps that the pipeline computes
   // ahead (the last step's rate, an announced one), one it must redo (a new rate), one skipped
   // (an inf on the last rank), and per mode: no clipping, a threshold never reached (adopted),
-  // clipping that scales every step (always redone), dynamic loss scaling. Weights, master
-  // weights and both moments must be the same bits after every step; the compute weights are
-  // poisoned (NaN) before each step that applies, so every element must be written again.
+  // clipping that scales every step (always redone), dynamic loss scaling; and per pool of spare
+  // regions (zero_options::offload_spare_fraction) for the chunks updated before the step's
+  // decision: the default, one for every chunk, a single one (the worker then waits for the
+  // decision with chunks left), none (nothing ahead). Some steps sleep before `step`, so that the
+  // worker gets as far ahead as the pool lets it; a redone or skipped step after an adopted one
+  // starts with chunks whose values are in a region. Weights, master weights and both moments
+  // must be the same bits after every step; the compute weights are poisoned (NaN) before each
+  // step that applies, so every element must be written again. The pipeline's counts must add
+  // up: an adopted step updates every chunk once (ahead or after the decision), another drops
+  // what it did ahead, and never more chunks go ahead in a step than there are regions.
   using stage_t = TestType;
   using opt_t   = wm::zero_optimizer<stage_t, wm::adam, wm::offload_host>;
   auto& comm    = wm_test::comm();
@@ -726,7 +735,8 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   int const world          = comm.size();
   std::uint64_t const seed = shared_seed(comm);
   int const mode           = GENERATE(0, 1, 2, 3);
-  INFO("mode " << mode << " world " << world);
+  int const pool           = GENERATE(0, 1, 2, 3);  // default, every chunk, one region, none
+  INFO("mode " << mode << " pool " << pool << " world " << world);
   auto const mp = model(0);
   std::vector<wm::zero_parameter> params;
   for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
@@ -742,13 +752,37 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   options.offload_pipeline = true;
   // Chunks of 64 elements: a bucket (up to 2112 elements) moves and is updated in up to 34 parts.
   options.offload_chunk_elements = 64;
+  float const fractions[]        = {wm::zero_options{}.offload_spare_fraction, 1.0f, 1e-6f, 0.0f};
+  options.offload_spare_fraction = fractions[pool];
   opt_t a{comm, params, 1024, make_optimizer<wm::adam>(), options};
   opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), plain};
   REQUIRE(a.buckets() >= 4);
-  REQUIRE(a.memory().host > b.memory().host);  // the second copy
+  // The pool: ceil(fraction × chunks) regions of the largest chunk's master weights and moments.
+  std::size_t chunks = 0, nonempty = 0, largest = 0;
+  for (auto const& bk : a.layout().buckets) {
+    std::size_t const n = (bk.shard_elements + 63) / 64;
+    chunks += std::max<std::size_t>(1, n);
+    nonempty += n;
+    largest = std::max(largest, std::min<std::size_t>(64, bk.shard_elements));
+  }
+  auto const stats0            = a.offload_stats();
+  std::size_t const regions    = stats0.spare_regions;
+  std::size_t const expected[] = {(chunks + 3) / 4, chunks, 1, 0};
+  REQUIRE(regions == expected[pool]);
+  REQUIRE(stats0.region_elements == largest);
+  REQUIRE(a.memory().host == b.memory().host + regions * largest * 3 * sizeof(float));
+  REQUIRE(stats0.chunks_ahead == 0);
+  REQUIRE(stats0.peak_regions == 0);
+  REQUIRE(b.offload_stats().spare_regions == 0);
   wm::zero_options odd       = options;
   odd.offload_chunk_elements = 100;  // not a multiple of 64
   REQUIRE_THROWS_AS((opt_t{comm, params, 1024, make_optimizer<wm::adam>(), odd}), wm::logic_error);
+  for (float f : {-0.25f, 1.5f, std::numeric_limits<float>::quiet_NaN()}) {
+    wm::zero_options bad       = options;
+    bad.offload_spare_fraction = f;
+    REQUIRE_THROWS_AS((opt_t{comm, params, 1024, make_optimizer<wm::adam>(), bad}),
+                      wm::logic_error);
+  }
 
   std::mt19937_64 rng{seed};
   std::uniform_real_distribution<double> u(-1, 1);
@@ -779,19 +813,23 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     bool inf;
     bool ahead;  // the pipeline's update applies as computed (unless clipping scales)
   };
+  // Chunks updated ahead from their place go to a region, from a region back to their place:
+  // steps 3, 5 and 6 start with chunks in regions (modes that adopt), since the states are read
+  // (which brings every chunk back to its place) only after steps 1, 3 and 6.
   planned const steps[] = {
       {0.05f, false, false, false},  // weights were just set: not computed ahead
       {0.05f, false, false, true},   // the last step's rate: computed ahead
       {0.1f, true, false, true},     // announced: computed ahead
       {0.2f, false, false, false},   // a new rate, not announced: redone after backward
+      {0.2f, false, false, true},    // the last step's rate again
       {0.2f, false, true, false},    // an inf on the last rank: skipped everywhere
-      {0.2f, false, false, true},    // after a skip
-      {0.15f, true, false, true},    // announced again
+      {0.15f, true, false, true},    // announced, after a skip
   };
   std::int64_t applied = 0;
   for (int t = 0; t < static_cast<int>(std::size(steps)); ++t) {
     auto const& st = steps[t];
     INFO("step " << t << " lr " << st.lr);
+    auto const before  = a.offload_stats();
     double const scale = a.loss_scale(s);
     REQUIRE(b.loss_scale(s) == scale);
     if (st.announce) {
@@ -815,6 +853,8 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
       a.reduce_gradients(bk, s);
       b.reduce_gradients(bk, s);
     }
+    // Steps 1 to 5: the worker gets as far as the pool lets it before the decision.
+    if (t >= 1 && t <= 5) { std::this_thread::sleep_for(std::chrono::milliseconds{20}); }
     if constexpr (stage_t::value < 3) {
       // Poison: a step that applies rewrites every compute weight. Not before the first step:
       // after set_weights the masters are taken from the compute weights at the next step.
@@ -833,6 +873,29 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     // The pipeline's update applies exactly on the steps it computed for; else it is redone.
     REQUIRE(a.last_step_pipelined() == (st.ahead && mode != 2));
     REQUIRE_FALSE(b.last_step_pipelined());
+    {
+      auto const after = a.offload_stats();
+      auto const ahead = after.chunks_ahead - before.chunks_ahead;
+      auto const later = after.chunks_after - before.chunks_after;
+      auto const drop  = after.chunks_dropped - before.chunks_dropped;
+      auto const redo  = after.chunks_redone - before.chunks_redone;
+      auto const waits = after.region_waits - before.region_waits;
+      INFO("ahead " << ahead << " after " << later << " dropped " << drop << " redone " << redo
+                    << " waits " << waits << " regions " << regions << " chunks " << nonempty);
+      REQUIRE(ahead <= static_cast<std::int64_t>(regions));  // each holds a region until decided
+      REQUIRE(after.peak_regions <= regions);
+      REQUIRE(waits <= 1);  // once the worker waited, the step is decided
+      if (regions == chunks) { REQUIRE(waits == 0); }  // a region for every chunk
+      if (a.last_step_pipelined()) {
+        REQUIRE(ahead + later == static_cast<std::int64_t>(nonempty));
+        REQUIRE(drop == 0);
+        REQUIRE(redo == 0);
+      } else {
+        REQUIRE(later == 0);
+        REQUIRE(drop == ahead);
+        REQUIRE(redo == (st.inf ? 0 : static_cast<std::int64_t>(nonempty)));
+      }
+    }
     REQUIRE(a.last_step_skipped(s) == st.inf);
     REQUIRE(b.last_step_skipped(s) == st.inf);
     applied += st.inf ? 0 : 1;
@@ -850,9 +913,9 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
       }
     }
     // Master weights and moments of this rank's shard (pinned host memory), read into buffers
-    // poisoned differently. Not after every step: reading them brings every bucket's values into
-    // the first host copy, and the steps in between must work from whichever copy is current.
-    if (t % 3 != 2 && t + 1 != static_cast<int>(std::size(steps))) { continue; }
+    // poisoned differently. Not after every step: reading them brings every chunk's values back
+    // to its place, and the steps in between must work from wherever they are.
+    if (t != 1 && t != 3 && t + 1 != static_cast<int>(std::size(steps))) { continue; }
     std::size_t const n = plan.state_elements;
     comm.synchronize(s);
     for (int k = -1; k < wm::adam::states; ++k) {
@@ -865,6 +928,18 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
       REQUIRE(differ == 0);
     }
   }
+  // The steps that slept let the worker go ahead as far as the pool allows (timing: 20 ms for a
+  // few chunks of 64 elements): with regions it went ahead; one region or none, it waited.
+  auto const total = a.offload_stats();
+  INFO("ahead " << total.chunks_ahead << " waits " << total.region_waits << " peak "
+                << total.peak_regions);
+  if (regions > 0) {
+    REQUIRE(total.chunks_ahead > 0);
+    REQUIRE(total.peak_regions > 0);
+  } else {
+    REQUIRE(total.chunks_ahead == 0);
+  }
+  if (regions <= 1) { REQUIRE(total.region_waits > 0); }
 }
 
 TEMPLATE_PRODUCT_TEST_CASE(
@@ -1060,9 +1135,21 @@ TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DE
   std::size_t const shard_arena = plan.arena_bytes / static_cast<std::size_t>(world);
   REQUIRE(mem.master_weights == 0);  // on the host
   REQUIRE(mem.optimizer_states == 0);
-  // The pipeline (on by default) keeps a second copy of master weights and moments.
+  // The pipeline (on by default) keeps spare regions of master weights and moments for a quarter
+  // of its chunks (16M elements; one per bucket here), each the largest chunk's size.
   std::size_t const second = 3 * plan.state_elements * 4;
-  REQUIRE(mem.host == 2 * second + 2 * shard_arena);
+  std::size_t chunks = 0, largest = 0;
+  for (auto const& bk : plan.buckets) {
+    std::size_t const chunk = std::size_t{1} << 24;
+    chunks += std::max<std::size_t>(1, (bk.shard_elements + chunk - 1) / chunk);
+    largest = std::max(largest, std::min(chunk, bk.shard_elements));
+  }
+  auto const st = opt.offload_stats();
+  REQUIRE(st.spare_regions == (chunks + 3) / 4);
+  REQUIRE(st.region_elements == largest);
+  std::size_t const spare = st.spare_regions * largest * 3 * 4;
+  REQUIRE(spare <= second);
+  REQUIRE(mem.host == second + spare + 2 * shard_arena);
   {
     wm::zero_options plain;
     plain.offload_pipeline = false;
@@ -1070,6 +1157,12 @@ TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DE
         comm, params, std::size_t{1} << 17, wm::adam{}, plain};
     REQUIRE(unpiped.memory().host == second + 2 * shard_arena);
     REQUIRE(unpiped.memory().model_states() == mem.model_states());
+    wm::zero_options none;
+    none.offload_spare_fraction = 0.0f;  // the pipeline without spare regions: 16 bytes too
+    wm::zero_optimizer<TestType, wm::adam, wm::offload_host> bare{
+        comm, params, std::size_t{1} << 17, wm::adam{}, none};
+    REQUIRE(bare.memory().host == second + 2 * shard_arena);
+    REQUIRE(bare.offload_stats().spare_regions == 0);
   }
   std::vector<wm::detail::zero::param_spec> specs;
   for (auto const& p : params) { specs.push_back({p.name, p.elements(), p.type}); }

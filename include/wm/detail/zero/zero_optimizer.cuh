@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -56,6 +57,9 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
              "zero_optimizer: a finite loss scale above 0");
   WM_EXPECTS(options_.offload_chunk_elements > 0 && options_.offload_chunk_elements % 64 == 0,
              "zero_optimizer: offload_chunk_elements a positive multiple of 64");
+  WM_EXPECTS(std::isfinite(options_.offload_spare_fraction) &&
+                 options_.offload_spare_fraction >= 0.0f && options_.offload_spare_fraction <= 1.0f,
+             "zero_optimizer: offload_spare_fraction in [0, 1]");
   WM_EXPECTS(std::isfinite(options_.max_grad_norm),
              "zero_optimizer: a finite max_grad_norm (0: no clipping)");
   WM_EXPECTS(!options_.dynamic_loss_scale ||
@@ -88,6 +92,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   h = detail::mix64(h, options_.prefetch_bytes);
   h = detail::mix64(h, options_.offload_pipeline ? 1 : 0);
   h = detail::mix64(h, options_.offload_chunk_elements);
+  h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.offload_spare_fraction));
   h = detail::mix64(h, options_.gradient_accumulation ? 1 : 0);
   for (auto const& g : options_.groups) {
     for (auto p : g) { h = detail::mix64(h, p); }
@@ -158,9 +163,34 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   memory_.buffers     = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes + accum_bytes;
   memory_.scratch     = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
   bool const pipeline = Offload::host && options_.offload_pipeline;
-  if constexpr (Offload::host) {  // master weights and moments live on the host (twice: pipeline)
-    memory_.host =
-        (memory_.master_weights + memory_.optimizer_states) * (pipeline ? 2 : 1) + 2 * shard_arena;
+  // The pipeline's chunks (bucket by bucket) and its spare regions, each as large as the largest
+  // chunk: ceil(fraction × chunks) of them.
+  std::size_t chunks  = 0;
+  std::size_t regions = 0;
+  if (pipeline) {
+    std::size_t const chunk = options_.offload_chunk_elements;
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      std::size_t const shard = plan_.buckets[b].shard_elements;
+      std::size_t const n     = std::max<std::size_t>(1, cuda::ceil_div(shard, chunk));
+      first_chunk_.push_back(chunks);
+      for (std::size_t k = 0; k < n; ++k) {
+        chunk_bucket_.push_back(b);
+        chunk_first_.push_back(k * chunk);
+      }
+      chunks += n;
+      region_elements_ = std::max(region_elements_, std::min(chunk, shard));
+    }
+    if (region_elements_ > 0) {
+      double const want = std::ceil(static_cast<double>(options_.offload_spare_fraction) *
+                                    static_cast<double>(chunks));
+      regions           = std::min(chunks, static_cast<std::size_t>(want));
+    }
+  }
+  std::size_t const region_floats =
+      region_elements_ * (1 + static_cast<std::size_t>(Optimizer::states));
+  if constexpr (Offload::host) {  // master weights and moments live on the host (+ spares)
+    memory_.host = memory_.master_weights + memory_.optimizer_states +
+                   regions * region_floats * sizeof(float) + 2 * shard_arena;
     memory_.master_weights   = 0;
     memory_.optimizer_states = 0;
   }
@@ -190,25 +220,16 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
       std::fill_n(states_, plan_.state_elements * Optimizer::states, initial_state(opt_));
       cpu_pool_ = std::make_unique<z::thread_pool>();
       if (pipeline) {
-        master_alt_ = reinterpret_cast<float*>(pinned(plan_.state_elements * sizeof(float)));
-        states_alt_ = reinterpret_cast<float*>(
-            pinned(plan_.state_elements * Optimizer::states * sizeof(float)));
-        std::fill_n(states_alt_, plan_.state_elements * Optimizer::states, initial_state(opt_));
+        // Written before they are read (a chunk's update ahead fills its region).
+        spare_  = reinterpret_cast<float*>(pinned(regions * region_floats * sizeof(float)));
+        spares_ = z::spare_regions{chunks, regions};
         WM_CUDA_TRY(cudaGetDevice(&device_));
         WM_CUDA_TRY(cudaStreamCreateWithFlags(&d2h_stream_, cudaStreamNonBlocking));
         WM_CUDA_TRY(cudaStreamCreateWithFlags(&h2d_stream_, cudaStreamNonBlocking));
         for (cudaEvent_t* e : {&reduced_, &d2h_done_, &h2d_done_}) {
           WM_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
         }
-        std::size_t chunks = 0;
-        for (auto const& b : plan_.buckets) {
-          first_chunk_.push_back(chunks);
-          chunks += std::max<std::size_t>(
-              1, cuda::ceil_div(b.shard_elements, options_.offload_chunk_elements));
-        }
         landed_.assign(chunks, nullptr);
-        alt_current_.assign(plan_.buckets.size(), 0);
-        ahead_.assign(plan_.buckets.size(), 0);
         for (auto& e : landed_) {
           WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
         }
@@ -267,8 +288,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
     if (p != nullptr) { (void)(Offload::host ? cudaFreeHost(p) : cudaFree(p)); }
   }
   for (void* p : {static_cast<void*>(host_grads_), static_cast<void*>(host_weights_),
-                  static_cast<void*>(host_sumsq_), static_cast<void*>(master_alt_),
-                  static_cast<void*>(states_alt_)}) {
+                  static_cast<void*>(host_sumsq_), static_cast<void*>(spare_)}) {
     if (p != nullptr) { (void)cudaFreeHost(p); }
   }
   for (cudaEvent_t e : landed_) { (void)cudaEventDestroy(e); }
@@ -281,7 +301,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
     if (*t != nullptr) { (void)cudaStreamDestroy(*t); }
     *t = nullptr;
   }
-  master_alt_ = states_alt_ = nullptr;
+  spare_      = nullptr;
   host_grads_ = host_weights_ = nullptr;
   host_sumsq_                 = nullptr;
   weights_ = grads_ = staging_ = pool_ = accum_ = nullptr;
@@ -499,7 +519,6 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
         step_open_ = true;
         spec_      = {};
         decision_.store(0, std::memory_order_relaxed);  // the worker is idle between steps
-        std::fill(ahead_.begin(), ahead_.end(), std::uint8_t{0});
         if (!masters_stale_ && std::isfinite(next_lr_)) {
           float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
           spec_.active      = true;
@@ -552,95 +571,187 @@ void zero_optimizer<Stage, Optimizer, Offload>::wait_event(
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
-  if (std::find(alt_current_.begin(), alt_current_.end(), std::uint8_t{1}) == alt_current_.end()) {
-    return;
+std::array<float*, 3> zero_optimizer<Stage, Optimizer, Offload>::home_states(
+    std::size_t b, std::size_t first) const noexcept {
+  std::size_t const off = plan_.buckets[b].state_offset + first;
+  return {master_ + off, states_ + off, states_ + plan_.state_elements + off};
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+std::array<float*, 3> zero_optimizer<Stage, Optimizer, Offload>::chunk_states(
+    std::size_t c, detail::zero::spare_regions::region_index where) const noexcept {
+  if (where == detail::zero::spare_regions::home) {
+    return home_states(chunk_bucket_[c], chunk_first_[c]);
   }
+  float* const r = spare_ + static_cast<std::size_t>(where) * 3 * region_elements_;
+  return {r, r + region_elements_, r + 2 * region_elements_};
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+std::size_t zero_optimizer<Stage, Optimizer, Offload>::chunk_elements(
+    std::size_t c) const noexcept {
+  std::size_t const shard = plan_.buckets[chunk_bucket_[c]].shard_elements;
+  return std::min(options_.offload_chunk_elements, shard - chunk_first_[c]);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
+  if (away_ == 0) { return; }  // (a step begun only writes ahead into regions: not current yet)
   if (step_open_ && spec_.active) {
-    // Mid-step: the worker may be writing the first copy of such a bucket. It stops taking
-    // buckets and ends; the step then redoes its update after backward.
+    // Mid-step: the worker may be writing the place of a chunk whose values are in a region. It
+    // stops taking chunks and ends; its work is dropped and the step is redone after backward.
     decision_.store(2, std::memory_order_release);
     spec_.invalid = true;
-    if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+    bool idle     = false;
+    try {
+      idle = worker_->wait_idle(detail::deadline_after(comm_->timeout()));
+    } catch (...) {  // a job failed (the worker is idle): its work is dropped
+      chunks_dropped_ += static_cast<std::int64_t>(spares_.pending());
+      spares_.drop();
+      throw;
+    }
+    if (!idle) {
       throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
                        ": the offload pipeline's CPU Adam did not end within the communicator's "
                        "timeout"};
     }
+    chunks_dropped_ += static_cast<std::int64_t>(spares_.pending());
+    spares_.drop();
   }
-  std::size_t const n = plan_.state_elements;
-  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-    if (alt_current_[b] == 0) { continue; }
-    auto const& bk         = plan_.buckets[b];
-    std::size_t const off  = bk.state_offset;
-    std::size_t const size = bk.shard_elements * sizeof(float);
-    std::memcpy(master_ + off, master_alt_ + off, size);
-    for (int k = 0; k < Optimizer::states; ++k) {
-      std::size_t const at = static_cast<std::size_t>(k) * n + off;
-      std::memcpy(states_ + at, states_alt_ + at, size);
+  for (std::size_t c = 0; c < spares_.chunks(); ++c) {
+    auto const from = spares_.current(c);
+    if (from == detail::zero::spare_regions::home) { continue; }
+    auto const src      = chunk_states(c, from);
+    auto const dst      = chunk_states(c, detail::zero::spare_regions::home);
+    std::size_t const n = chunk_elements(c);
+    for (std::size_t k = 0; k < 3; ++k) { std::memcpy(dst[k], src[k], n * sizeof(float)); }
+    (void)spares_.settle(c);
+  }
+  away_ = 0;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, std::size_t first,
+                                                           std::size_t count, float lr,
+                                                           std::int64_t t, float factor,
+                                                           std::array<float*, 3> in,
+                                                           std::array<float*, 3> out) {
+  namespace z = detail::zero;
+  if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
+    static_assert(Optimizer::states == 2, "the CPU Adam keeps m and v");
+    auto const& bk       = plan_.buckets[b];
+    std::size_t const at = shard_bytes_offset_[b] + first * z::size_of(bk.type);
+    z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
+                                opt_.decoupled};
+    bool const separate     = out[0] != in[0];  // into other arrays (ahead of the decision)
+    float* const master_out = separate ? out[0] : nullptr;
+    float* const m_out      = separate ? out[1] : nullptr;
+    float* const v_out      = separate ? out[2] : nullptr;
+    if (bk.type == z::element_type::bf16) {
+      z::cpu_adam_update(
+          o, z::cpu_adam_step{lr, t, factor},
+          z::cpu_adam_arrays<z::bf16_bits>{
+              in[0], in[1], in[2], reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
+              reinterpret_cast<z::bf16_bits*>(host_weights_ + at), count, master_out, m_out, v_out},
+          *cpu_pool_);
+    } else {
+      z::cpu_adam_update(o, z::cpu_adam_step{lr, t, factor},
+                         z::cpu_adam_arrays<float>{in[0], in[1], in[2],
+                                                   reinterpret_cast<float const*>(host_grads_ + at),
+                                                   nullptr, count, master_out, m_out, v_out},
+                         *cpu_pool_);
+      std::memcpy(host_weights_ + at, out[0], count * sizeof(float));
     }
-    alt_current_[b] = 0;
   }
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, float lr, std::int64_t t,
-                                                           float factor, bool separate,
-                                                           std::size_t first, std::size_t count) {
-  namespace z = detail::zero;
-  if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
-    auto const& bk         = plan_.buckets[b];
-    std::size_t const n    = plan_.state_elements;
-    std::size_t const cnt  = count == 0 ? bk.shard_elements - first : count;
-    std::size_t const off  = bk.state_offset + first;
-    std::size_t const at   = shard_bytes_offset_[b] + first * z::size_of(bk.type);
-    std::size_t const size = cnt * z::size_of(bk.type);
-    z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
-                                opt_.decoupled};
-    // The bucket's current copy, and the other one (where an update ahead of the step goes).
-    bool const alt          = !alt_current_.empty() && alt_current_[b] != 0;
-    float* const master_in  = (alt ? master_alt_ : master_) + off;
-    float* const states_in  = (alt ? states_alt_ : states_) + off;
-    float* const master_out = separate ? (alt ? master_ : master_alt_) + off : nullptr;
-    float* const m_out      = separate ? (alt ? states_ : states_alt_) + off : nullptr;
-    float* const v_out      = separate ? m_out + n : nullptr;
-    if (bk.type == z::element_type::bf16) {
-      z::cpu_adam_update(
-          o, z::cpu_adam_step{lr, t, factor},
-          z::cpu_adam_arrays<z::bf16_bits>{master_in, states_in, states_in + n,
-                                           reinterpret_cast<z::bf16_bits const*>(host_grads_ + at),
-                                           reinterpret_cast<z::bf16_bits*>(host_weights_ + at), cnt,
-                                           master_out, m_out, v_out},
-          *cpu_pool_);
-    } else {
-      z::cpu_adam_update(o, z::cpu_adam_step{lr, t, factor},
-                         z::cpu_adam_arrays<float>{master_in, states_in, states_in + n,
-                                                   reinterpret_cast<float const*>(host_grads_ + at),
-                                                   nullptr, cnt, master_out, m_out, v_out},
-                         *cpu_pool_);
-      std::memcpy(host_weights_ + at, separate ? master_out : master_in, size);
+void zero_optimizer<Stage, Optimizer, Offload>::wait_decision(
+    detail::zero::serial_worker const& worker) {
+  region_waits_.fetch_add(1, std::memory_order_relaxed);
+  auto const start    = std::chrono::steady_clock::now();
+  auto const deadline = detail::deadline_after(comm_->timeout());
+  detail::backoff wait{std::chrono::microseconds{50}};
+  // step always publishes the decision once it has the norm (and load, master_shard and the
+  // destructor stop the worker first).
+  while (decision_.load(std::memory_order_acquire) == 0) {
+    if (worker.cancelled()) {
+      throw comm_error{"wm: zero_optimizer: the wait for the step's decision was cancelled"};
     }
+    if (detail::clock_type::now() >= deadline) {
+      throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
+                       ": the offload pipeline waited for step longer than the communicator's "
+                       "timeout"};
+    }
+    wait.pause();
   }
+  wait_ns_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count(),
+      std::memory_order_relaxed);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::end_speculation(bool adopt) {
+  if (adopt) {
+    spares_.commit();
+  } else {
+    chunks_dropped_ += static_cast<std::int64_t>(spares_.pending());
+    spares_.drop();
+  }
+  sync_spares();
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+zero_offload_stats zero_optimizer<Stage, Optimizer, Offload>::offload_stats() const noexcept {
+  zero_offload_stats r;
+  r.chunks_ahead    = chunks_ahead_.load(std::memory_order_relaxed);
+  r.chunks_after    = chunks_after_.load(std::memory_order_relaxed);
+  r.chunks_dropped  = chunks_dropped_;
+  r.chunks_redone   = chunks_redone_;
+  r.region_waits    = region_waits_.load(std::memory_order_relaxed);
+  r.wait_seconds    = static_cast<double>(wait_ns_.load(std::memory_order_relaxed)) * 1e-9;
+  r.spare_regions   = spares_.regions();
+  r.region_elements = region_elements_;
+  r.peak_regions    = peak_regions_;
+  return r;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
     std::size_t b, float lr, std::int64_t t, float factor,
     detail::zero::serial_worker const& worker) {
-  // Decided by now: in place (the step applies as assumed) or not at all (dropped). Not yet:
-  // into the other copy, which the step adopts or drops.
-  int const decision = decision_.load(std::memory_order_acquire);
-  if (decision == 2) { return; }
-  bool const ahead = decision == 0;
-  ahead_[b]        = ahead ? 1 : 0;
+  namespace z = detail::zero;
   WM_CUDA_TRY(cudaSetDevice(device_));
   auto const& bk          = plan_.buckets[b];
-  std::size_t const esize = detail::zero::size_of(bk.type);
+  std::size_t const esize = z::size_of(bk.type);
   std::size_t c           = first_chunk_[b];
   std::size_t const chunk = options_.offload_chunk_elements;
   for (std::size_t first = 0; first < bk.shard_elements; first += chunk, ++c) {
     std::size_t const count = std::min(chunk, bk.shard_elements - first);
+    if (decision_.load(std::memory_order_acquire) == 2) { return; }  // dropped: no need to wait
     wait_event(landed_[c], "a bucket's gradients on the host", &worker);
-    cpu_update(b, lr, t, factor, ahead, first, count);
+    // Not decided yet: into a spare region (or from one back to the chunk's place), which the
+    // step adopts or drops; no region free: wait for the decision. Decided: in place (the step
+    // applies as assumed), or not at all (dropped).
+    int decision = decision_.load(std::memory_order_acquire);
+    if (decision == 0) {
+      if (auto const to = spares_.ahead(c)) {
+        cpu_update(b, first, count, lr, t, factor, chunk_states(c, spares_.current(c)),
+                   chunk_states(c, *to));
+        chunks_ahead_.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        wait_decision(worker);
+        decision = decision_.load(std::memory_order_acquire);
+      }
+    }
+    if (decision == 2) { return; }
+    if (decision == 1) {
+      auto const from = spares_.settle(c);
+      cpu_update(b, first, count, lr, t, factor, chunk_states(c, from),
+                 chunk_states(c, z::spare_regions::home));
+      chunks_after_.fetch_add(1, std::memory_order_relaxed);
+    }
     // Into the bucket's device gradient shard (these gradients are on the host now): the
     // compute weights stay as they are until step adopts the update.
     WM_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(shard_gradients(b)) + first * esize,
@@ -651,7 +762,14 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::finish_pipeline(cuda::stream_ref stream) {
-  if (!worker_->wait_idle(detail::deadline_after(comm_->timeout()))) {
+  bool idle = false;
+  try {
+    idle = worker_->wait_idle(detail::deadline_after(comm_->timeout()));
+  } catch (...) {  // a job failed (the worker is idle): what it did ahead is not the step's
+    end_speculation(false);
+    throw;
+  }
+  if (!idle) {
     throw comm_error{"wm: zero_optimizer::step on rank " + std::to_string(rank_) +
                      ": the offload pipeline's CPU Adam did not end within the communicator's "
                      "timeout"};
@@ -763,6 +881,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
       if (spec.active) {
         decision_.store(2, std::memory_order_release);
         finish_pipeline(stream);  // it reads the masters that the widen rewrites
+        end_speculation(false);
       }
       gather_host_copies();  // the moments stay; the masters come from the compute weights
       widen_masters(s);
@@ -787,10 +906,11 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
         std::bit_cast<std::uint32_t>(spec.lr) == std::bit_cast<std::uint32_t>(lr) &&
         std::bit_cast<std::uint32_t>(spec.factor) == std::bit_cast<std::uint32_t>(factor);
     if (spec.active) {
-      // The buckets the worker has not begun are done in place now (or not at all); then it
-      // ends the last buckets.
+      // The chunks the worker has not begun are done in place now (or not at all); then it ends
+      // the last buckets. What it did ahead becomes current, or is dropped.
       decision_.store(adopt ? 1 : 2, std::memory_order_release);
       finish_pipeline(stream);
+      end_speculation(adopt);
     }
     if (options_.dynamic_loss_scale) {  // the next step's scale, on the host and the device
       z::update_scale(skip, host_scale_, host_counters_[3], options_.scale_growth,
@@ -805,8 +925,6 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     host_counters_[1]    = 0;
     std::int64_t const t = ++host_counters_[0];
     if (adopt) {
-      // A bucket updated ahead of the decision has its current values in the other copy now.
-      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) { alt_current_[b] ^= ahead_[b]; }
       pipelined_ = true;
       // The new weights wait in the gradient shards (the caller's stream waited for their H2D).
       for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
@@ -826,7 +944,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
       }
       return;
     }
-    // Redone after backward, in place (the pipeline's copy is dropped; its H2D copies read the
+    // Redone after backward, in place (the pipeline's work is dropped; its H2D copies read the
     // weight buffers rewritten below, so they end first).
     if (spec.active) { wait_event(h2d_done_, "the offload pipeline's copies"); }
     // Bucket by bucket: the CPU updates bucket b while bucket b - 1's weights go back to the GPU
@@ -835,7 +953,19 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
       auto const& bk         = plan_.buckets[b];
       std::size_t const at   = shard_bytes_offset_[b];
       std::size_t const size = bk.shard_elements * z::size_of(bk.type);
-      cpu_update(b, lr, t, factor, false);
+      if (pipeline) {  // chunk by chunk: a chunk whose values are in a region goes back home
+        for (std::size_t c = first_chunk_[b];
+             c < spares_.chunks() && chunk_bucket_[c] == b && bk.shard_elements > 0; ++c) {
+          auto const from = spares_.settle(c);
+          cpu_update(b, chunk_first_[c], chunk_elements(c), lr, t, factor, chunk_states(c, from),
+                     chunk_states(c, z::spare_regions::home));
+          ++chunks_redone_;
+        }
+        sync_spares();
+      } else {
+        auto const place = home_states(b, 0);
+        cpu_update(b, 0, bk.shard_elements, lr, t, factor, place, place);
+      }
       WM_CUDA_TRY(
           cudaMemcpyAsync(shard_weights(b), host_weights_ + at, size, cudaMemcpyHostToDevice, s));
       if constexpr (Stage::value < 3) { all_gather_bucket(b, weights_ + bk.byte_offset, stream); }
@@ -971,10 +1101,11 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
     if (spec_.active) {
       decision_.store(2, std::memory_order_release);
       finish_pipeline(stream);
+      end_speculation(false);
     }
     spec_      = {};
     step_open_ = false;
-    std::fill(alt_current_.begin(), alt_current_.end(), std::uint8_t{0});  // load writes the first
+    gather_host_copies();  // every chunk at its place, which load writes (or keeps if it fails)
   }
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
