@@ -997,6 +997,13 @@ TEST_CASE("swap: pageout_from copies caller memory after its producer; pagein_to
   std::uint32_t* const p = b.data(s1);  // a passive page-in into the pool
   chk.check(p, words, s_new, st.s[1]);
   CHECK(wrong_on_host(p, words, s_new, st.s[1]) == 0);
+  // Resident now: pagein_to is a device copy on s1, which wait_pagein makes s0 wait for.
+  WM_CUDA_TRY(cudaMemsetAsync(dst.p, 0, words * 4, st.s[1]));
+  spin(50, st.s[1]);
+  b.pagein_to(dst.p, s1);
+  b.wait_pagein(s0);
+  chk.check(dst.p, words, s_new, st.s[0]);
+  CHECK(b.resident());
   CHECK(chk.wrong_checks() == 0);
   // The worker books the passive page-in a moment after the GPU finished it.
   auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};

@@ -85,7 +85,7 @@ inline std::size_t swap_core::take_host_range(std::size_t bytes, cudaStream_t st
     std::size_t const have = host_alloc_.size_of(r.host);
     if (have < size || have > 2 * size) { continue; }
     WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0));
-    if (r.ext_in != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.ext_in, 0)); }
+    if (r.slab_read != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.slab_read, 0)); }
     std::size_t const off = r.host;
     r.host                = npos;  // its page-in completes without it
     ++stats_.slab_ranges_reused;
@@ -225,11 +225,12 @@ inline void swap_core::collect_pageins_to() {
       continue;
     }
     float ms = 0;
-    if (cudaEventElapsedTime(&ms, it->start, it->end) == cudaSuccess) {
+    if (it->link && cudaEventElapsedTime(&ms, it->start, it->end) == cudaSuccess) {
       stats_.seconds_in += ms * 1e-3;
     }
     auto const r = records_.find(it->id);
     if (r != records_.end() && r->second.ext_in == it->end) { r->second.ext_in = nullptr; }
+    if (r != records_.end() && r->second.slab_read == it->end) { r->second.slab_read = nullptr; }
     give_event(it->start, true);
     give_event(it->end, true);
     it = ext_ins_.erase(it);
@@ -261,7 +262,7 @@ inline void swap_core::free_device(record& r) {
 // writer of the slab) first waits for a pagein_to copy that may still read it.
 inline void swap_core::free_host(record& r) {
   if (r.host != npos) {
-    if (r.ext_in != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(out_stream_, r.ext_in, 0)); }
+    if (r.slab_read != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(out_stream_, r.slab_read, 0)); }
     host_alloc_.free(r.host);
     r.host = npos;
   }

@@ -292,9 +292,17 @@ inline void swap_core::pagein_to(std::uint64_t id, void* dst, cudaStream_t strea
   if (!slab) {
     lock.unlock();
     void const* const p = data(id, stream, false);  // resident (a queued page-out is cancelled)
+    lock.lock();
+    // A device copy on @p stream, which wait_pagein() makes other streams wait for (not counted
+    // as a page-in: nothing crossed the link).
+    copy_to c{id, take_event(true), take_event(true), false};
+    WM_CUDA_TRY(cudaEventRecord(c.start, stream));
     if (r.bytes != 0) {
       WM_CUDA_TRY(cudaMemcpyAsync(dst, p, r.bytes, cudaMemcpyDeviceToDevice, stream));
     }
+    WM_CUDA_TRY(cudaEventRecord(c.end, stream));
+    r.ext_in = c.end;
+    ext_ins_.push_back(c);
     return;
   }
   cudaEvent_t const after = take_event(false);  // dst's allocation and earlier use on stream
@@ -305,13 +313,14 @@ inline void swap_core::pagein_to(std::uint64_t id, void* dst, cudaStream_t strea
   // page-in of it follows (r.after, until booked).
   if (r.st == state::out_issued) { WM_CUDA_TRY(cudaStreamWaitEvent(in_stream_, r.copy, 0)); }
   if (r.after != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(in_stream_, r.after, 0)); }
-  copy_to c{id, take_event(true), take_event(true)};
+  copy_to c{id, take_event(true), take_event(true), true};
   WM_CUDA_TRY(cudaEventRecord(c.start, in_stream_));
   if (r.bytes != 0) {
     WM_CUDA_TRY(cudaMemcpyAsync(dst, slab_ + r.host, r.bytes, cudaMemcpyHostToDevice, in_stream_));
   }
   WM_CUDA_TRY(cudaEventRecord(c.end, in_stream_));
-  r.ext_in = c.end;
+  r.ext_in    = c.end;
+  r.slab_read = c.end;
   ext_ins_.push_back(c);
   stats_.bytes_in += r.bytes;
   ++stats_.copies_in;

@@ -62,19 +62,21 @@ class swap_core {
     bool kept{false};         // pageout_begin: the block stays (readable) until pageout()
     bool clean{false};        // kept, and its page-out copy has completed: the host copy is valid
     int pins{0};
-    cudaEvent_t producer{nullptr};  // a page-out waits on it (recorded by pageout())
-    cudaEvent_t copy{nullptr};      // end of the copy in flight (out_issued / in_issued)
-    cudaEvent_t release{nullptr};   // destroyed: the device memory is free after it
-    cudaEvent_t after{nullptr};     // its page-out, whose block another buffer took: a page-in
-                                    // waits for it on the copy stream
-    cudaEvent_t reader{nullptr};    // pageout() after pageout_begin(): the block is free after
-                                    // it (the readers' work) and after the copy
-    cudaEvent_t ext_in{nullptr};    // end of the last pagein_to copy (owned by ext_ins_; the
-                                    // collector clears it here once the copy has completed)
-    std::byte const* ext{nullptr};  // pageout_from: the caller's memory its page-out copies
-                                    // (out_queued without a block; cleared once issued)
-    std::uint64_t out_seq{0};       // order in which page-outs were asked for, then issued
-    cudaStream_t last{nullptr};     // the last stream that used it
+    cudaEvent_t producer{nullptr};   // a page-out waits on it (recorded by pageout())
+    cudaEvent_t copy{nullptr};       // end of the copy in flight (out_issued / in_issued)
+    cudaEvent_t release{nullptr};    // destroyed: the device memory is free after it
+    cudaEvent_t after{nullptr};      // its page-out, whose block another buffer took: a page-in
+                                     // waits for it on the copy stream
+    cudaEvent_t reader{nullptr};     // pageout() after pageout_begin(): the block is free after
+                                     // it (the readers' work) and after the copy
+    cudaEvent_t ext_in{nullptr};     // end of the last pagein_to copy (owned by ext_ins_; the
+                                     // collector clears it here once the copy has completed)
+    cudaEvent_t slab_read{nullptr};  // end of the last pagein_to copy from the slab (same owner;
+                                     // on the page-in stream, so it follows the earlier ones)
+    std::byte const* ext{nullptr};   // pageout_from: the caller's memory its page-out copies
+                                     // (out_queued without a block; cleared once issued)
+    std::uint64_t out_seq{0};        // order in which page-outs were asked for, then issued
+    cudaStream_t last{nullptr};      // the last stream that used it
   };
 
   struct ticket {
@@ -180,6 +182,7 @@ class swap_core {
     std::uint64_t id;
     cudaEvent_t start;
     cudaEvent_t end;
+    bool link;  // host to device (counted in seconds_in), else a device copy
   };
 
   /// A pool block given back after some work: free for the next user once @p ev has completed.
