@@ -74,20 +74,22 @@ inline std::size_t swap_core::take_block(std::size_t bytes, cudaStream_t stream,
 
 // A host slab range for a page-out of @p bytes that the page-out copy stream @p stream may write
 // in stream order, or npos: that of a destroyed buffer whose page-in copy still reads it (@p
-// stream waits for that copy). Without it, a host that runs a step ahead of the GPU finds the
-// slab full of the previous step's page-ins and must wait for them on the GPU.
+// stream waits for that copy), or whose own page-out copy still writes it (issued earlier on
+// @p stream, the page-out stream: it lands first). Without it, a host that runs a step ahead of
+// the GPU finds the slab full of the previous step's page-ins (or, with pageout_from, page-outs)
+// and must wait for them on the GPU.
 inline std::size_t swap_core::take_host_range(std::size_t bytes, cudaStream_t stream) {
   std::size_t const size = host_alloc_.round(bytes);
   for (auto& [id, r] : records_) {
-    if (!r.destroyed || r.st != state::in_issued || r.host == npos || r.copy == nullptr) {
-      continue;
-    }
+    bool const reading = r.st == state::in_issued && r.copy != nullptr;
+    bool const writing = r.st == state::out_issued && stream == out_stream_;
+    if (!r.destroyed || r.host == npos || !(reading || writing)) { continue; }
     std::size_t const have = host_alloc_.size_of(r.host);
     if (have < size || have > 2 * size) { continue; }
-    WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0));
+    if (r.copy != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0)); }
     if (r.slab_read != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.slab_read, 0)); }
     std::size_t const off = r.host;
-    r.host                = npos;  // its page-in completes without it
+    r.host                = npos;  // its copy completes without it
     ++stats_.slab_ranges_reused;
     return off;
   }
