@@ -63,9 +63,9 @@ namespace wm {
 
 /** @brief Sizes and limits of a `swap_scope`. */
 struct swap_options {
-  std::size_t device_budget{std::size_t{1} << 30};  ///< bytes of the device pool (residency budget)
-  std::size_t host_bytes{std::size_t{4} << 30};     ///< bytes of the pinned host slab
-  int max_in_flight{4};                             ///< batches in flight per direction
+  std::size_t device_budget{std::size_t{1} << 30};    ///< bytes of the device pool (0: none)
+  std::size_t host_bytes{std::size_t{4} << 30};       ///< bytes of the pinned host slab
+  int max_in_flight{4};                               ///< batches in flight per direction
   std::size_t coalesce_below{std::size_t{4} << 20};   ///< buffers smaller than this are batched
   std::size_t coalesce_limit{std::size_t{32} << 20};  ///< bytes of one batch of small buffers
   /// Bytes prefetched and not yet used that the page-in queue may hold (0: the budget only).
@@ -105,9 +105,8 @@ struct swap_statistics {
   std::uint64_t device_allocations{0};  ///< cudaMalloc calls (the pool)
   std::uint64_t pinned_allocations{0};  ///< cudaHostAlloc calls (the slab)
   std::uint64_t events_created{0};      ///< cudaEventCreate calls (a pool that grows on demand)
-  std::uint64_t pageouts_from{
-      0};                       ///< buffers made by `pageout_from` (page-outs from caller memory)
-  std::uint64_t pageins_to{0};  ///< `pagein_to` copies from the slab into caller memory
+  std::uint64_t pageouts_from{0};       ///< buffers made by `pageout_from` (from caller memory)
+  std::uint64_t pageins_to{0};          ///< `pagein_to` copies from the slab into caller memory
 
   /** @brief Achieved device → host GB/s while copying (0 if nothing moved). */
   [[nodiscard]] double out_gbps() const noexcept {
