@@ -1102,7 +1102,8 @@ TEST_CASE("swap: pageout_from steps reuse the slab without allocations or host s
   CHECK(stats.bytes_out == 3 * n * words * 4);
 }
 
-TEST_CASE("swap: pageout_from edges: zero bytes, misaligned, oversized, null", "[gpu][swap]") {
+TEST_CASE("swap: pageout_from edges: zero bytes; misaligned or null pointers; oversized buffers",
+          "[gpu][swap]") {
   streams st{1};
   cuda::stream_ref const s0{st.s[0]};
   wm::swap_options o = small_scope(mib);
