@@ -8,21 +8,33 @@ batch, SGD on every weight. The hooks (or save_on_cpu) wrap the model's forward,
 as torch_swap.py does. Rows, each on a fresh model from the same seed:
   - torch, no offload;
   - torch.autograd.graph.save_on_cpu(pin_memory=True);
-  - wm_torch.SwapHooks over a SwapScope whose pool holds P activations (--pools), prefetch
-    lookahead of 2 activations, hooks.prefetch_all() right after the forward; the model's
-    parameters and the input buffer are skipped (they stay on the device anyway).
+  - "wm hooks, out <= k": wm_torch.SwapHooks in the direct mode (the default) over a SwapScope
+    without a device pool: each saved activation is paged out straight from its own memory
+    (record_stream on the scope's copy stream keeps it until the copy is done) and the forward
+    pass waits for the oldest page-outs when more than k activations may still be copying
+    (--outstanding, 0: never); backward pages them into tensors from torch's allocator, staged
+    --stage activations ahead, from the first unpack on (--direct-prefetch auto) or from
+    hooks.prefetch_all() right after the forward (explicit); the output, still alive, is
+    unpacked as itself;
+  - "wm hooks pool, pool P" (the first mode, for comparison): a SwapScope whose device pool holds
+    P activations (--pools), pack copies each activation into it, prefetch lookahead of 2
+    activations, hooks.prefetch_all() right after the forward.
+  The model's parameters and the input buffer are skipped (they stay on the device anyway).
 Columns: median step ms over the timed steps (CUDA events, after the warm-ups); ratio to no
-offload; peak device GiB = torch.cuda.max_memory_allocated over the timed steps, plus, for the
-wm rows, the swap pool's bytes (one cudaMalloc outside torch's allocator, stated in its own
-column); the peak's reduction against no offload; GB/s of the wm page-outs / page-ins while
-copying (scope statistics), against pinned D2H / H2D copies of one activation measured in this
-run (torch copy_ between a pinned host tensor and a device tensor); host-blocking syncs and
-passive page-ins per step; whether the losses are bitwise those of no offload.
+offload; torch GiB = torch.cuda.max_memory_allocated over the timed steps; wm dev GiB = the
+scope's device pool (one cudaMalloc outside torch's allocator, for the scope's life; 0 in the
+direct mode); peak GiB = their sum, and its reduction against no offload; GB/s of the wm
+page-outs / page-ins while copying (scope statistics), against pinned D2H / H2D copies of one
+activation measured in this run (torch copy_ between a pinned host tensor and a device tensor);
+host-blocking syncs per step; per step, the pool mode's passive page-ins, or the direct mode's
+unpacks as "itself / staged / paged in at the unpack" and its pacing waits; whether the losses
+are bitwise those of no offload.
 The table is printed last, then the issue's target: a wm row at <= 1.15x no offload with a peak
 >= 35% lower.
 
 Usage: python3 bench/torch_swap_bench.py [--layers 16] [--width 8192] [--batch 16384]
-       [--steps 6] [--warmups 2] [--pools 2,3,4] [--no-save-on-cpu]
+       [--steps 6] [--warmups 2] [--outstanding 1,2,3,4] [--stage 2]
+       [--direct-prefetch auto|explicit] [--pools 2,4] [--no-save-on-cpu]
 The first run builds the extension (examples/pytorch/README.md), a few minutes.
 """
 import argparse
@@ -74,8 +86,9 @@ def pinned_gbps(nbytes, reps=10):
     return out  # [d2h, h2d]
 
 
-def run(a, mode, pool=0):
-    """One row: mode "plain", "save_on_cpu" or "wm" (pool activations)."""
+def run(a, mode, pool=0, outstanding=0):
+    """One row: mode "plain", "save_on_cpu", "wm" (pool mode, `pool` activations) or "direct"
+    (direct mode, at most `outstanding` activations copying before the forward waits)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     model = build(a.layers, a.width)
@@ -85,7 +98,11 @@ def run(a, mode, pool=0):
     scope = hooks = None
     if mode == "wm":
         scope = wm_torch.SwapScope(pool * act, (a.layers + 2) * act, prefetch_lookahead=2 * act)
-        hooks = wm_torch.SwapHooks(scope, skip=[model, x])
+        hooks = wm_torch.SwapHooks(scope, skip=[model, x], mode="pool")
+    elif mode == "direct":
+        scope = wm_torch.SwapScope(0, (a.layers + 2) * act)
+        hooks = wm_torch.SwapHooks(scope, skip=[model, x], mode="direct", max_outstanding_bytes=outstanding * act,
+                                   stage_bytes=a.stage * act, auto_prefetch=True)
     gen = torch.Generator(device="cuda").manual_seed(7)
 
     def step():
@@ -99,7 +116,8 @@ def run(a, mode, pool=0):
         else:
             with hooks:
                 y = model(x)
-            hooks.prefetch_all()  # page-ins start now, latest activation first
+            if mode == "wm" or a.direct_prefetch == "explicit":
+                hooks.prefetch_all()  # page-ins start now, latest activation first
         loss = 0.5 * y.float().pow(2).sum() / a.batch
         loss.backward()
         opt.step()
@@ -121,7 +139,7 @@ def run(a, mode, pool=0):
     r = {
         "ms": statistics.median(s.elapsed_time(e) for s, e in ev),
         "torch_peak": torch.cuda.max_memory_allocated() / GIB,
-        "pool": pool * act / GIB if mode == "wm" else 0.0,
+        "pool": scope.device_budget / GIB if scope is not None else 0.0,
         "losses": torch.stack(losses).cpu(),
     }
     if scope is not None:
@@ -129,7 +147,9 @@ def run(a, mode, pool=0):
         r.update(out=st["out_gbps"], inn=st["in_gbps"], syncs=st["host_blocking_syncs"] / a.steps,
                  passive=st["passive_pageins"] / a.steps, pool_peak=st["peak_resident_bytes"] / GIB,
                  copies=st["copies"] / a.steps, shared=st["shared"] / a.steps,
-                 mib_out=st["bytes_out"] / a.steps / 2 ** 20, mib_in=st["bytes_in"] / a.steps / 2 ** 20)
+                 mib_out=st["bytes_out"] / a.steps / 2 ** 20, mib_in=st["bytes_in"] / a.steps / 2 ** 20,
+                 direct=st["direct"], reused=st["reused_sources"] / a.steps, staged=st["staged_unpacks"] / a.steps,
+                 unstaged=st["unstaged_unpacks"] / a.steps, paced=st["throttle_waits"] / a.steps)
     r["peak"] = r["torch_peak"] + r["pool"]
     return r  # the model, the scope and its pinned slab go with this frame
 
@@ -141,7 +161,12 @@ def main():
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmups", type=int, default=2)
-    ap.add_argument("--pools", default="2,3,4", help="pool sizes of the wm rows, in activations")
+    ap.add_argument("--outstanding", default="1,2,3,4",
+                    help="direct rows: activations that may still be copying before the forward waits (0: never)")
+    ap.add_argument("--stage", type=int, default=2, help="direct rows: activations paged in ahead of backward's use")
+    ap.add_argument("--direct-prefetch", choices=("auto", "explicit"), default="auto",
+                    help="direct rows: page-ins start at the first unpack (auto) or right after the forward")
+    ap.add_argument("--pools", default="2,4", help="pool-mode rows (the first mode): pool sizes in activations")
     ap.add_argument("--no-save-on-cpu", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -157,17 +182,22 @@ def main():
     if not a.no_save_on_cpu:
         rows.append(("torch save_on_cpu(pinned)", run(a, "save_on_cpu")))
         print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
+    for k in [int(v) for v in a.outstanding.split(",") if v]:
+        rows.append((f"wm hooks, out <= {k}" if k else "wm hooks, out unpaced", run(a, "direct", outstanding=k)))
+        print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
     for p in [int(v) for v in a.pools.split(",") if v]:
-        rows.append((f"wm hooks, pool {p}", run(a, "wm", p)))
+        rows.append((f"wm hooks pool, pool {p}", run(a, "wm", p)))
         print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
 
     base = rows[0][1]
     print(f"\n== torch_swap_bench: {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.layers} x Linear({a.width}) "
           f"+ ReLU, bf16, batch {a.batch}; activation {act / 2 ** 20:.0f} MiB; median of {a.steps} steps after "
-          f"{a.warmups} warm-ups")
+          f"{a.warmups} warm-ups; direct rows: {a.stage} activations staged, page-ins from "
+          f"{'the first unpack' if a.direct_prefetch == 'auto' else 'prefetch_all after the forward'}")
     print(f"   pinned copy of one activation (torch copy_): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
-    hdr = (f"{'':27s} {'step ms':>8s} {'ratio':>6s} {'torch GiB':>9s} {'pool GiB':>8s} {'peak GiB':>8s} {'vs none':>8s} "
-           f"{'out GB/s':>12s} {'in GB/s':>12s} {'MiB out/in per step':>19s} {'sync/st':>7s} {'passive/st':>10s} {'loss':>5s}")
+    hdr = (f"{'':27s} {'step ms':>8s} {'ratio':>6s} {'torch GiB':>9s} {'wm dev GiB':>10s} {'peak GiB':>8s} {'vs none':>8s} "
+           f"{'out GB/s':>12s} {'in GB/s':>12s} {'MiB out/in per step':>19s} {'sync/st':>7s} "
+           f"{'unpacks/st: itself/staged/now, pacing':>38s} {'loss':>5s}")
     print(hdr)
     met = []
     for name, r in rows:
@@ -177,17 +207,22 @@ def main():
         if "out" in r:
             gb = (f"{r['out']:5.1f} ({r['out'] / d2h:.2f})", f"{r['inn']:5.1f} ({r['inn'] / h2d:.2f})")
             traffic = f"{r['mib_out']:.0f} / {r['mib_in']:.0f}"
-            extra = (f"{r['syncs']:7.2f} {r['passive']:10.2f}")
+            if r["direct"]:
+                kinds = f"{r['reused']:.1f}/{r['staged']:.1f}/{r['unstaged']:.1f}, {r['paced']:.1f}"
+            else:
+                kinds = f"pool: {r['passive']:.2f} passive page-ins"
+            extra = f"{r['syncs']:7.2f} {kinds:>38s}"
             if ratio <= 1.15 and lower >= 0.35:
                 met.append(name)
         else:
-            gb, traffic, extra = ("-", "-"), "-", f"{'-':>7s} {'-':>10s}"
-        print(f"{name:27s} {r['ms']:8.1f} {ratio:6.3f} {r['torch_peak']:9.2f} {r['pool']:8.2f} {r['peak']:8.2f} "
+            gb, traffic, extra = ("-", "-"), "-", f"{'-':>7s} {'-':>38s}"
+        print(f"{name:27s} {r['ms']:8.1f} {ratio:6.3f} {r['torch_peak']:9.2f} {r['pool']:10.2f} {r['peak']:8.2f} "
               f"{-100 * lower:+7.1f}% {gb[0]:>12s} {gb[1]:>12s} {traffic:>19s} {extra} {same:>5s}")
-    print("   peak GiB = torch.cuda.max_memory_allocated over the timed steps + the wm pool (cudaMalloc'd by the "
-          "scope, outside torch's allocator); out/in GB/s: achieved while copying (ratio to the pinned copy); "
-          "sync/st: host-blocking syncs of the scope per step; passive/st: page-ins that backward waited for "
-          "without a prefetch; loss: bitwise equal to no offload")
+    print("   peak GiB = torch.cuda.max_memory_allocated over the timed steps + the wm device pool (cudaMalloc'd by the "
+          "scope, outside torch's allocator; none in the direct mode); out/in GB/s: achieved while copying (ratio to "
+          "the pinned copy); sync/st: host-blocking syncs of the scope per step; unpacks per step (direct): the saved "
+          "tensor itself (still alive), staged ahead, paged in at the unpack; pacing: forward waits for page-outs; "
+          "pool rows: page-ins that backward waited for without a prefetch; loss: bitwise equal to no offload")
     print(f"   target (issue 22): a wm row at <= 1.15x no offload with a peak >= 35% lower: "
           f"{'met by ' + ', '.join(met) if met else 'NOT met'}")
     return 0

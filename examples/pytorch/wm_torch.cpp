@@ -25,9 +25,11 @@
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -315,6 +317,16 @@ struct saved_buffer {
   c10::ScalarType dtype{};
   int device{0};
   std::size_t bytes{0};
+  // Direct mode (page-outs from the tensor's memory, page-ins into torch's memory):
+  bool direct{false};
+  torch::Tensor staged;  // paged in ahead of its unpack (its copy may still run)
+  torch::Tensor dev;     // what unpack returned: a second unpack (a shared save) gets it again
+  // The saved tensor itself while it is alive and unchanged: unpack returns it, no page-in.
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> source;
+  void const* source_data{nullptr};  // its storage's data pointer at pack time
+  std::int64_t source_offset{0};
+  std::optional<c10::VariableVersion> source_version_counter;
+  std::uint32_t source_version{0};
   ~saved_buffer();
 };
 
@@ -340,8 +352,26 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
  public:
   swap_handle(wm::swap_options const& o, std::size_t min_bytes)
       : scope_{std::make_shared<wm::swap_scope>(o)}, min_bytes_{min_bytes} {
-    device_   = scope_->options().device;
-    capacity_ = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
+    device_        = scope_->options().device;
+    capacity_      = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
+    host_capacity_ = o.host_bytes / pool_alignment * pool_alignment;
+  }
+
+  /**
+   * Direct mode (for the saves from now on): pack pages a tensor out from its own memory
+   * (swap_scope::pageout_from; the tensor's block is record_stream-ed on the page-out copy
+   * stream, so torch's allocator reuses it only after the copy) and unpack pages it into a tensor
+   * from torch's allocator (pagein_to), prefetched in backward order up to @p stage_bytes ahead
+   * (at least one tensor). @p max_outstanding_bytes > 0: the current stream waits for the oldest
+   * page-outs when more than that many bytes of them may still be running (the forward pass is
+   * held to the link's pace; the tensors they read are freed in time). Off: the pool mode (pack
+   * copies into the scope's device pool).
+   */
+  void set_direct(bool on, std::size_t max_outstanding_bytes, std::size_t stage_bytes) {
+    std::lock_guard lk{mutex_};
+    direct_        = on;
+    max_out_bytes_ = max_outstanding_bytes;
+    stage_bytes_   = stage_bytes;
   }
 
   /// Storages (by data pointer) that pack never copies: parameters, buffers.
@@ -369,13 +399,22 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(sp->device)};
     cudaStream_t const s = current_stream(sp->device);
     void* p              = nullptr;
+    // Buffers locked from weak pointers are dropped here, after the mutex and with the GIL (a
+    // tensor handed to Python may need it to go).
+    std::vector<std::shared_ptr<saved_buffer>> hold;
+    torch::Tensor out;
     {
       py::gil_scoped_release nogil;
       std::lock_guard lk{mutex_};
-      if (auto_prefetch_ && !order_.empty()) { prefetch_all_locked(); }
-      p = sp->buf.data(cuda::stream_ref{s});
+      if (auto_prefetch_ && !order_.empty()) { prefetch_all_locked(hold); }
       ++unpacks_;
+      if (sp->direct) {
+        out = unpack_direct(*sp, s, hold);
+      } else {
+        p = sp->buf.data(cuda::stream_ref{s});
+      }
     }
+    if (sp->direct) { return out; }
     // The deleter holds the buffer: it goes back to the pool (after the work queued on `s` at
     // that time) when the last of the tensor and the packed handle is gone.
     std::shared_ptr<saved_buffer> keep = sp;
@@ -387,9 +426,11 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   /// Queues every buffer saved since the last call for page-in, most recent first (the order
   /// in which the backward pass needs them), then starts the page-in queue.
   void prefetch_all() {
+    std::vector<std::shared_ptr<saved_buffer>> hold;  // dropped after the mutex, with the GIL
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
     py::gil_scoped_release nogil;
     std::lock_guard lk{mutex_};
-    prefetch_all_locked();
+    prefetch_all_locked(hold);
   }
 
   void set_auto_prefetch(bool on) {
@@ -428,16 +469,24 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     d["device_allocations"]    = st.device_allocations;
     d["pinned_allocations"]    = st.pinned_allocations;
     std::lock_guard lk{mutex_};
-    d["packs"]         = packs_;
-    d["copies"]        = copies_;
-    d["bytes_copied"]  = bytes_copied_;
-    d["shared"]        = shared_;
-    d["kept"]          = kept_;
-    d["kept_no_room"]  = kept_no_room_;
-    d["unpacks"]       = unpacks_;
-    d["live_buffers"]  = live_;
-    d["device_budget"] = scope_->options().device_budget;
-    d["host_bytes"]    = scope_->options().host_bytes;
+    d["packs"]             = packs_;
+    d["copies"]            = copies_;
+    d["bytes_copied"]      = bytes_copied_;
+    d["shared"]            = shared_;
+    d["kept"]              = kept_;
+    d["kept_no_room"]      = kept_no_room_;
+    d["unpacks"]           = unpacks_;
+    d["live_buffers"]      = live_;
+    d["pageouts_from"]     = st.pageouts_from;
+    d["pageins_to"]        = st.pageins_to;
+    d["reused_sources"]    = reused_sources_;
+    d["staged_unpacks"]    = staged_unpacks_;
+    d["unstaged_unpacks"]  = unstaged_unpacks_;
+    d["throttle_waits"]    = throttle_waits_;
+    d["direct"]            = direct_;
+    d["device_pool_bytes"] = capacity_;
+    d["device_budget"]     = scope_->options().device_budget;
+    d["host_bytes"]        = scope_->options().host_bytes;
     return d;
   }
 
@@ -446,6 +495,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     std::lock_guard lk{mutex_};
     scope_->reset_statistics();
     packs_ = copies_ = bytes_copied_ = shared_ = kept_ = kept_no_room_ = unpacks_ = 0;
+    reused_sources_ = staged_unpacks_ = unstaged_unpacks_ = throttle_waits_ = 0;
   }
 
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -453,6 +503,10 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   void released() noexcept {
     std::lock_guard lk{mutex_};
     --live_;
+  }
+  void staged_dropped(std::size_t bytes) noexcept {
+    std::lock_guard lk{mutex_};
+    staged_bytes_ -= std::min(bytes, staged_bytes_);
   }
   std::recursive_mutex& mutex() noexcept { return mutex_; }
 
@@ -470,7 +524,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       ++kept_;
       return nullptr;
     }
-    if (bytes > capacity_) {  // allocate would wait for page-outs that can never make room
+    if (direct_ ? bytes > host_capacity_ : bytes > capacity_) {  // could never fit
       ++kept_;
       ++kept_no_room_;
       return nullptr;
@@ -492,10 +546,61 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
         }
       }
     }
-    // 2. A new buffer: device copy on the current stream, then the page-out after it.
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
     cudaStream_t const s = current_stream(device_);
     auto sp              = std::make_shared<saved_buffer>();
+    if (direct_) {
+      // 2'. Direct: the page-out reads the tensor's own memory, after the current stream's work.
+      try {
+        sp->buf = scope_->pageout_from(static_cast<std::byte const*>(t.data_ptr()), bytes,
+                                       cuda::stream_ref{s});
+      } catch (wm::logic_error const&) {  // larger than the slab
+        ++kept_;
+        ++kept_no_room_;
+        return nullptr;
+      }
+      // The copy is issued (pageout_from returns after that): when the tensor is freed, torch's
+      // allocator records an event on the copy stream and reuses the block after it, i.e. after
+      // the copy. No reference is held: the memory goes as soon as both are done.
+      t.record_stream(c10::cuda::getStreamFromExternal(scope_->pageout_stream(),
+                                                       static_cast<c10::DeviceIndex>(device_)));
+      sp->owner   = shared_from_this();
+      sp->direct  = true;
+      sp->sizes   = sizes;
+      sp->strides = strides;
+      sp->dtype   = t.scalar_type();
+      sp->device  = device_;
+      sp->bytes   = bytes;
+      if (auto const& vc = t.unsafeGetTensorImpl()->version_counter(); vc.enabled()) {
+        sp->source.emplace(t.storage().getWeakStorageImpl());
+        sp->source_data =
+            static_cast<void const*>(t.storage().unsafeGetStorageImpl()->data_ptr().get());
+        sp->source_offset          = t.storage_offset();
+        sp->source_version_counter = vc;
+        sp->source_version         = vc.current_version();
+      }
+      ++live_;
+      if (max_out_bytes_ > 0) {  // hold the forward pass to the link's pace
+        outstanding_.emplace_back(sp, bytes);
+        outstanding_bytes_ += bytes;
+        while (outstanding_bytes_ > max_out_bytes_ && outstanding_.size() > 1) {
+          auto [w, n] = outstanding_.front();
+          outstanding_.pop_front();
+          outstanding_bytes_ -= n;
+          if (auto o = w.lock()) {
+            o->buf.wait_pageout(cuda::stream_ref{s});
+            ++throttle_waits_;
+          }
+        }
+      }
+      keys.push_back(saved_key{t.storage().getWeakStorageImpl(), t.storage_offset(), sizes, strides,
+                               t.scalar_type(), version, sp});
+      order_.push_back(sp);
+      ++copies_;
+      bytes_copied_ += bytes;
+      return sp;
+    }
+    // 2. A new buffer: device copy on the current stream, then the page-out after it.
     try {
       sp->buf = scope_->allocate<std::byte>(bytes, cuda::stream_ref{s});
     } catch (wm::logic_error const&) {  // every pool block held by buffers in use
@@ -531,10 +636,102 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     return sp;
   }
 
-  void prefetch_all_locked() {
+  /// The saved tensor itself, if its storage is alive with the same memory and its version
+  /// counter says it was not modified since the save; else undefined.
+  [[nodiscard]] static torch::Tensor source_if_alive(saved_buffer const& b) {
+    if (!b.source || !b.source_version_counter) { return {}; }
+    c10::intrusive_ptr<c10::StorageImpl> si = b.source->lock();
+    if (!si || static_cast<void const*>(si->data_ptr().get()) != b.source_data ||
+        b.source_version_counter->current_version() != b.source_version) {
+      return {};
+    }
+    auto t = at::empty({0}, torch::TensorOptions{}.dtype(b.dtype).device(torch::kCUDA, b.device));
+    t.set_(c10::Storage{std::move(si)}, b.source_offset, b.sizes, b.strides);
+    return t;
+  }
+
+  /// A tensor with sizes and strides of @p b from torch's allocator (on the current stream),
+  /// filled by pagein_to on the page-in copy stream after that stream's work so far.
+  [[nodiscard]] torch::Tensor page_in_new(saved_buffer& b, cudaStream_t s) {
+    auto t = at::empty_strided(
+        b.sizes, b.strides, torch::TensorOptions{}.dtype(b.dtype).device(torch::kCUDA, b.device));
+    b.buf.pagein_to(static_cast<std::byte*>(t.data_ptr()), cuda::stream_ref{s});
+    // Freed before the copy is done (a save never unpacked): reused only after the copy stream.
+    t.record_stream(c10::cuda::getStreamFromExternal(scope_->pagein_stream(),
+                                                     static_cast<c10::DeviceIndex>(b.device)));
+    return t;
+  }
+
+  /// Direct mode's unpack, on stream @p s: the tensor of an earlier unpack, the saved tensor
+  /// itself while it is alive and unchanged, the staged page-in, or a page-in now; then the next
+  /// buffers in backward order are staged.
+  torch::Tensor unpack_direct(saved_buffer& b, cudaStream_t s,
+                              std::vector<std::shared_ptr<saved_buffer>>& hold) {
+    torch::Tensor t = b.dev;
+    if (!t.defined()) {
+      t = source_if_alive(b);
+      if (t.defined()) {
+        ++reused_sources_;
+      } else if (b.staged.defined()) {
+        t = std::move(b.staged);
+        b.staged.reset();
+        staged_bytes_ -= std::min(b.bytes, staged_bytes_);
+        ++staged_unpacks_;
+      } else {
+        t = page_in_new(b, s);
+        ++unstaged_unpacks_;
+      }
+      b.dev = t;
+    }
+    b.buf.wait_pagein(cuda::stream_ref{s});  // nothing once the copy has completed
+    // Used on s (a no-op if s is where it was allocated).
+    t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(b.device)));
+    stage_more(s, hold);
+    return t;
+  }
+
+  /// Stages the next buffers of the backward order (page-ins into new tensors) while fewer than
+  /// stage_bytes_ are staged and not yet unpacked (at least one).
+  void stage_more(cudaStream_t s, std::vector<std::shared_ptr<saved_buffer>>& hold) {
+    while (!in_order_.empty()) {
+      auto o = in_order_.front().lock();
+      if (!o || o->dev.defined() || o->staged.defined() || source_if_alive(*o).defined()) {
+        in_order_.pop_front();  // gone, unpacked, staged, or still on the device as it was
+        if (o) { hold.push_back(std::move(o)); }
+        continue;
+      }
+      if (staged_bytes_ > 0 && staged_bytes_ + o->bytes > stage_bytes_) { return; }
+      o->staged = page_in_new(*o, s);
+      staged_bytes_ += o->bytes;
+      in_order_.pop_front();
+      hold.push_back(std::move(o));
+    }
+  }
+
+  void prefetch_all_locked(std::vector<std::shared_ptr<saved_buffer>>& hold) {
+    outstanding_.clear();  // backward: the forward's page-out pacing ends
+    outstanding_bytes_ = 0;
+    bool any_pool      = false;
+    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+      auto sp = it->lock();
+      if (!sp) { continue; }
+      if (sp->direct) {
+        in_order_.push_back(sp);
+      } else {
+        any_pool = true;
+      }
+      hold.push_back(std::move(sp));
+    }
+    if (!in_order_.empty()) { stage_more(current_stream(device_), hold); }
+    if (!any_pool) {
+      order_.clear();
+      return;
+    }
     scope_->prefetch_init();
     for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-      if (auto sp = it->lock()) { sp->buf.need_prefetch(); }
+      auto sp = it->lock();
+      if (sp && !sp->direct) { sp->buf.need_prefetch(); }
+      if (sp) { hold.push_back(std::move(sp)); }
     }
     order_.clear();
     scope_->prefetch_all();
@@ -544,22 +741,33 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   std::shared_ptr<wm::swap_scope> scope_;
   std::size_t min_bytes_;
   std::size_t capacity_{0};
+  std::size_t host_capacity_{0};
   int device_{0};
+  bool direct_{false};
+  std::size_t max_out_bytes_{0};  // direct: page-out bytes that may run before the stream waits
+  std::size_t stage_bytes_{0};    // direct: bytes staged (paged in) ahead of their unpack
+  std::size_t staged_bytes_{0};
+  std::size_t outstanding_bytes_{0};
+  std::deque<std::pair<std::weak_ptr<saved_buffer>, std::size_t>> outstanding_;
+  std::deque<std::weak_ptr<saved_buffer>> in_order_;  // direct: still to stage, backward order
   std::recursive_mutex mutex_;
   std::unordered_map<c10::StorageImpl*, std::vector<saved_key>> saved_;
   std::unordered_set<std::uintptr_t> skip_;
   std::vector<std::weak_ptr<saved_buffer>> order_;  // saves since the last prefetch_all
   bool auto_prefetch_{true};
   std::uint64_t packs_{0}, copies_{0}, bytes_copied_{0}, shared_{0}, kept_{0}, kept_no_room_{0},
-      unpacks_{0}, live_{0};
+      unpacks_{0}, live_{0}, reused_sources_{0}, staged_unpacks_{0}, unstaged_unpacks_{0},
+      throttle_waits_{0};
 };
 
 saved_buffer::~saved_buffer() {
   if (!owner) { return; }  // never held pool memory
   std::lock_guard lk{owner->mutex()};
+  if (staged.defined()) { owner->staged_dropped(bytes); }
   buf.reset();  // after the work queued so far on the stream of its last data() call
   owner->released();
-}  // then `owner` goes: the last buffer of a dropped scope destroys the scope
+}  // then the tensors (after the lock), and `owner`: the last buffer of a dropped scope
+   // destroys the scope
 
 /// Raises one error by one of the paths an error can take to Python (tests/pytorch/
 /// error_probe.py runs each in its own process to tell which path, if any, kills it).
@@ -704,8 +912,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::size_t coalesce_below, std::size_t coalesce_limit,
                        std::size_t prefetch_lookahead, double timeout_s, std::size_t min_bytes) {
              return guarded([&] {
-               expect_value(device_budget > 0 && host_bytes > 0,
-                            "wm_torch: a swap scope needs a device budget and host bytes > 0");
+               expect_value(host_bytes > 0, "wm_torch: a swap scope needs host bytes > 0");
                wm::swap_options o;
                o.device_budget      = device_budget;
                o.host_bytes         = host_bytes;
@@ -725,6 +932,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_s") = 60.0, py::arg("min_bytes") = std::size_t{1} << 20,
            "A wm::swap_scope on the current GPU: a device pool of device_budget bytes and a "
            "pinned host slab of host_bytes")
+      .def("set_direct", guarded_method(&swap_handle::set_direct), py::arg("on"),
+           py::arg("max_outstanding_bytes") = std::size_t{0},
+           py::arg("stage_bytes")           = std::size_t{0},
+           "Direct mode: page-outs from the tensors' memory, page-ins into torch's memory")
       .def("set_skip", guarded_method(&swap_handle::set_skip), py::arg("storage_ptrs"),
            "Storages (data pointers) that pack never copies, e.g. parameters")
       .def("pack", guarded_method(&swap_handle::pack), py::arg("tensor"),

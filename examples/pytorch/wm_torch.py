@@ -10,10 +10,11 @@ the classes below wrap it the way a PyTorch user expects.
   the gather (keys of any shape -> keys.shape + (dim,)); backward gives the table no .grad but
   hands keys and gradients to `EmbeddingOptimizer`, whose `step()` calls apply_gradients (each
   touched row updated once, duplicate keys summed) and `zero_grad()` drops them.
-- `SwapScope(...)` and `SwapHooks(scope, skip=model)`: saved_tensors_hooks whose pack copies a
-  saved CUDA tensor into a wm swappable buffer and queues its page-out, and whose unpack returns
-  a tensor over the buffer (paged in if needed). Call `hooks.prefetch_all()` (or let the first
-  unpack do it) between forward and backward.
+- `SwapScope(...)` and `SwapHooks(scope, skip=model)`: saved_tensors_hooks whose pack pages a
+  saved CUDA tensor out to the scope's pinned slab straight from the tensor's memory (mode
+  "direct", the default; mode "pool" copies it into the scope's device pool first), and whose
+  unpack returns it on the device again. Call `hooks.prefetch_all()` (or let the first unpack do
+  it) between forward and backward.
 
 CUDA tensors cross by data pointer and torch.cuda.current_stream(); nothing is copied.
 """
@@ -394,9 +395,11 @@ class EmbeddingOptimizer:
 
 class SwapScope:
     """A wm::swap_scope on the current GPU: a device pool of `device_budget` bytes (the residency
-    budget: one cudaMalloc, outside torch's allocator) and a pinned host slab of `host_bytes`.
+    budget: one cudaMalloc, outside torch's allocator; 0 for none, which the direct hooks do not
+    need) and a pinned host slab of `host_bytes` (every saved tensor of a step must fit).
     Saved tensors smaller than `min_bytes` stay where they are. prefetch_lookahead: bytes the
-    backward prefetch may run ahead of use (0: the pool only)."""
+    backward prefetch may run ahead of use (pool mode: 0 means the pool only; direct mode: the
+    default of SwapHooks' stage_bytes, 0 meaning one tensor ahead)."""
 
     def __init__(self, device_budget, host_bytes, *, min_bytes=1 << 20, prefetch_lookahead=0,
                  max_in_flight=4, timeout_s=60.0):
@@ -406,6 +409,7 @@ class SwapScope:
                                 min_bytes=int(min_bytes))
         self.device_budget = int(device_budget)
         self.host_bytes = int(host_bytes)
+        self.prefetch_lookahead = int(prefetch_lookahead)
 
     def prefetch_all(self):
         self._h.prefetch_all()
@@ -426,19 +430,36 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
         hooks.prefetch_all()        # optional: the first unpack does it otherwise
         loss.backward()
 
-    pack: a tensor on the scope's GPU, dense, at least min_bytes, and not in `skip` is copied
-    into a pool buffer on the current stream (the source is record_stream-ed for that stream),
-    and its page-out is queued after the copy; a second save of the same tensor (same storage,
-    offset, shape, strides, version) shares that buffer. Anything else is kept as autograd would.
-    unpack: a tensor over the buffer's device memory, paged in on the current stream if needed;
-    its memory returns to the pool (stream-ordered) once autograd drops it and the saved handle.
-    prefetch_all: queues every buffer saved since the last call for page-in, latest first.
+    pack: a tensor on the scope's GPU, dense, at least min_bytes, and not in `skip` is paged out;
+    a second save of the same tensor (same storage, offset, shape, strides, version) shares its
+    buffer. Anything else is kept as autograd would.
+    - mode="direct" (default): the page-out copies the tensor's own memory on the scope's copy
+      stream, after the current stream's work (swap_scope::pageout_from); the tensor is
+      record_stream-ed on that copy stream, so torch's allocator reuses its memory only once the
+      copy is done, and the scope's device pool is not used (SwapScope(0, host_bytes)).
+      max_outstanding_bytes > 0: the current stream waits for the oldest page-outs whenever more
+      bytes than that may still be copying (the forward pass then goes at the link's pace and
+      the saved tensors it frees do not pile up; 0: no wait). unpack returns the saved tensor
+      itself while it is still alive and unchanged; else a tensor from torch's allocator that the
+      scope's page-in copy stream filled (swappable::pagein_to), staged in backward order up to
+      stage_bytes ahead of use (default: the scope's prefetch_lookahead; at least one tensor)
+      from prefetch_all on.
+    - mode="pool": pack copies the tensor into a buffer of the scope's device pool on the current
+      stream and queues its page-out; unpack returns a tensor over the pool buffer, paged in if
+      needed, whose memory returns to the pool once autograd drops it and the saved handle.
+    prefetch_all: starts the page-ins of every buffer saved since the last call, latest first.
     """
 
-    def __init__(self, scope, skip=(), auto_prefetch=True):
+    def __init__(self, scope, skip=(), auto_prefetch=True, mode="direct", max_outstanding_bytes=0,
+                 stage_bytes=None):
+        if mode not in ("direct", "pool"):
+            raise ValueError(f"wm_torch.SwapHooks: mode must be 'direct' or 'pool', not {mode!r}")
         self.scope = scope
+        self.mode = mode
         h = scope._h
         h.set_auto_prefetch(bool(auto_prefetch))
+        stage = scope.prefetch_lookahead if stage_bytes is None else int(stage_bytes)
+        h.set_direct(mode == "direct", int(max_outstanding_bytes), stage)
         if isinstance(skip, (torch.nn.Module, torch.Tensor)):
             skip = [skip]
         ptrs = []

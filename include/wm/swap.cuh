@@ -20,6 +20,16 @@
  *     issue it). A page-out still in flight is waited for by @p stream; one still queued is
  *     cancelled.
  *   - `pin(stream)` / `unpin()`: an in-use count; a pinned buffer is never paged out.
+ * - Buffers that never take a pool block (a framework's own tensors, e.g. PyTorch's saved
+ *   activations):
+ *   - `scope.pageout_from(src, count, stream)`: a buffer that starts paged out from caller
+ *     memory: the copy to the slab goes on the page-out copy stream after the work queued so far
+ *     on @p stream, and is issued before the call returns (a wait on the worker only), so that an
+ *     allocator told about `pageout_stream()` (PyTorch's `record_stream`) keeps @p src until it is
+ *     done. `wait_pageout(stream)`: @p stream waits for that copy (the source may then change).
+ *   - `pagein_to(dst, stream)`: copies the data into caller memory on the page-in copy stream
+ *     after the work queued so far on @p stream (dst allocated there), without giving the buffer
+ *     device memory; `wait_pagein(stream)`: a consumer stream waits for that copy.
  * - Pool blocks change hands stream-ordered: a block whose page-out copy is enqueued, or whose
  *   buffer was released, goes at once to a new buffer or to a page-in, whose stream (a consumer
  *   stream, or the page-in copy stream) waits on the copy's or the release's event; a queued
@@ -53,9 +63,9 @@ namespace wm {
 
 /** @brief Sizes and limits of a `swap_scope`. */
 struct swap_options {
-  std::size_t device_budget{std::size_t{1} << 30};  ///< bytes of the device pool (residency budget)
-  std::size_t host_bytes{std::size_t{4} << 30};     ///< bytes of the pinned host slab
-  int max_in_flight{4};                             ///< batches in flight per direction
+  std::size_t device_budget{std::size_t{1} << 30};    ///< bytes of the device pool (0: none)
+  std::size_t host_bytes{std::size_t{4} << 30};       ///< bytes of the pinned host slab
+  int max_in_flight{4};                               ///< batches in flight per direction
   std::size_t coalesce_below{std::size_t{4} << 20};   ///< buffers smaller than this are batched
   std::size_t coalesce_limit{std::size_t{32} << 20};  ///< bytes of one batch of small buffers
   /// Bytes prefetched and not yet used that the page-in queue may hold (0: the budget only).
@@ -95,6 +105,8 @@ struct swap_statistics {
   std::uint64_t device_allocations{0};  ///< cudaMalloc calls (the pool)
   std::uint64_t pinned_allocations{0};  ///< cudaHostAlloc calls (the slab)
   std::uint64_t events_created{0};      ///< cudaEventCreate calls (a pool that grows on demand)
+  std::uint64_t pageouts_from{0};       ///< buffers made by `pageout_from` (from caller memory)
+  std::uint64_t pageins_to{0};          ///< `pagein_to` copies from the slab into caller memory
 
   /** @brief Achieved device → host GB/s while copying (0 if nothing moved). */
   [[nodiscard]] double out_gbps() const noexcept {
@@ -123,7 +135,9 @@ class swap_scope {
  public:
   /**
    * @brief create_swap_env: allocates the pool and the slab, creates streams and events, starts
-   * the workers. @throw wm::logic_error on a zero budget or slab, wm::cuda_error on CUDA errors.
+   * the workers. A zero device budget makes a scope without a pool, for `pageout_from` /
+   * `pagein_to` buffers only (`allocate`, `data` of a paged-out buffer and `need_prefetch` throw).
+   * @throw wm::logic_error on a zero slab, wm::cuda_error on CUDA errors.
    */
   explicit swap_scope(swap_options const& options);
   swap_scope(swap_scope const&)            = delete;
@@ -138,6 +152,28 @@ class swap_scope {
    */
   template <class T = std::byte>
   [[nodiscard]] swappable<T> allocate(std::size_t count, cuda::stream_ref stream);
+
+  /**
+   * @brief A buffer of @p count elements that starts paged out from caller memory @p src (device
+   * memory, or any memory the copy engine reads), holding no pool block.
+   *
+   * The copy to the host slab goes on `pageout_stream()` after the work queued so far on @p
+   * stream, and it is issued before the call returns (the host waits for the worker to issue it:
+   * a worker wait; on the GPU only if the slab is full until page-ins finish). @p src must stay
+   * allocated and unchanged until that copy is done: free it stream-ordered after the copy
+   * stream (PyTorch: `tensor.record_stream(pageout_stream())` after this call) or after
+   * `wait_pageout(stream)` on the stream that will reuse it. Zero elements: a valid empty buffer.
+   * @throw wm::logic_error if @p src is null (count > 0) or not aligned for @p T, or the buffer
+   * cannot fit the host slab; wm::cuda_error on CUDA errors or when the worker does not issue
+   * the copy before the scope's timeout.
+   */
+  template <class T = std::byte>
+  [[nodiscard]] swappable<T> pageout_from(T const* src, std::size_t count, cuda::stream_ref stream);
+
+  /** @brief The stream of the page-out copies (device → host). */
+  [[nodiscard]] cudaStream_t pageout_stream() const noexcept;
+  /** @brief The stream of the page-in copies (host → device, `pagein_to` too). */
+  [[nodiscard]] cudaStream_t pagein_stream() const noexcept;
 
   /** @brief prefetch_init: holds the page-in queue's prefetches until `prefetch_all()`. */
   void prefetch_init();
@@ -206,6 +242,25 @@ class swappable {
   /** @brief Queues a prefetch at the back of the page-in queue (if the buffer is not resident
    * and not on its way; a queued page-out is cancelled instead). */
   void need_prefetch();
+  /**
+   * @brief Copies the data into caller memory @p dst (bytes() bytes, device memory) without
+   * giving the buffer device memory: on `pagein_stream()` from the host slab, after the work
+   * queued so far on @p stream (where @p dst was allocated) and after a page-out of it still
+   * running. The buffer stays as it was (paged out). Use @p dst on a stream that has called
+   * `wait_pagein()`; free it only after that stream's use, or stream-ordered after the copy
+   * stream (PyTorch: `record_stream(pagein_stream())`). If the device pool holds the data
+   * (resident, or a page-out queued or begun), a device copy on @p stream after `data(stream)`.
+   * @throw wm::logic_error if @p dst is null (bytes() > 0) or not aligned for @p T.
+   */
+  void pagein_to(T* dst, cuda::stream_ref stream);
+  /** @brief @p stream waits for the last `pagein_to` copy (nothing if it has completed). */
+  void wait_pagein(cuda::stream_ref stream);
+  /**
+   * @brief @p stream waits for the buffer's page-out copy in flight, if it has been issued
+   * (always so for a buffer of `pageout_from`): after it, the copy's source may be reused. A
+   * page-out still queued is not waited for (its source is the pool, which the scope manages).
+   */
+  void wait_pageout(cuda::stream_ref stream);
   /** @brief `data(stream)` and one more in-use count: never paged out until as many `unpin()`. */
   T* pin(cuda::stream_ref stream);
   /** @brief One less in-use count. @throw wm::logic_error if not pinned. */

@@ -7,10 +7,13 @@
    device cache so small that rows are evicted, written back and bypassed), both against a
    float64 reference of the documented update (tolerance reasoning at TOL below).
 3. Swap hooks: a small bf16 MLP trained with wm_torch.SwapHooks gives bitwise the losses and
-   gradients of the same training without hooks (pool smaller than the saved activations, so
-   buffers go out and come back; explicit and automatic prefetch); a storage freed and reused
-   by a new tensor of the same shape is not mistaken for the old one; a pool too small for a
-   tensor keeps it in place.
+   gradients of the same training without hooks, in both modes: "pool" (pool smaller than the
+   saved activations, so buffers go out and come back; explicit and automatic prefetch) and
+   "direct" (page-outs from the tensors' own memory, page-ins into torch's memory; with and
+   without the forward's page-out pacing, one or two tensors staged ahead); the direct mode's
+   peak (torch.cuda.max_memory_allocated + the scope's device pool) is below the pool mode's on
+   the same MLP; a storage freed and reused by a new tensor of the same shape is not mistaken for
+   the old one (both modes); a pool (or slab) too small for a tensor keeps it in place.
 4. Bad input raises: CPU keys, float keys, wrong dtypes and devices, non-contiguous tensors, an
    optimizer on a read-only cache, a key out of range.
 
@@ -265,15 +268,87 @@ def train_mlp(make_hooks, steps, layers, width, batch, explicit_prefetch):
     return losses, grads
 
 
+SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH, SWAP_STEPS = 6, 1024, 4096, 3
+SWAP_ACT = SWAP_BATCH * SWAP_WIDTH * 2  # 8 MiB per bf16 activation; the float32 output is 16 MiB
+
+
+def test_swap_hooks_direct():
+    """Direct mode: bitwise as no hooks; every saved tensor paged out from its own memory; the
+    scope has no device pool; page-ins go into torch's memory (staged ahead, or at the unpack),
+    except for saved tensors still alive and unchanged at their unpack (the input, the output)."""
+    layers, width, batch, steps, act = SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH, SWAP_STEPS, SWAP_ACT
+    base_losses, base_grads = train_mlp(None, steps, layers, width, batch, False)
+    for explicit, max_out, stage in ((True, 0, 2 * act), (False, 0, 0), (True, act, act), (False, 2 * act, 2 * act)):
+        scope = wm_torch.SwapScope(0, 16 * act)
+        losses, grads = train_mlp(
+            lambda model: wm_torch.SwapHooks(scope, skip=model, mode="direct", max_outstanding_bytes=max_out,
+                                             stage_bytes=stage), steps, layers, width, batch, explicit)
+        st = scope.statistics()
+        same_loss = all(torch.equal(a, b) for a, b in zip(losses, base_losses))
+        same_grad = all(torch.equal(a, b) for ga, gb in zip(grads, base_grads) for a, b in zip(ga, gb))
+        copies = steps * (layers + 2)  # x_0 .. x_L and y.float(), as in the pool mode
+        counts_ok = (st["shared"] == steps * (layers - 1) and st["copies"] == copies and st["pageouts_from"] == copies
+                     and st["bytes_out"] > 0 and st["direct"] and st["device_pool_bytes"] == 0)
+        # x_0 (the input, alive) and x_L (y, alive until the step ends) come back as themselves.
+        reuse_ok = st["reused_sources"] >= 2 * steps and st["pageins_to"] > 0
+        unpacked = st["reused_sources"] + st["staged_unpacks"] + st["unstaged_unpacks"]
+        pacing_ok = (st["throttle_waits"] > 0) == (max_out > 0)
+        check(f"swap hooks direct: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} prefetch_all, "
+              f"out <= {max_out // act} act, staged {stage // act})",
+              same_loss and same_grad and counts_ok and reuse_ok and pacing_ok and unpacked == copies
+              and st["live_buffers"] == 0 and st["host_blocking_syncs"] == 0,
+              f"losses {[round(float(v), 5) for v in losses]}, {st['copies']} page-outs from tensors, "
+              f"{st['shared']} shared, {st['kept']} kept, {st['bytes_out'] >> 20} MiB out, {st['bytes_in'] >> 20} MiB in; "
+              f"unpacks: {st['reused_sources']} the saved tensor itself, {st['staged_unpacks']} staged, "
+              f"{st['unstaged_unpacks']} paged in at the unpack; {st['throttle_waits']} pacing waits, "
+              f"{st['host_blocking_syncs']} host syncs, {st['live_buffers']} buffers alive after the steps")
+
+
+def swap_peak(make_hooks):
+    """Peak device bytes of SWAP_STEPS steps of the swap MLP above what the model and the input
+    hold: torch.cuda.max_memory_allocated over the steps, plus the scope's device pool (a
+    cudaMalloc outside torch's allocator, for the scope's life)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    pool = 0
+
+    def hooks_of(model):
+        nonlocal pool
+        hooks = make_hooks(model)
+        pool = hooks.scope.device_budget
+        return hooks
+
+    losses, _ = train_mlp(hooks_of, SWAP_STEPS, SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH, True)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base + pool, losses
+
+
+def test_swap_peak():
+    """The direct mode adds less to the peak than the pool mode: no pool for the scope's life,
+    no copy of each activation in the forward pass."""
+    act = SWAP_ACT
+    pool_peak, pool_losses = swap_peak(lambda m: wm_torch.SwapHooks(
+        wm_torch.SwapScope(4 * act, 16 * act, prefetch_lookahead=2 * act), skip=m, mode="pool"))
+    direct_peak, direct_losses = swap_peak(lambda m: wm_torch.SwapHooks(
+        wm_torch.SwapScope(0, 16 * act), skip=m, mode="direct", max_outstanding_bytes=act, stage_bytes=act))
+    same = all(torch.equal(a, b) for a, b in zip(pool_losses, direct_losses))
+    check("swap hooks: the direct mode's peak is below the pool mode's (torch peak + device pool)",
+          direct_peak < pool_peak and same,
+          f"direct {direct_peak / 2 ** 20:.1f} MiB, pool (4 activations) {pool_peak / 2 ** 20:.1f} MiB, "
+          f"activation {act / 2 ** 20:.0f} MiB; losses {'equal' if same else 'DIFFERENT'}")
+
+
 def test_swap_hooks():
-    layers, width, batch, steps = 6, 1024, 4096, 3
-    act = batch * width * 2  # 8 MiB per bf16 activation; the float32 copy of the output is 16 MiB
+    layers, width, batch, steps = SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH, SWAP_STEPS
+    act = SWAP_ACT
     base_losses, base_grads = train_mlp(None, steps, layers, width, batch, False)
     for explicit in (True, False):
         # A pool of 3 activations for 8 saved buffers a step (the float32 output takes 2 of them).
         scope = wm_torch.SwapScope(3 * act, 16 * act, prefetch_lookahead=2 * act)
-        losses, grads = train_mlp(lambda model: wm_torch.SwapHooks(scope, skip=model), steps, layers, width,
-                                  batch, explicit)
+        losses, grads = train_mlp(lambda model: wm_torch.SwapHooks(scope, skip=model, mode="pool"), steps, layers,
+                                  width, batch, explicit)
         st = scope.statistics()
         same_loss = all(torch.equal(a, b) for a, b in zip(losses, base_losses))
         same_grad = all(torch.equal(a, b) for ga, gb in zip(grads, base_grads) for a, b in zip(ga, gb))
@@ -283,7 +358,7 @@ def test_swap_hooks():
         # (W^T, saved by the Linears that need the gradient of their input) are skipped, or the
         # copies would count them.
         shared_ok = st["shared"] == steps * (layers - 1) and st["copies"] == steps * (layers + 2)
-        check(f"swap hooks: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} prefetch_all)",
+        check(f"swap hooks pool: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} prefetch_all)",
               same_loss and same_grad and moved and shared_ok and st["live_buffers"] == 0,
               f"losses {[round(float(v), 5) for v in losses]}, {st['copies']} copies, {st['shared']} shared, "
               f"{st['kept']} kept, {st['bytes_out'] >> 20} MiB out, {st['bytes_in'] >> 20} MiB in, "
@@ -316,24 +391,28 @@ def test_swap_storage_reuse():
         return w.grad.clone(), len(ptrs)
 
     ref, _ = run(None)
-    scope = wm_torch.SwapScope(8 << 20, 64 << 20)
-    got, distinct = run(wm_torch.SwapHooks(scope))
-    st = scope.statistics()
-    check("swap hooks: a freed storage reused by a new tensor is a new save",
-          torch.equal(ref, got) and st["copies"] == 4 and st["shared"] == 0,
-          f"{distinct} distinct address(es) for 4 tensors, {st['copies']} copies, {st['shared']} shared")
+    for mode in ("pool", "direct"):
+        scope = wm_torch.SwapScope(8 << 20 if mode == "pool" else 0, 64 << 20)
+        got, distinct = run(wm_torch.SwapHooks(scope, mode=mode))
+        st = scope.statistics()
+        check(f"swap hooks {mode}: a freed storage reused by a new tensor is a new save",
+              torch.equal(ref, got) and st["copies"] == 4 and st["shared"] == 0 and st["reused_sources"] == 0,
+              f"{distinct} distinct address(es) for 4 tensors, {st['copies']} copies, {st['shared']} shared, "
+              f"{st['reused_sources']} unpacked as the (freed) tensor itself")
 
 
 def test_swap_no_room():
-    scope = wm_torch.SwapScope(1 << 20, 16 << 20)  # a 1 MiB pool: a 4 MiB tensor cannot go in
-    w = torch.randn(1 << 20, device=DEV, requires_grad=True)
-    a = torch.randn(1 << 20, device=DEV)
-    with wm_torch.SwapHooks(scope):
-        loss = (a * w).sum()
-    loss.backward()
-    st = scope.statistics()
-    check("swap hooks: a tensor larger than the pool is kept", torch.equal(w.grad, a) and st["kept_no_room"] == 1,
-          f"{st['kept']} kept ({st['kept_no_room']} for want of room)")
+    for mode, scope in (("pool", wm_torch.SwapScope(1 << 20, 16 << 20)),  # a 1 MiB pool: 4 MiB cannot go in
+                        ("direct", wm_torch.SwapScope(0, 1 << 20))):  # a 1 MiB slab
+        w = torch.randn(1 << 20, device=DEV, requires_grad=True)
+        a = torch.randn(1 << 20, device=DEV)
+        with wm_torch.SwapHooks(scope, mode=mode):
+            loss = (a * w).sum()
+        loss.backward()
+        st = scope.statistics()
+        check(f"swap hooks {mode}: a tensor larger than the {mode if mode == 'pool' else 'slab'} is kept",
+              torch.equal(w.grad, a) and st["kept_no_room"] == 1,
+              f"{st['kept']} kept ({st['kept_no_room']} for want of room)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +475,7 @@ def main():
     print(f"extension ready in {time.time() - t0:.1f} s ({torch.cuda.get_device_name()}, torch {torch.__version__})",
           flush=True)
     for name, fn in (("forward", test_forward), ("training", test_training), ("swap hooks", test_swap_hooks),
+                     ("swap hooks direct", test_swap_hooks_direct), ("swap peak", test_swap_peak),
                      ("swap storage reuse", test_swap_storage_reuse), ("swap no room", test_swap_no_room),
                      ("bad input", test_bad_input)):
         run_case(name, fn)

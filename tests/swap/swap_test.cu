@@ -935,3 +935,206 @@ TEST_CASE("swap: pageout_begin copies while the data is read; pageout frees it a
   CHECK(stats.host_blocking_syncs == 0);
   CHECK(stats.passive_pageins == 1);
 }
+
+// ---- page-outs from caller memory, page-ins into caller memory (pageout_from / pagein_to) ----
+
+namespace {
+// Device memory that the scope does not own (what a framework's allocator hands out).
+struct device_words {
+  std::uint32_t* p{nullptr};
+  explicit device_words(std::size_t n) { WM_CUDA_TRY(cudaMalloc(&p, n * 4)); }
+  ~device_words() { (void)cudaFree(p); }
+};
+}  // namespace
+
+TEST_CASE("swap: pageout_from copies caller memory after its producer; pagein_to gives it back",
+          "[gpu][swap]") {
+  load_kernels();
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{16};
+  std::size_t const words = 64 * mib;  // 256 MiB: ~5 ms each way
+  wm::swap_scope scope{small_scope(words * 4)};
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  device_words src{words};
+  device_words dst{words};
+  std::uint64_t const s_old = rng();
+  std::uint64_t const s_new = rng();
+  fill(src.p, words, s_old, st.s[0]);
+  WM_CUDA_TRY(cudaStreamSynchronize(st.s[0]));
+  spin(100, st.s[0]);
+  fill(src.p, words, s_new, st.s[0]);  // the producer: the copy must wait for it
+  auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
+  CHECK(b.size() == words);
+  CHECK_FALSE(b.resident());
+  {
+    auto const stats = scope.statistics();
+    CHECK(stats.pageouts_from == 1);
+    CHECK(stats.copies_out == 1);  // issued before pageout_from returned
+    CHECK(stats.resident_bytes == 0);
+    CHECK(stats.host_blocking_syncs == 0);
+  }
+  // The source is overwritten right after the call, on the producer's stream once it has waited
+  // for the copy: the paged-out data stays s_new. (Without wait_pageout the fill would run right
+  // after the spin, while the 5 ms copy reads.)
+  b.wait_pageout(s0);
+  fill(src.p, words, rng(), st.s[0]);
+  // dst was in use on s1 until now: the page-in copy goes after that (else the junk fill, held
+  // back by the spin, would land on the data after the copy).
+  spin(50, st.s[1]);
+  fill(dst.p, words, rng(), st.s[1]);
+  b.pagein_to(dst.p, s1);
+  b.wait_pagein(s1);
+  chk.check(dst.p, words, s_new, st.s[1]);
+  CHECK(wrong_on_host(dst.p, words, s_new, st.s[1]) == 0);
+  CHECK_FALSE(b.resident());  // pagein_to gives the buffer no device memory
+  // A second copy into other memory, read on another stream; then a page-in into the pool.
+  WM_CUDA_TRY(cudaMemsetAsync(dst.p, 0, words * 4, st.s[0]));
+  b.pagein_to(dst.p, s0);
+  b.wait_pagein(s1);
+  chk.check(dst.p, words, s_new, st.s[1]);
+  std::uint32_t* const p = b.data(s1);  // a passive page-in into the pool
+  chk.check(p, words, s_new, st.s[1]);
+  CHECK(wrong_on_host(p, words, s_new, st.s[1]) == 0);
+  // Resident now: pagein_to is a device copy on s1, which wait_pagein makes s0 wait for.
+  WM_CUDA_TRY(cudaMemsetAsync(dst.p, 0, words * 4, st.s[1]));
+  spin(50, st.s[1]);
+  b.pagein_to(dst.p, s1);
+  b.wait_pagein(s0);
+  chk.check(dst.p, words, s_new, st.s[0]);
+  CHECK(b.resident());
+  CHECK(chk.wrong_checks() == 0);
+  // The worker books the passive page-in a moment after the GPU finished it.
+  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (scope.statistics().bytes_in < 3 * words * 4 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds{1});
+  }
+  auto const stats = scope.statistics();
+  CHECK(stats.pageins_to == 2);
+  CHECK(stats.bytes_in == 3 * words * 4);
+  CHECK(stats.passive_pageins == 1);
+  CHECK(stats.host_blocking_syncs == 0);
+  CHECK(stats.device_allocations == 1);
+  CHECK(stats.pinned_allocations == 1);
+}
+
+TEST_CASE("swap: pagein_to right after pageout_from waits for the page-out copy", "[gpu][swap]") {
+  load_kernels();
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{8};
+  std::size_t const words = 16 * mib;
+  wm::swap_options o      = small_scope(0);  // no pool: caller memory only
+  wm::swap_scope scope{o};
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  device_words src{words};
+  device_words dst{words};
+  std::uint64_t const sd = rng();
+  fill(src.p, words, sd, st.s[0]);
+  spin(100, st.s[0]);  // holds the page-out copy back
+  auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
+  b.pagein_to(dst.p, s1);  // s1 is idle: without the wait on the page-out it reads the slab now
+  b.wait_pagein(s1);
+  chk.check(dst.p, words, sd, st.s[1]);
+  CHECK(wrong_on_host(dst.p, words, sd, st.s[1]) == 0);
+  CHECK(chk.wrong_checks() == 0);
+  // A scope without a pool cannot page into it: an error, not a wait until the timeout.
+  CHECK_THROWS_AS((void)b.data(s0), wm::logic_error);
+  CHECK_THROWS_AS(b.need_prefetch(), wm::logic_error);
+  CHECK_THROWS_AS((void)scope.allocate<std::uint32_t>(16, s0), wm::logic_error);
+  CHECK(scope.statistics().device_allocations == 1);  // one pool of one alignment unit
+}
+
+TEST_CASE("swap: pageout_from steps reuse the slab without allocations or host syncs",
+          "[gpu][swap]") {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{2};
+  checker chk{64};
+  std::size_t const words = mib;  // 4 MiB each
+  std::size_t const n     = 6;
+  wm::swap_options o      = small_scope(0);
+  o.host_bytes            = 7 * words * 4;  // room for one step's buffers and one more
+  wm::swap_scope scope{o};
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  device_words src{words * n};
+  device_words dst{words * n};
+  // The workers book page-outs a moment after the GPU finished them.
+  auto const booked = [&](std::uint64_t bytes) {
+    auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+    while (scope.statistics().bytes_out < bytes && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds{1});
+    }
+  };
+  for (int step = 0; step < 4; ++step) {
+    if (step == 1) {
+      WM_CUDA_TRY(cudaDeviceSynchronize());
+      booked(n * words * 4);
+      scope.reset_statistics();
+    }
+    std::vector<std::uint64_t> seeds(n);
+    std::vector<wm::swappable<std::uint32_t>> bufs;
+    for (std::size_t i = 0; i < n; ++i) {
+      seeds[i] = rng();
+      fill(src.p + i * words, words, seeds[i], st.s[0]);
+      bufs.push_back(scope.pageout_from<std::uint32_t>(src.p + i * words, words, s0));
+      bufs.back().wait_pageout(s0);  // the next step's fill overwrites the source on s0
+    }
+    for (std::size_t i = n; i-- > 0;) {  // backward order, as a backward pass
+      bufs[i].pagein_to(dst.p + i * words, s1);
+      bufs[i].wait_pagein(s1);
+      chk.check(dst.p + i * words, words, seeds[i], st.s[1]);
+    }
+    // Slab ranges go back while their copies may still run: the next step's page-outs take them
+    // stream-ordered (the host is ahead of the GPU; no wait for it).
+    bufs.clear();
+  }
+  CHECK(chk.wrong_checks() == 0);
+  booked(3 * n * words * 4);
+  auto const stats = scope.statistics();
+  CHECK(stats.pageouts_from == 3 * n);
+  CHECK(stats.pageins_to == 3 * n);
+  CHECK(stats.host_blocking_syncs == 0);
+  CHECK(stats.device_allocations == 0);
+  CHECK(stats.pinned_allocations == 0);
+  CHECK(stats.bytes_out == 3 * n * words * 4);
+}
+
+TEST_CASE("swap: pageout_from edges: zero bytes; misaligned or null pointers; oversized buffers",
+          "[gpu][swap]") {
+  streams st{1};
+  cuda::stream_ref const s0{st.s[0]};
+  wm::swap_options o = small_scope(mib);
+  o.host_bytes       = 4 * mib;
+  wm::swap_scope scope{o};
+  device_words mem{mib};
+  // Zero elements: a valid empty buffer whose copies do nothing.
+  auto z = scope.pageout_from<std::uint32_t>(nullptr, 0, s0);
+  CHECK(z);
+  CHECK(z.size() == 0);
+  CHECK_FALSE(z.resident());
+  z.wait_pageout(s0);
+  z.pagein_to(nullptr, s0);
+  z.wait_pagein(s0);
+  auto z2 = scope.pageout_from<std::uint32_t>(mem.p, 0, s0);
+  z2.pagein_to(mem.p, s0);
+  WM_CUDA_TRY(cudaStreamSynchronize(st.s[0]));
+  // Errors, raised before anything is queued.
+  auto const* const bytes = reinterpret_cast<std::byte const*>(mem.p);
+  CHECK_THROWS_AS(
+      (void)scope.pageout_from(reinterpret_cast<std::uint32_t const*>(bytes + 2), 4, s0),
+      wm::logic_error);
+  CHECK_THROWS_AS((void)scope.pageout_from<std::uint32_t>(nullptr, 4, s0), wm::logic_error);
+  CHECK_THROWS_AS((void)scope.pageout_from(mem.p, mib + 1, s0), wm::logic_error);  // > the slab
+  CHECK_THROWS_AS((void)scope.pageout_from(mem.p, ~std::size_t{0} / 2, s0), wm::logic_error);
+  auto b = scope.pageout_from(mem.p, 1000, s0);
+  CHECK_THROWS_AS(
+      b.pagein_to(reinterpret_cast<std::uint32_t*>(reinterpret_cast<std::byte*>(mem.p) + 1), s0),
+      wm::logic_error);
+  CHECK_THROWS_AS(b.pagein_to(nullptr, s0), wm::logic_error);
+  auto const stats = scope.statistics();
+  CHECK(stats.pageouts_from == 3);
+  CHECK(stats.host_bytes_in_use == 2 * 256 + 4096);  // 0, 0 and 4000 bytes, in 256-byte units
+}

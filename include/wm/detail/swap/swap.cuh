@@ -10,6 +10,7 @@
 #include <wm/error.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <string>
@@ -27,6 +28,24 @@ swappable<T> swap_scope::allocate(std::size_t count, cuda::stream_ref stream) {
   WM_EXPECTS(count <= std::numeric_limits<std::size_t>::max() / sizeof(T),
              "swap_scope::allocate: " + std::to_string(count) + " elements overflow a size_t");
   return swappable<T>{core_.get(), core_->allocate(count * sizeof(T), stream.get()), count};
+}
+
+template <class T>
+swappable<T> swap_scope::pageout_from(T const* src, std::size_t count, cuda::stream_ref stream) {
+  WM_EXPECTS(count <= std::numeric_limits<std::size_t>::max() / sizeof(T),
+             "swap_scope::pageout_from: " + std::to_string(count) + " elements overflow a size_t");
+  WM_EXPECTS(src != nullptr || count == 0, "swap_scope::pageout_from: null source");
+  WM_EXPECTS(reinterpret_cast<std::uintptr_t>(src) % alignof(T) == 0,
+             "swap_scope::pageout_from: the source is not aligned for its element type");
+  return swappable<T>{core_.get(), core_->pageout_from(src, count * sizeof(T), stream.get()),
+                      count};
+}
+
+inline cudaStream_t swap_scope::pageout_stream() const noexcept {
+  return core_->pageout_stream();
+}
+inline cudaStream_t swap_scope::pagein_stream() const noexcept {
+  return core_->pagein_stream();
 }
 
 inline void swap_scope::prefetch_init() {
@@ -102,6 +121,27 @@ template <class T>
 void swappable<T>::need_prefetch() {
   WM_EXPECTS(core_ != nullptr, "swappable::need_prefetch: empty buffer");
   core_->need_prefetch(id_);
+}
+
+template <class T>
+void swappable<T>::pagein_to(T* dst, cuda::stream_ref stream) {
+  WM_EXPECTS(core_ != nullptr, "swappable::pagein_to: empty buffer");
+  WM_EXPECTS(dst != nullptr || count_ == 0, "swappable::pagein_to: null destination");
+  WM_EXPECTS(reinterpret_cast<std::uintptr_t>(dst) % alignof(T) == 0,
+             "swappable::pagein_to: the destination is not aligned for its element type");
+  core_->pagein_to(id_, dst, stream.get());
+}
+
+template <class T>
+void swappable<T>::wait_pagein(cuda::stream_ref stream) {
+  WM_EXPECTS(core_ != nullptr, "swappable::wait_pagein: empty buffer");
+  core_->wait_pagein(id_, stream.get());
+}
+
+template <class T>
+void swappable<T>::wait_pageout(cuda::stream_ref stream) {
+  WM_EXPECTS(core_ != nullptr, "swappable::wait_pageout: empty buffer");
+  core_->wait_pageout(id_, stream.get());
 }
 
 template <class T>

@@ -74,19 +74,22 @@ inline std::size_t swap_core::take_block(std::size_t bytes, cudaStream_t stream,
 
 // A host slab range for a page-out of @p bytes that the page-out copy stream @p stream may write
 // in stream order, or npos: that of a destroyed buffer whose page-in copy still reads it (@p
-// stream waits for that copy). Without it, a host that runs a step ahead of the GPU finds the
-// slab full of the previous step's page-ins and must wait for them on the GPU.
+// stream waits for that copy), or whose own page-out copy still writes it (issued earlier on
+// @p stream, the page-out stream: it lands first). Without it, a host that runs a step ahead of
+// the GPU finds the slab full of the previous step's page-ins (or, with pageout_from, page-outs)
+// and must wait for them on the GPU.
 inline std::size_t swap_core::take_host_range(std::size_t bytes, cudaStream_t stream) {
   std::size_t const size = host_alloc_.round(bytes);
   for (auto& [id, r] : records_) {
-    if (!r.destroyed || r.st != state::in_issued || r.host == npos || r.copy == nullptr) {
-      continue;
-    }
+    bool const reading = r.st == state::in_issued && r.copy != nullptr;
+    bool const writing = r.st == state::out_issued && stream == out_stream_;
+    if (!r.destroyed || r.host == npos || !(reading || writing)) { continue; }
     std::size_t const have = host_alloc_.size_of(r.host);
     if (have < size || have > 2 * size) { continue; }
-    WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0));
+    if (r.copy != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.copy, 0)); }
+    if (r.slab_read != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(stream, r.slab_read, 0)); }
     std::size_t const off = r.host;
-    r.host                = npos;  // its page-in completes without it
+    r.host                = npos;  // its copy completes without it
     ++stats_.slab_ranges_reused;
     return off;
   }
@@ -212,6 +215,36 @@ inline void swap_core::collect_waits() {
     give_event(it->second, true);
     it = waits_.erase(it);
   }
+  collect_pageins_to();
+}
+
+// pagein_to copies that have completed: their time is counted, the buffer (if this is still its
+// last such copy) forgets the event, and the events go back to the pool.
+inline void swap_core::collect_pageins_to() {
+  for (auto it = ext_ins_.begin(); it != ext_ins_.end();) {
+    if (cudaEventQuery(it->end) == cudaErrorNotReady) {
+      ++it;
+      continue;
+    }
+    float ms = 0;
+    if (it->link && cudaEventElapsedTime(&ms, it->start, it->end) == cudaSuccess) {
+      stats_.seconds_in += ms * 1e-3;
+    }
+    auto const r = records_.find(it->id);
+    if (r != records_.end() && r->second.ext_in == it->end) { r->second.ext_in = nullptr; }
+    if (r != records_.end() && r->second.slab_read == it->end) { r->second.slab_read = nullptr; }
+    give_event(it->start, true);
+    give_event(it->end, true);
+    it = ext_ins_.erase(it);
+  }
+}
+
+// Page-ins into the pool need a block: a buffer larger than the pool would wait forever.
+inline void swap_core::expect_fits_pool(record const& r, char const* what) const {
+  WM_EXPECTS(dev_alloc_.round(r.bytes) <= dev_alloc_.capacity(),
+             std::string{what} + ": a buffer of " + std::to_string(r.bytes) +
+                 " bytes cannot be paged into a device pool of " +
+                 std::to_string(dev_alloc_.capacity()) + " bytes (use pagein_to)");
 }
 
 // Device memory of a dropped buffer: free now, or a pending block after its release event.
@@ -227,8 +260,11 @@ inline void swap_core::free_device(record& r) {
   notify_room();
 }
 
+// The slab range of @p r is free for the next page-out: the page-out copy stream (the only
+// writer of the slab) first waits for a pagein_to copy that may still read it.
 inline void swap_core::free_host(record& r) {
   if (r.host != npos) {
+    if (r.slab_read != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(out_stream_, r.slab_read, 0)); }
     host_alloc_.free(r.host);
     r.host = npos;
   }

@@ -28,6 +28,7 @@ inline std::uint64_t swap_core::allocate(std::size_t bytes, cudaStream_t stream)
 // has issued it; @p stream waits for its copy. @p r is in `host` or `out_issued` without a block.
 inline void swap_core::page_in_front(std::uint64_t id, record& r, cudaStream_t stream,
                                      std::unique_lock<std::mutex>& lock) {
+  expect_fits_pool(r, "swappable::data");
   state const before = r.st;
   if (before == state::out_issued) { r.after = r.copy; }  // its block went to another buffer
   r.st              = state::in_queued;
@@ -142,6 +143,9 @@ inline bool swap_core::pageout(std::uint64_t id, cudaStream_t stream, bool keep)
 inline void swap_core::need_prefetch(std::uint64_t id) {
   std::unique_lock lock{mutex_};
   record& r = at(id);
+  if (r.st == state::host || (r.st == state::out_issued && r.dev == npos)) {
+    expect_fits_pool(r, "swappable::need_prefetch");
+  }
   switch (r.st) {
     case state::host:
       r.st = state::in_queued;
@@ -226,6 +230,115 @@ inline void swap_core::release(std::uint64_t id) noexcept {
   } catch (...) {
     // Destructors never throw; a CUDA error here resurfaces on the next call that checks.
   }
+}
+
+// A buffer whose page-out copies @p src (caller memory): queued at the front of the page-out
+// queue (its worker issues it next, past the in-flight limit) after the work queued so far on
+// @p stream; returns once the copy is issued, so that the caller's allocator can be told to keep
+// @p src until the copy stream has passed it.
+inline std::uint64_t swap_core::pageout_from(void const* src, std::size_t bytes,
+                                             cudaStream_t stream) {
+  WM_EXPECTS(host_alloc_.round(bytes) <= host_alloc_.capacity(),
+             "swap_scope::pageout_from: " + std::to_string(bytes) +
+                 " bytes cannot fit a host slab of " + std::to_string(host_alloc_.capacity()));
+  std::unique_lock lock{mutex_};
+  collect_pageins_to();
+  std::uint64_t const id = next_id_++;
+  record& r              = records_[id];
+  r.bytes                = bytes;
+  r.ext                  = static_cast<std::byte const*>(src);
+  r.last                 = stream;
+  r.st                   = state::out_queued;
+  r.out_seq              = ++out_seq_;
+  auto const drop        = [&] {
+    out_q_->erase(id);  // a worker holding it finds no record and drops it
+    if (r.producer != nullptr) { give_event(r.producer, false); }
+    records_.erase(id);
+  };
+  try {
+    r.producer = take_event(false);
+    WM_CUDA_TRY(cudaEventRecord(r.producer, stream));
+    WM_EXPECTS(
+        out_q_->enqueue_front(transfer_task{id, bytes}),
+        "swap_scope::pageout_from: the page-out queue is locked (wait_pageouts in progress)");
+  } catch (...) {
+    drop();
+    throw;
+  }
+  // Wait for the worker to issue it (on the GPU too if the slab is full until copies finish).
+  r.deferred    = false;
+  auto const t0 = clock::now();
+  bool const issued =
+      cv_.wait_until(lock, t0 + options_.timeout, [&] { return r.st != state::out_queued; });
+  count_wait(r.deferred ? wait_cause::slab : wait_cause::worker, t0);
+  r.deferred = false;
+  if (!issued) {
+    drop();
+    throw_timeout("a page-out from caller memory to be issued");
+  }
+  ++stats_.pageouts_from;
+  return id;
+}
+
+// Copies the data into caller memory on the page-in copy stream (from the slab) or, if the pool
+// holds it, on @p stream (a device copy after data()). The buffer's state does not change.
+inline void swap_core::pagein_to(std::uint64_t id, void* dst, cudaStream_t stream) {
+  std::unique_lock lock{mutex_};
+  record& r = at(id);
+  collect_pageins_to();
+  // The slab holds the data: paged out, on its way in, or on its way out (not wanted back).
+  bool const slab = r.st == state::host || r.st == state::in_queued || r.st == state::in_issued ||
+                    (r.st == state::out_issued && !r.cancel_free);
+  if (!slab) {
+    lock.unlock();
+    void const* const p = data(id, stream, false);  // resident (a queued page-out is cancelled)
+    lock.lock();
+    // A device copy on @p stream, which wait_pagein() makes other streams wait for (not counted
+    // as a page-in: nothing crossed the link).
+    copy_to c{id, take_event(true), take_event(true), false};
+    WM_CUDA_TRY(cudaEventRecord(c.start, stream));
+    if (r.bytes != 0) {
+      WM_CUDA_TRY(cudaMemcpyAsync(dst, p, r.bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+    WM_CUDA_TRY(cudaEventRecord(c.end, stream));
+    r.ext_in = c.end;
+    ext_ins_.push_back(c);
+    return;
+  }
+  cudaEvent_t const after = take_event(false);  // dst's allocation and earlier use on stream
+  WM_CUDA_TRY(cudaEventRecord(after, stream));
+  WM_CUDA_TRY(cudaStreamWaitEvent(in_stream_, after, 0));
+  give_event(after, false);  // the wait is enqueued
+  // A page-out still writing the slab range: its copy (out_issued), or the page-out that a
+  // page-in of it follows (r.after, until booked).
+  if (r.st == state::out_issued) { WM_CUDA_TRY(cudaStreamWaitEvent(in_stream_, r.copy, 0)); }
+  if (r.after != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(in_stream_, r.after, 0)); }
+  copy_to c{id, take_event(true), take_event(true), true};
+  WM_CUDA_TRY(cudaEventRecord(c.start, in_stream_));
+  if (r.bytes != 0) {
+    WM_CUDA_TRY(cudaMemcpyAsync(dst, slab_ + r.host, r.bytes, cudaMemcpyHostToDevice, in_stream_));
+  }
+  WM_CUDA_TRY(cudaEventRecord(c.end, in_stream_));
+  r.ext_in    = c.end;
+  r.slab_read = c.end;
+  ext_ins_.push_back(c);
+  stats_.bytes_in += r.bytes;
+  ++stats_.copies_in;
+  ++stats_.pageins_to;
+}
+
+inline void swap_core::wait_pagein(std::uint64_t id, cudaStream_t stream) {
+  std::lock_guard lock{mutex_};
+  record& r = at(id);
+  collect_pageins_to();
+  consumer_wait(stream, r.ext_in);  // nothing if it has completed (cleared by the collector)
+}
+
+inline void swap_core::wait_pageout(std::uint64_t id, cudaStream_t stream) {
+  std::lock_guard lock{mutex_};
+  record& r = at(id);
+  if (r.st == state::out_issued) { consumer_wait(stream, r.copy); }
+  if (r.after != nullptr) { consumer_wait(stream, r.after); }  // a page-in follows it, unbooked
 }
 
 // A prefetched buffer is being used (or dropped): its bytes leave the lookahead.

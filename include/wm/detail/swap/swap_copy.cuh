@@ -54,7 +54,12 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
         WM_CUDA_TRY(cudaStreamWaitEvent(s, r.producer, 0));
         give_event(r.producer, false);
         r.producer = nullptr;
-        pieces.push_back({slab_ + r.host, pool_ + r.dev, dev_alloc_.round(r.bytes)});
+        if (r.dev != npos) {
+          pieces.push_back({slab_ + r.host, pool_ + r.dev, dev_alloc_.round(r.bytes)});
+        } else if (r.bytes != 0) {  // pageout_from: the caller's memory, exactly its bytes
+          pieces.push_back({slab_ + r.host, r.ext, r.bytes});
+        }
+        r.ext = nullptr;  // issued: its completion needs no source
       } else {
         // The copy stream waits for the block's previous user (a page-out copy or a release).
         if (r.dev == npos) { r.dev = take_block(r.bytes, s, false); }

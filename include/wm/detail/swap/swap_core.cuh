@@ -62,15 +62,21 @@ class swap_core {
     bool kept{false};         // pageout_begin: the block stays (readable) until pageout()
     bool clean{false};        // kept, and its page-out copy has completed: the host copy is valid
     int pins{0};
-    cudaEvent_t producer{nullptr};  // a page-out waits on it (recorded by pageout())
-    cudaEvent_t copy{nullptr};      // end of the copy in flight (out_issued / in_issued)
-    cudaEvent_t release{nullptr};   // destroyed: the device memory is free after it
-    cudaEvent_t after{nullptr};     // its page-out, whose block another buffer took: a page-in
-                                    // waits for it on the copy stream
-    cudaEvent_t reader{nullptr};    // pageout() after pageout_begin(): the block is free after
-                                    // it (the readers' work) and after the copy
-    std::uint64_t out_seq{0};       // order in which page-outs were asked for, then issued
-    cudaStream_t last{nullptr};     // the last stream that used it
+    cudaEvent_t producer{nullptr};   // a page-out waits on it (recorded by pageout())
+    cudaEvent_t copy{nullptr};       // end of the copy in flight (out_issued / in_issued)
+    cudaEvent_t release{nullptr};    // destroyed: the device memory is free after it
+    cudaEvent_t after{nullptr};      // its page-out, whose block another buffer took: a page-in
+                                     // waits for it on the copy stream
+    cudaEvent_t reader{nullptr};     // pageout() after pageout_begin(): the block is free after
+                                     // it (the readers' work) and after the copy
+    cudaEvent_t ext_in{nullptr};     // end of the last pagein_to copy (owned by ext_ins_; the
+                                     // collector clears it here once the copy has completed)
+    cudaEvent_t slab_read{nullptr};  // end of the last pagein_to copy from the slab (same owner;
+                                     // on the page-in stream, so it follows the earlier ones)
+    std::byte const* ext{nullptr};   // pageout_from: the caller's memory its page-out copies
+                                     // (out_queued without a block; cleared once issued)
+    std::uint64_t out_seq{0};        // order in which page-outs were asked for, then issued
+    cudaStream_t last{nullptr};      // the last stream that used it
   };
 
   struct ticket {
@@ -93,7 +99,6 @@ class swap_core {
 
   explicit swap_core(swap_options const& options)
       : options_{options}, dev_alloc_{0, 256}, host_alloc_{0, 256} {
-    WM_EXPECTS(options.device_budget > 0, "swap_scope: the device budget must be positive");
     WM_EXPECTS(options.host_bytes > 0, "swap_scope: the host slab must have a positive size");
     WM_EXPECTS(options.max_in_flight >= 1, "swap_scope: max_in_flight must be at least 1");
     WM_EXPECTS(options.timeout.count() > 0, "swap_scope: the timeout must be positive");
@@ -147,6 +152,12 @@ class swap_core {
   [[nodiscard]] bool resident(std::uint64_t id) const;
   [[nodiscard]] int pins(std::uint64_t id) const;
   void release(std::uint64_t id) noexcept;
+  std::uint64_t pageout_from(void const* src, std::size_t bytes, cudaStream_t stream);
+  void pagein_to(std::uint64_t id, void* dst, cudaStream_t stream);
+  void wait_pagein(std::uint64_t id, cudaStream_t stream);
+  void wait_pageout(std::uint64_t id, cudaStream_t stream);
+  [[nodiscard]] cudaStream_t pageout_stream() const noexcept { return out_stream_; }
+  [[nodiscard]] cudaStream_t pagein_stream() const noexcept { return in_stream_; }
 
   // ---- scope operations (swap_buffers.cuh) -----------------------------------------------------
   void prefetch_init() { in_q_->pause(); }
@@ -164,6 +175,15 @@ class swap_core {
  private:
   static constexpr std::size_t alignment = 256;
   using clock                            = std::chrono::steady_clock;
+
+  /// A pagein_to copy in flight: its timing events and the buffer it copied (the record's
+  /// ext_in is cleared when the copy is collected, if it is still this copy).
+  struct copy_to {
+    std::uint64_t id;
+    cudaEvent_t start;
+    cudaEvent_t end;
+    bool link;  // host to device (counted in seconds_in), else a device copy
+  };
 
   /// A pool block given back after some work: free for the next user once @p ev has completed.
   struct pending_free {
@@ -197,6 +217,8 @@ class swap_core {
   void count_wait(wait_cause cause, clock::time_point t0);
   void consumer_wait(cudaStream_t stream, cudaEvent_t ev);
   void collect_waits();
+  void collect_pageins_to();
+  void expect_fits_pool(record const& r, char const* what) const;
   void free_device(record& r);
   void free_host(record& r);
   void reclaim();
@@ -223,6 +245,7 @@ class swap_core {
     if (in_q_) { in_q_->close(); }
     for (auto const& p : pending_frees_) { (void)cudaEventSynchronize(p.ev); }
     for (auto const& [a, b] : waits_) { (void)cudaEventSynchronize(b); }
+    for (auto const& c : ext_ins_) { (void)cudaEventSynchronize(c.end); }
     if (out_stream_ != nullptr) { (void)cudaStreamSynchronize(out_stream_); }
     if (in_stream_ != nullptr) { (void)cudaStreamSynchronize(in_stream_); }
     for (cudaEvent_t ev : all_events_) { (void)cudaEventDestroy(ev); }
@@ -253,6 +276,7 @@ class swap_core {
   std::vector<pending_free> pending_frees_;
   std::uint64_t out_seq_{0};
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> waits_;
+  std::vector<copy_to> ext_ins_;
   swap_statistics stats_;
   std::uint64_t device_allocations_{0};
   std::uint64_t pinned_allocations_{0};
