@@ -83,6 +83,7 @@ struct row {
   double host{};
   double cpu_adam_ms{};      // offload: the CPU Adam alone on this shard, in place
   double cpu_adam_sep_ms{};  // the same into a second copy (the offload pipeline's form)
+  double cpu_adam_min_ms{};  // the fastest of the in-place repetitions (median above)
   bool pipeline{false};      // offload with the pipeline: `stats` hold its timed steps
   wm::zero_offload_stats stats{};
   int timed_steps{0};
@@ -252,6 +253,9 @@ row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char 
         if (i >= 2) { ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count()); }
       }
       (sep == 0 ? r.cpu_adam_ms : r.cpu_adam_sep_ms) = wm_bench::median(ms) * scale_to_shard;
+      if (sep == 0) {
+        r.cpu_adam_min_ms = *std::min_element(ms.begin(), ms.end()) * scale_to_shard;
+      }
     }
   }
   return r;
@@ -433,6 +437,20 @@ int main(int argc, char** argv) {
             "copy; step / CPU Adam in place = %.3f%s, / into a copy = %.3f\n",
             off.name.c_str(), off.cpu_adam_ms, off.cpu_adam_sep_ms, off.ms / off.cpu_adam_ms,
             off.name == "ZeRO-2, offload" ? " (target <= 1.2)" : "", off.ms / off.cpu_adam_sep_ms);
+      }
+      // The strict form of the offload target: the step against the fastest in-place CPU Adam
+      // alone of the whole run (every row's repetitions), not only its own row's median.
+      double fastest = 0.0;
+      for (auto const& off : rows) {
+        if (off.cpu_adam_min_ms > 0 && (fastest == 0.0 || off.cpu_adam_min_ms < fastest)) {
+          fastest = off.cpu_adam_min_ms;
+        }
+      }
+      for (auto const& off : rows) {
+        if (off.cpu_adam_ms <= 0 || fastest <= 0) { continue; }
+        std::printf("%s: step / the run's fastest CPU Adam alone (%.2f ms) = %.3f%s\n",
+                    off.name.c_str(), fastest, off.ms / fastest,
+                    off.name == "ZeRO-2, offload" ? " (target <= 1.2)" : "");
       }
       for (auto const& off : rows) {
         if (!off.pipeline) { continue; }
