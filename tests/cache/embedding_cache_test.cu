@@ -4,7 +4,9 @@
 // and a store() + load() into an uncached table of another layout; read-only caches (group
 // cache of one rank, device_cache<read_only>) gather what the table holds; the statistics add up
 // and match a host count; edge geometries (one set, ratio 1, fewer rows than one set's 32 ways);
-// invalid keys give zero rows and are reported.
+// invalid keys give zero rows and are reported. The tests of read-write caches run once per
+// wm::write_back_mode (Catch sections "victims sorted" and "victims streamed"), and a gather
+// loop with many dirty victims per gather checks the flushed table and exact write-back counts.
 #include <wm/wm.cuh>
 
 #include <cuda_bf16.h>
@@ -23,6 +25,23 @@
 #include "rank_check.hpp"
 
 namespace {
+
+/// Runs the calling test case once per wm::write_back_mode (two Catch sections); the mode of
+/// this run.
+wm::write_back_mode write_back_section() {
+  auto mode = wm::write_back_mode::sorted;
+  SECTION("victims sorted") {
+    mode = wm::write_back_mode::sorted;
+  }
+  SECTION("victims streamed") {
+    mode = wm::write_back_mode::streamed;
+  }
+  return mode;
+}
+
+char const* mode_name(wm::write_back_mode m) {
+  return m == wm::write_back_mode::streamed ? "streamed" : "sorted";
+}
 
 template <class T>
 T from_float(float x) {
@@ -159,17 +178,20 @@ std::filesystem::path fresh_dir(char const* what) {
  * into an uncached table of another layout must agree bit for bit.
  */
 template <class T, class R, class Opt>
-void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t seed) {
+void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t seed,
+                   wm::write_back_mode mode) {
   std::string const what = std::string{g.what} + " T=" + std::to_string(sizeof(T)) + "B " +
                            R::name + " " + Opt::name + " rows=" + std::to_string(g.rows) +
-                           " dim=" + std::to_string(g.dim) + " ratio=" + std::to_string(g.ratio);
+                           " dim=" + std::to_string(g.dim) + " ratio=" + std::to_string(g.ratio) +
+                           " victims " + mode_name(mode);
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
   auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
   wm::cache_options co;
-  co.ratio     = g.ratio;
-  co.hash_seed = static_cast<std::uint32_t>(rng());
+  co.ratio       = g.ratio;
+  co.hash_seed   = static_cast<std::uint32_t>(rng());
+  co.write_backs = mode;
   wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
       comm, g.rows, g.dim, opt, init, co};
   wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, g.rows, g.dim, opt,
@@ -274,15 +296,19 @@ constexpr geometry geometries[] = {
     {3000, 32, 500, 0.01, "one set, many misses"},
     // 75,000 lines and 70,000 keys: many victims staged per gather, sets past 32 keys.
     {300000, 4, 70000, 0.25, "many lines"},
+    // Adam rows of 192 floats (2,304 B with m and v) are wider than a streamed victim's registers
+    // (2 KiB): written back inside the lock in that mode; SGD's (768 B) are held.
+    {4000, 192, 600, 0.05, "wide rows"},
 };
 
 template <class T, class R, class Opt>
 void every_geometry(Opt opt) {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
+  std::uint64_t const seed       = std::random_device{}();
+  wm::write_back_mode const mode = write_back_section();
+  INFO("seed " << seed << ", victims " << mode_name(mode));
   wm::launch(1, [&](wm::communicator& comm) {
     std::uint64_t sd = seed;
-    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++); }
+    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++, mode); }
   });
 }
 
@@ -317,8 +343,9 @@ namespace {
  */
 template <class T, class R, class Opt>
 void hit_first_bitwise(Opt opt, char const* what) {
-  std::uint64_t const seed = std::random_device{}();
-  INFO(what << ", seed " << seed);
+  std::uint64_t const seed       = std::random_device{}();
+  wm::write_back_mode const mode = write_back_section();
+  INFO(what << ", seed " << seed << ", victims " << mode_name(mode));
   wm::launch(1, [&](wm::communicator& comm) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreate(&s));
@@ -326,8 +353,9 @@ void hit_first_bitwise(Opt opt, char const* what) {
     std::size_t const rows = 20000, dim = 16, n = 4000, hot_rows = 600;
     auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
     wm::cache_options co;
-    co.ratio     = 0.1;
-    co.hash_seed = static_cast<std::uint32_t>(rng());
+    co.ratio       = 0.1;
+    co.hash_seed   = static_cast<std::uint32_t>(rng());
+    co.write_backs = mode;
     wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
         comm, rows, dim, opt, init, co};
     wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
@@ -436,15 +464,17 @@ TEST_CASE("read-only caches (group cache of one rank, read-only device cache) ga
 
 TEST_CASE("device cache: the one-rank gather is captured in a CUDA graph and replayed on new keys",
           "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
+  std::uint64_t const seed       = std::random_device{}();
+  wm::write_back_mode const mode = write_back_section();
+  INFO("seed " << seed << ", victims " << mode_name(mode));
   wm::launch(1, [&](wm::communicator& comm) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::size_t const rows = 5000, dim = 32, n = 3000;
     auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
     wm::cache_options co;
-    co.ratio = 0.1;
+    co.ratio       = 0.1;
+    co.write_backs = mode;
     wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
         comm, rows, dim, {}, init, co};
     wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
@@ -623,16 +653,19 @@ namespace {
  * uncached table bit for bit, gathers and tables after flush().
  */
 template <class T, class R, class Opt>
-void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed) {
-  std::string const what = std::string{"bypass "} + R::name + " " + Opt::name;
+void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed,
+                         wm::write_back_mode mode) {
+  std::string const what =
+      std::string{"bypass "} + R::name + " " + Opt::name + " victims " + mode_name(mode);
   std::size_t const rows = 300, dim = 16;
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
   auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
   wm::cache_options co;
-  co.ratio     = 0.1;  // 30 lines wanted: one set of 32
-  co.hash_seed = static_cast<std::uint32_t>(rng());
+  co.ratio       = 0.1;  // 30 lines wanted: one set of 32
+  co.hash_seed   = static_cast<std::uint32_t>(rng());
+  co.write_backs = mode;
   wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
       comm, rows, dim, opt, init, co};
   wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
@@ -678,12 +711,13 @@ TEST_CASE(
     "device cache: more than 32 keys of one set in a batch bypass; training still equals "
     "no cache bit for bit",
     "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
+  std::uint64_t const seed       = std::random_device{}();
+  wm::write_back_mode const mode = write_back_section();
+  INFO("seed " << seed << ", victims " << mode_name(mode));
   wm::launch(1, [&](wm::communicator& comm) {
-    train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed);
-    train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed + 1);
-    train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2);
+    train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed, mode);
+    train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed + 1, mode);
+    train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2, mode);
   });
 }
 
@@ -734,5 +768,99 @@ TEST_CASE("device cache: every replay of a captured gather is a batch of its own
     WM_CUDA_TRY(cudaGraphExecDestroy(exec));
     WM_CUDA_TRY(cudaGraphDestroy(graph));
     WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
+namespace {
+
+/**
+ * Many dirty victims per gather: a cache of 10,016 lines (313 sets) and 12 batches of 9,000 keys
+ * (about 6,700 distinct) drawn from 200,000 rows (almost all misses: about 6,000 victims per
+ * gather once the cache is full; about 21 distinct keys per set, a few sets past 32), each gathered
+ * and then updated, so every line a gather admits is dirty before the next gather evicts it. Each
+ * gather equals the uncached one; the statistics are exact: requests and distinct keys as made;
+ * bypasses per batch as a host count over the sets (a set asked for D > 32 distinct keys bypasses D
+ * - 32); no flush until the end, so every victim is dirty (write-backs == evictions) and every
+ * admitted line is written back exactly once, by an eviction or by the final flush (write-backs
+ * after it == lines loaded); the flushed table equals the uncached one bit for bit.
+ */
+template <class T, class R, class Opt>
+void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed, wm::write_back_mode mode) {
+  std::string const what = std::string{"many victims T="} + std::to_string(sizeof(T)) + "B " +
+                           R::name + " " + Opt::name + " victims " + mode_name(mode);
+  std::size_t const rows = 200000, dim = 32, n = 9000;
+  int const steps = 12;
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreate(&s));
+  std::mt19937_64 rng{seed};
+  auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
+  wm::cache_options co;
+  co.ratio       = 0.05;
+  co.hash_seed   = static_cast<std::uint32_t>(rng());
+  co.write_backs = mode;
+  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
+      comm, rows, dim, opt, init, co};
+  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
+  auto const sets = static_cast<std::uint32_t>(cached.cache_lines() / 32);
+  RANK_REQUIRE_MSG(cached.cache_lines() == 10016, what << ": " << cached.cache_lines() << " lines");
+  std::size_t const payload = dim * sizeof(T) + dim * Opt::states * sizeof(float) +
+                              (opt.needs_steps() ? sizeof(std::int64_t) : 0);
+  std::uint64_t requests = 0, distinct = 0, bypasses = 0;
+  for (int k = 0; k < steps; ++k) {
+    auto const b = draw<T>(rng, rows, dim, n, k);
+    std::vector<std::uint32_t> per_set(sets, 0);
+    for (auto const key : std::set<std::int64_t>(b.keys.begin(), b.keys.end())) {
+      ++per_set[wm::detail::cache::set_of(static_cast<std::uint32_t>(key), sets, co.hash_seed)];
+    }
+    for (auto const d : per_set) { bypasses += d > 32 ? d - 32 : 0; }
+    RANK_REQUIRE_MSG(gather(cached, b, s) == gather(plain, b, s),
+                     what << ": gather of step " << k << " differs");
+    requests += b.keys.size();
+    distinct += b.distinct;
+    apply(cached, b, s);
+    apply(plain, b, s);
+    auto const st = cached.cache_stats();
+    INFO(what << " step " << k << ": hits " << st.hits << ", misses " << st.misses << ", evictions "
+              << st.evictions << ", write-backs " << st.write_backs << ", bypasses " << st.bypasses
+              << " (" << bypasses << " counted)");
+    RANK_REQUIRE_MSG(st.requests == requests && st.distinct_keys == distinct, what);
+    RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what);
+    RANK_REQUIRE_MSG(st.bypasses == bypasses, what << " step " << k);
+    RANK_REQUIRE_MSG(st.write_backs == st.evictions,
+                     what << " step " << k << ": every victim is dirty");
+    std::uint64_t const lines_in = st.bytes_from_host - st.bypasses * dim * sizeof(T);
+    RANK_REQUIRE_MSG(lines_in % payload == 0, what << " step " << k);
+    RANK_REQUIRE_MSG(lines_in / payload + st.bypasses <= distinct, what << " step " << k);
+    RANK_REQUIRE_MSG(lines_in / payload - st.evictions <= cached.cache_lines(),
+                     what << " step " << k << ": more lines valid than the cache has");
+  }
+  auto const before = cached.cache_stats();
+  RANK_REQUIRE_MSG(before.hit_first_gathers == 0, what << ": a gather took the hit-first path");
+  RANK_REQUIRE_MSG(before.write_backs >= 4 * cached.cache_lines(),
+                   what << ": only " << before.write_backs << " victims written back");
+  cached.flush(cuda::stream_ref{s});
+  auto const after = cached.cache_stats();
+  std::uint64_t const lines_in =
+      (after.bytes_from_host - after.bypasses * dim * sizeof(T)) / payload;
+  RANK_REQUIRE_MSG(after.write_backs == lines_in,
+                   what << ": " << after.write_backs << " write-backs for " << lines_in
+                        << " lines loaded (each must be written back once)");
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": the flushed table");
+  WM_CUDA_TRY(cudaStreamDestroy(s));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "device cache: many dirty victims per gather; exact write-backs, the flushed table equals "
+    "no cache bit for bit",
+    "[gpu]") {
+  std::uint64_t const seed       = std::random_device{}();
+  wm::write_back_mode const mode = write_back_section();
+  INFO("seed " << seed << ", victims " << mode_name(mode));
+  wm::launch(1, [&](wm::communicator& comm) {
+    many_victims<float, wm::lfu>(comm, wm::adam{}, seed, mode);
+    many_victims<__half, wm::lru>(comm, wm::sgd{0.01f}, seed + 1, mode);
+    many_victims<float, wm::lru>(comm, wm::sgd{}, seed + 2, mode);
   });
 }
