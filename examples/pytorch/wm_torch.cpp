@@ -298,6 +298,7 @@ struct table_handle {
     d["bytes_from_host"]   = st.bytes_from_host;
     d["bytes_from_peers"]  = st.bytes_from_peers;
     d["bypasses"]          = st.bypasses;
+    d["bypass_rows"]       = st.bypass_rows;
     d["hit_first_gathers"] = st.hit_first_gathers;
     return d;
   }
@@ -351,10 +352,28 @@ struct saved_key {
 class swap_handle : public std::enable_shared_from_this<swap_handle> {
  public:
   swap_handle(wm::swap_options const& o, std::size_t min_bytes)
-      : scope_{std::make_shared<wm::swap_scope>(o)}, min_bytes_{min_bytes} {
+      : scope_{std::make_shared<wm::swap_scope>(with_torch_streams(o))}, min_bytes_{min_bytes} {
     device_        = scope_->options().device;
     capacity_      = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
     host_capacity_ = o.host_bytes / pool_alignment * pool_alignment;
+  }
+
+  /**
+   * @p o with two streams of torch's pool as the scope's copy streams. Tensors are
+   * record_stream-ed on the copy streams (direct mode) and may be freed after this scope is gone;
+   * torch's allocator then records an event on each stream it was given, so those streams must
+   * outlive the scope: torch's pool streams live as long as the process (streams the scope made
+   * itself would be destroyed with it, and that event record would fail).
+   */
+  static wm::swap_options with_torch_streams(wm::swap_options o) {
+    if (o.device < 0) { o.device = static_cast<int>(c10::cuda::current_device()); }
+    auto const dev   = static_cast<c10::DeviceIndex>(o.device);
+    o.pageout_stream = c10::cuda::getStreamFromPool(false, dev).stream();
+    o.pagein_stream  = c10::cuda::getStreamFromPool(false, dev).stream();
+    while (o.pagein_stream == o.pageout_stream) {  // a pool of one stream: never in practice
+      o.pagein_stream = c10::cuda::getStreamFromPool(true, dev).stream();
+    }
+    return o;
   }
 
   /**

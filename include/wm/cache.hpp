@@ -214,7 +214,7 @@ struct cache_options {
 
 /**
  * @brief Cache statistics, counted on the device and read on the host. Counts add up:
- * `hits + misses == requests`, `bypasses <= misses` and
+ * `hits + misses == requests`, `bypasses <= misses`, `bypasses <= bypass_rows` and
  * `write_backs <= evictions + flushed lines`.
  *
  * Each gather or prefetch is a batch: a miss never evicts a line that the same batch has hit or
@@ -238,6 +238,11 @@ struct cache_statistics {
   /// distinct keys of gathers read around the cache (every line of their set in use by the
   /// same batch; their requests count as misses, their weight rows in bytes_from_host)
   std::uint64_t bypasses{};
+  /// weight rows read from the host table for bypassed keys: one per bypassed key, except in a
+  /// hit-first gather, which reads a bypassed key's row once per occurrence (so
+  /// `bytes_from_host == lines loaded × line payload + bypass_rows × row bytes` and
+  /// `bypass_rows >= bypasses`)
+  std::uint64_t bypass_rows{};
   /// one-rank gathers that took the hit-first path: after gathers that missed at most one key
   /// in 32, hits are copied from their lines in one pass over the keys and only the misses are
   /// admitted, without sorting the batch (the path never changes a result, only the time)

@@ -72,6 +72,12 @@ struct swap_options {
   std::size_t prefetch_lookahead{0};
   std::chrono::milliseconds timeout{60'000};  ///< deadline of every host wait
   int device{-1};                             ///< the GPU (-1: the current device)
+  /// Copy streams to use instead of two the scope creates (both or neither; not owned: they must
+  /// outlive the scope, and, where a framework's allocator records them for memory the copies
+  /// used, everything it recorded them for; e.g. PyTorch's pool streams, which live as long as
+  /// the process, when tensors are `record_stream`-ed on them). Non-blocking streams expected.
+  cudaStream_t pageout_stream{nullptr};
+  cudaStream_t pagein_stream{nullptr};
 };
 
 /** @brief What a scope did since it was made or since `reset_statistics()`. */

@@ -217,8 +217,17 @@ void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t se
                                 (opt.needs_steps() ? sizeof(std::int64_t) : 0);
     // Bypassed keys (more than 32 of one set in a batch) read their weight rows only.
     RANK_REQUIRE_MSG(st.bypasses <= st.misses, what << " " << when);
-    std::uint64_t const lines_in = st.bytes_from_host - st.bypasses * g.dim * sizeof(T);
-    RANK_REQUIRE_MSG(lines_in % payload == 0, what << " " << when);
+    // A hit-first gather reads a bypassed key's row once per occurrence, other gathers once.
+    RANK_REQUIRE_MSG(st.bypasses <= st.bypass_rows, what << " " << when);
+    RANK_REQUIRE_MSG(st.bypass_rows <= st.misses, what << " " << when);
+    RANK_REQUIRE_MSG(st.hit_first_gathers != 0 || st.bypass_rows == st.bypasses,
+                     what << " " << when);
+    RANK_REQUIRE_MSG(st.bypass_rows * g.dim * sizeof(T) <= st.bytes_from_host, what << " " << when);
+    std::uint64_t const lines_in = st.bytes_from_host - st.bypass_rows * g.dim * sizeof(T);
+    RANK_REQUIRE_MSG(lines_in % payload == 0, what << " " << when << ": " << st.bytes_from_host
+                                                   << " bytes from host, " << st.bypass_rows
+                                                   << " bypass rows of " << g.dim * sizeof(T)
+                                                   << " B, payload " << payload);
     RANK_REQUIRE_MSG(lines_in / payload <= st.misses + prefetched, what << " " << when);
     RANK_REQUIRE_MSG(st.evictions <= lines_in / payload, what << " " << when);
     return st;
@@ -690,7 +699,8 @@ void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed,
                                                    << " distinct keys): " << st.bypasses
                                                    << " bypasses, " << bypasses << " expected");
     RANK_REQUIRE_MSG(st.bypasses <= st.misses && st.hits + st.misses == st.requests, what);
-    RANK_REQUIRE_MSG((st.bytes_from_host - st.bypasses * dim * sizeof(T)) % payload == 0, what);
+    RANK_REQUIRE_MSG(st.bypasses <= st.bypass_rows, what);
+    RANK_REQUIRE_MSG((st.bytes_from_host - st.bypass_rows * dim * sizeof(T)) % payload == 0, what);
     apply(cached, b, s);
     apply(plain, b, s);
     if (k % 3 == 2) {

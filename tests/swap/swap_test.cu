@@ -1138,3 +1138,45 @@ TEST_CASE("swap: pageout_from edges: zero bytes; misaligned or null pointers; ov
   CHECK(stats.pageouts_from == 3);
   CHECK(stats.host_bytes_in_use == 2 * 256 + 4096);  // 0, 0 and 4000 bytes, in 256-byte units
 }
+
+TEST_CASE("swap: copy streams given in swap_options are used and outlive the scope",
+          "[gpu][swap]") {
+  load_kernels();
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{3};  // st.s[1], st.s[2]: the scope's copy streams
+  checker chk{8};
+  std::size_t const words = 4 * mib;
+  device_words src{words};
+  device_words dst{words};
+  std::uint64_t const sd = rng();
+  {
+    wm::swap_options o = small_scope(0);
+    o.pageout_stream   = st.s[1];
+    o.pagein_stream    = st.s[2];
+    wm::swap_scope scope{o};
+    CHECK(scope.pageout_stream() == st.s[1]);
+    CHECK(scope.pagein_stream() == st.s[2]);
+    cuda::stream_ref const s0{st.s[0]};
+    fill(src.p, words, sd, st.s[0]);
+    spin(50, st.s[0]);  // the page-out on st.s[1] must wait for this, not run at once
+    auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
+    b.pagein_to(dst.p, s0);
+    b.wait_pagein(s0);
+    chk.check(dst.p, words, sd, st.s[0]);
+    CHECK(wrong_on_host(dst.p, words, sd, st.s[0]) == 0);
+    CHECK(chk.wrong_checks() == 0);
+  }
+  // Not destroyed with the scope: work can still be queued on them.
+  cudaEvent_t ev{};
+  WM_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  for (int i = 1; i < 3; ++i) {
+    CHECK(cudaEventRecord(ev, st.s[i]) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(st.s[i]) == cudaSuccess);
+  }
+  WM_CUDA_TRY(cudaEventDestroy(ev));
+  wm::swap_options bad = small_scope(0);
+  bad.pageout_stream   = st.s[1];  // one without the other
+  CHECK_THROWS_AS(wm::swap_scope{bad}, wm::logic_error);
+  bad.pagein_stream = st.s[1];  // the same stream twice
+  CHECK_THROWS_AS(wm::swap_scope{bad}, wm::logic_error);
+}

@@ -28,11 +28,12 @@ struct device_statistics {
   unsigned long long bytes_from_host{};
   unsigned long long bytes_from_peers{};
   unsigned long long bypasses{};
+  unsigned long long bypass_rows{};
 
   /// The host-side form.
   [[nodiscard]] wm::cache_statistics to_public() const noexcept {
-    return {requests,        distinct_keys,    hits,    misses, evictions, write_backs,
-            bytes_from_host, bytes_from_peers, bypasses};
+    return {requests,        distinct_keys,    hits,     misses,     evictions, write_backs,
+            bytes_from_host, bytes_from_peers, bypasses, bypass_rows};
   }
 };
 

@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(line_block)
   bool const staged           = Streamed || c.stage_count != nullptr;
   bool const holds            = Streamed && fits_held<W, T>(c.dim, c.st_cols, c.st != nullptr);
   unsigned long long requests = 0, distinct = 0, hits = 0, evictions = 0, write_backs = 0,
-                     loaded = 0, bypasses = 0;
+                     loaded = 0, bypasses = 0, bypass_rows = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
     std::size_t const begin  = b.run_begin[r];
     std::size_t const len    = b.run_begin[r + 1] - begin;
@@ -492,6 +492,7 @@ __global__ void __launch_bounds__(line_block)
         void* const first = output_row(b, order, out, begin);
         warp_copy<W>(first, table.locate(k).w, row_bytes, lane);
         loaded += row_bytes;
+        ++bypass_rows;
         __syncwarp();
         for (std::size_t q = 1; q < copies; ++q) {
           warp_copy<W>(output_row(b, order, out, begin + q), first, row_bytes, lane);
@@ -515,6 +516,7 @@ __global__ void __launch_bounds__(line_block)
     if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
     if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
     if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
+    if (bypass_rows != 0) { atomicAdd(&c.stats->bypass_rows, bypass_rows); }
   }
 }
 
@@ -759,7 +761,7 @@ __global__ void __launch_bounds__(line_block)
   std::uint32_t const epoch   = *c.epoch;
   bool const holds            = Streamed && fits_held<W, T>(c.dim, c.st_cols, c.st != nullptr);
   unsigned long long misses = 0, distinct = 0, evictions = 0, write_backs = 0, loaded = 0,
-                     bypasses = 0;
+                     bypasses = 0, bypass_rows = 0;
   for (std::size_t e = warp; e < count; e += n_warps) {  // the same trip count in every lane
     std::uint64_t const entry = m.entries[e];
     std::size_t const i       = static_cast<std::size_t>(entry & ~deferred_touch);
@@ -829,7 +831,8 @@ __global__ void __launch_bounds__(line_block)
     }
     if (bypassed) {
       warp_copy<W>(dst, table.locate(k).w, row_bytes, lane);
-      loaded += row_bytes;
+      loaded += row_bytes;  // once per occurrence: no other warp's copy to take it from
+      ++bypass_rows;
     } else {
       warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, way)).w, row_bytes, lane);
     }
@@ -843,6 +846,7 @@ __global__ void __launch_bounds__(line_block)
     if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
     if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
     if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
+    if (bypass_rows != 0) { atomicAdd(&c.stats->bypass_rows, bypass_rows); }
     if (bypasses != 0) {
       atomicAdd(&c.stats->bypasses, bypasses);
       atomicAdd(&c.call->bypasses, bypasses);

@@ -102,6 +102,10 @@ class swap_core {
     WM_EXPECTS(options.host_bytes > 0, "swap_scope: the host slab must have a positive size");
     WM_EXPECTS(options.max_in_flight >= 1, "swap_scope: max_in_flight must be at least 1");
     WM_EXPECTS(options.timeout.count() > 0, "swap_scope: the timeout must be positive");
+    WM_EXPECTS((options.pageout_stream == nullptr) == (options.pagein_stream == nullptr),
+               "swap_scope: give both copy streams or neither");
+    WM_EXPECTS(options.pageout_stream == nullptr || options.pageout_stream != options.pagein_stream,
+               "swap_scope: the page-out and page-in streams must differ");
     if (options_.device < 0) { WM_CUDA_TRY(cudaGetDevice(&options_.device)); }
     try {
       WM_CUDA_TRY(cudaSetDevice(options_.device));
@@ -112,8 +116,14 @@ class swap_core {
       WM_CUDA_TRY(cudaHostAlloc(reinterpret_cast<void**>(&slab_),
                                 host_alloc_.capacity() + alignment, cudaHostAllocDefault));
       ++pinned_allocations_;
-      WM_CUDA_TRY(cudaStreamCreateWithFlags(&out_stream_, cudaStreamNonBlocking));
-      WM_CUDA_TRY(cudaStreamCreateWithFlags(&in_stream_, cudaStreamNonBlocking));
+      if (options.pageout_stream != nullptr) {
+        out_stream_  = options.pageout_stream;
+        in_stream_   = options.pagein_stream;
+        own_streams_ = false;
+      } else {
+        WM_CUDA_TRY(cudaStreamCreateWithFlags(&out_stream_, cudaStreamNonBlocking));
+        WM_CUDA_TRY(cudaStreamCreateWithFlags(&in_stream_, cudaStreamNonBlocking));
+      }
       // Enough events for several steps of work enqueued ahead of the GPU (each transfer and
       // each consumer wait holds two timing events until the GPU has passed them).
       for (int i = 0; i < 256 * options.max_in_flight; ++i) {
@@ -250,8 +260,8 @@ class swap_core {
     if (in_stream_ != nullptr) { (void)cudaStreamSynchronize(in_stream_); }
     for (cudaEvent_t ev : all_events_) { (void)cudaEventDestroy(ev); }
     all_events_.clear();
-    if (out_stream_ != nullptr) { (void)cudaStreamDestroy(out_stream_); }
-    if (in_stream_ != nullptr) { (void)cudaStreamDestroy(in_stream_); }
+    if (own_streams_ && out_stream_ != nullptr) { (void)cudaStreamDestroy(out_stream_); }
+    if (own_streams_ && in_stream_ != nullptr) { (void)cudaStreamDestroy(in_stream_); }
     if (pool_ != nullptr) { (void)cudaFree(pool_); }
     if (slab_ != nullptr) { (void)cudaFreeHost(slab_); }
     out_stream_ = in_stream_ = nullptr;
@@ -266,6 +276,7 @@ class swap_core {
   std::byte* slab_{nullptr};
   cudaStream_t out_stream_{nullptr};
   cudaStream_t in_stream_{nullptr};
+  bool own_streams_{true};  // false: swap_options' streams, not destroyed here
   std::vector<cudaEvent_t> all_events_;
   std::vector<cudaEvent_t> timing_free_;
   std::vector<cudaEvent_t> sync_free_;
