@@ -6,11 +6,7 @@
  * Table: 10M rows x 128 float (512 B rows), Adam (lazy: per-row step), lr 0.01, one GPU
  * (wm::launch(1)). Every case is a fresh table:
  *   cached R: wm::embedding<float, wm::device_cache<>, wm::adam, wm::host, wm::chunked> with
- *             cache_options ratio R in 0.05, 0.1, 0.25 (read_write, lfu), once per victim
- *             write-back mode (cache_options::write_backs; `--write-backs sorted|streamed|both`,
- *             default both): `sorted` (staged, sorted, written after the admissions) in the rows
- *             "cache R dist", `streamed` (stored from registers beside the admissions) in the rows
- *             "cache R dist +stream" (CSV case "cached_streamed");
+ *             cache_options ratio R in 0.05, 0.1, 0.25 (read_write, lfu);
  *   host:     wm::embedding<float, wm::no_cache, wm::adam, wm::host, wm::chunked> (bound);
  *   device:   wm::embedding<float, wm::no_cache, wm::adam, wm::device, wm::chunked> (bound).
  * Keys: FRESH keys every step, from a ring of 16 pre-drawn batches of 1M int64 keys per
@@ -48,10 +44,8 @@
  * pylibwholegraph.torch (PYTHONPATH / LD_LIBRARY_PATH as shared/peers/wholegraph/README.md says);
  * otherwise its columns print "n/a". `--no-peer` skips it.
  * Output ends with one table; a CSV of ms/step against cache ratio (wm and WG, uniform and Zipf;
- * host rows at ratio 0, device rows at ratio 1; the streamed mode's rows as case cached_streamed,
- * which the plot skips) goes to `--csv PATH`, else $OUT/cache_bench.csv when $OUT is set, else
- * ./cache_bench.csv (bench/plot_cache.py plots it). Cases run ratio by ratio, both modes of a
- * ratio one after the other; the 100%-hits gather (which evicts nothing) in the first mode only.
+ * host rows at ratio 0, device rows at ratio 1) goes to `--csv PATH`, else $OUT/cache_bench.csv
+ * when $OUT is set, else ./cache_bench.csv (bench/plot_cache.py plots it).
  * Exit status: 0, or 1 if a case or the peer failed, 2 for wrong arguments.
  */
 #include <wm/cache.hpp>
@@ -111,11 +105,6 @@ constexpr int hot_ratio            = 2;  // the 100%-hits case runs on ratios[2]
 constexpr double nan               = std::numeric_limits<double>::quiet_NaN();
 constexpr char const* dist_names[] = {"uniform", "zipf"};
 enum dist { uniform = 0, zipf = 1 };
-constexpr int n_modes                        = 2;  // wm::write_back_mode: sorted, streamed
-constexpr wm::write_back_mode modes[n_modes] = {wm::write_back_mode::sorted,
-                                                wm::write_back_mode::streamed};
-constexpr char const* mode_names[n_modes]    = {"sorted", "streamed"};
-constexpr char const* mode_suffix[n_modes]   = {"", " +stream"};  // table rows
 
 using cached_table = wm::embedding<float, wm::device_cache<>, wm::adam, wm::host, wm::chunked>;
 using host_table   = wm::embedding<float, wm::no_cache, wm::adam, wm::host, wm::chunked>;
@@ -230,9 +219,8 @@ struct step_result {
 struct results {
   char gpu[256]{};
   char error[512]{};
-  double h2d{nan}, d2h{nan}, both{nan};                          // GB/s
-  step_result device[2], host[2], cached[n_modes][n_ratios][2];  // [mode][ratio][dist]
-  bool mode_ran[n_modes]{};
+  double h2d{nan}, d2h{nan}, both{nan};  // GB/s
+  step_result device[2], host[2], cached[n_ratios][2];
   double hot_device_ms{nan}, hot_cached_ms{nan}, hot_hit{nan};
 };
 
@@ -333,26 +321,20 @@ class bench {
     for (int d = 0; d < 2; ++d) { res_.host[d] = steps(e, static_cast<dist>(d), "host"); }
   }
 
-  /// The cached cases at ratios[r] with victims written back in modes[m] (and the 100%-hits
-  /// gather at hot_ratio when @p hot).
+  /// The cached cases at ratios[r] (and the 100%-hits gather at hot_ratio).
   template <class E = cached_table>
-  void cached_cases(int r, int m, bool hot) {
+  void cached_cases(int r) {
     wm::cache_options options;
-    options.ratio       = ratios[r];
-    options.write_backs = modes[m];
+    options.ratio = ratios[r];
     E e{comm_, table_rows, dim, wm::adam{}, init(), options};
-    std::printf("cache_bench: cache ratio %.2f, victims %s: %zu lines (%.2f GB of lines)\n",
-                ratios[r], mode_names[m], e.cache_lines(),
-                double(e.cache_lines()) * line_bytes / 1e9);
-    res_.mode_ran[m] = true;
-    std::string const name =
-        m == 0 ? fmt("cache %.2f", ratios[r]) : fmt("cache %.2f %s", ratios[r], mode_names[m]);
+    std::printf("cache_bench: cache ratio %.2f: %zu lines (%.2f GB of lines)\n", ratios[r],
+                e.cache_lines(), double(e.cache_lines()) * line_bytes / 1e9);
     for (int d = 0; d < 2; ++d) {
       e.invalidate(cuda::stream_ref{stream_});  // each distribution starts from an empty cache
-      res_.cached[m][r][d] = steps(e, static_cast<dist>(d), name.c_str());
+      res_.cached[r][d] = steps(e, static_cast<dist>(d), fmt("cache %.2f", ratios[r]).c_str());
       check_flushed(e, static_cast<dist>(d));
     }
-    if (hot && r == hot_ratio) {
+    if (r == hot_ratio) {
       e.invalidate(cuda::stream_ref{stream_});
       res_.hot_cached_ms = hot_gather_ms(e);
       std::printf("cache_bench: cache %.2f 100%%-hits batch gather %8.3f ms, hit rate %.4f\n",
@@ -591,28 +573,24 @@ void print_table(results const& r, key_rings const& keys, peer_result const& p, 
                 num(host, "%.3f").c_str(), num(wg_hst, "%.3f").c_str(),
                 num(wg_hst / host, "%.2fx").c_str(), "-", "-", num(floor, "%.3f").c_str(),
                 num(host / floor, "%.2f").c_str(), target.c_str());
-    for (int m = 0; m < n_modes; ++m) {
-      if (!r.mode_ran[m]) { continue; }
-      for (int i = 0; i < n_ratios; ++i) {
-        step_result const& c = r.cached[m][i][d];
-        double const wg      = wg_ms(p, fmt("cache_%s_%g_ms", dist_names[d], ratios[i]));
-        double const limit   = r.device[d].ms + link_ms(r, c.in_bytes, c.out_bytes) / link_share;
-        double const miss    = (c.in_bytes + c.out_bytes) / c.ms / 1e6;
-        std::string target   = "report";
-        if (d == zipf && i == 1) {  // ratio 0.1
-          target = "WG/wm>=5 " + verdict(wg / c.ms >= 5, !std::isnan(wg / c.ms)) + ", <=limit " +
-                   verdict(c.ms <= limit, !std::isnan(c.ms / limit));
-        } else if (d == uniform) {
-          target = fmt("<=1.1x host (%.2fx) ", c.ms / host) +
-                   verdict(c.ms <= 1.1 * host, !std::isnan(c.ms / host));
-        }
-        std::printf("%-26s %9s %9s %7s %8s %9s %9s %8s  %s\n",
-                    fmt("cache %.2f %s%s", ratios[i], dist_names[d], mode_suffix[m]).c_str(),
-                    num(c.ms, "%.3f").c_str(), num(wg, "%.3f").c_str(),
-                    num(wg / c.ms, "%.2fx").c_str(), num(c.hit, "%.4f").c_str(),
-                    num(miss, "%.1f").c_str(), num(limit, "%.3f").c_str(),
-                    num(c.ms / limit, "%.2f").c_str(), target.c_str());
+    for (int i = 0; i < n_ratios; ++i) {
+      step_result const& c = r.cached[i][d];
+      double const wg      = wg_ms(p, fmt("cache_%s_%g_ms", dist_names[d], ratios[i]));
+      double const limit   = r.device[d].ms + link_ms(r, c.in_bytes, c.out_bytes) / link_share;
+      double const miss    = (c.in_bytes + c.out_bytes) / c.ms / 1e6;
+      std::string target   = "report";
+      if (d == zipf && i == 1) {  // ratio 0.1
+        target = "WG/wm>=5 " + verdict(wg / c.ms >= 5, !std::isnan(wg / c.ms)) + ", <=limit " +
+                 verdict(c.ms <= limit, !std::isnan(c.ms / limit));
+      } else if (d == uniform) {
+        target = fmt("<=1.1x host (%.2fx) ", c.ms / host) +
+                 verdict(c.ms <= 1.1 * host, !std::isnan(c.ms / host));
       }
+      std::printf("%-26s %9s %9s %7s %8s %9s %9s %8s  %s\n",
+                  fmt("cache %.2f %s", ratios[i], dist_names[d]).c_str(), num(c.ms, "%.3f").c_str(),
+                  num(wg, "%.3f").c_str(), num(wg / c.ms, "%.2fx").c_str(),
+                  num(c.hit, "%.4f").c_str(), num(miss, "%.1f").c_str(), num(limit, "%.3f").c_str(),
+                  num(c.ms / limit, "%.2f").c_str(), target.c_str());
     }
   }
   double const hot = r.hot_device_ms / r.hot_cached_ms;
@@ -644,12 +622,7 @@ bool write_csv(fs::path const& path, results const& r, peer_result const& p) {
     row("wm", d, "host", 0, r.host[d].ms, nan);
     row("wg", d, "host", 0, wg_ms(p, fmt("host_%s_ms", dist_names[d])), nan);
     for (int i = 0; i < n_ratios; ++i) {
-      for (int m = 0; m < n_modes; ++m) {  // the streamed rows as their own case
-        if (r.mode_ran[m]) {
-          row("wm", d, m == 0 ? "cached" : "cached_streamed", ratios[i], r.cached[m][i][d].ms,
-              r.cached[m][i][d].hit);
-        }
-      }
+      row("wm", d, "cached", ratios[i], r.cached[i][d].ms, r.cached[i][d].hit);
       row("wg", d, "cached", ratios[i], wg_ms(p, fmt("cache_%s_%g_ms", dist_names[d], ratios[i])),
           nan);
     }
@@ -666,23 +639,13 @@ int main(int argc, char** argv) {
   auto const t0 = clock_type::now();
   fs::path csv;
   bool peer = true;
-  bool run_mode[n_modes]{true, true};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
       csv = argv[++i];
     } else if (std::strcmp(argv[i], "--no-peer") == 0) {
       peer = false;
-    } else if (std::strcmp(argv[i], "--write-backs") == 0 && i + 1 < argc &&
-               (std::strcmp(argv[i + 1], "sorted") == 0 ||
-                std::strcmp(argv[i + 1], "streamed") == 0 ||
-                std::strcmp(argv[i + 1], "both") == 0)) {
-      ++i;
-      run_mode[0] = std::strcmp(argv[i], "streamed") != 0;
-      run_mode[1] = std::strcmp(argv[i], "sorted") != 0;
     } else {
-      std::fprintf(stderr,
-                   "cache_bench: usage: cache_bench [--csv PATH] [--no-peer] [--write-backs "
-                   "sorted|streamed|both]; got '%s'\n",
+      std::fprintf(stderr, "cache_bench: usage: cache_bench [--csv PATH] [--no-peer]; got '%s'\n",
                    argv[i]);
       return 2;
     }
@@ -706,7 +669,7 @@ int main(int argc, char** argv) {
   bool failed = false;
   try {
     wm::launch_options options;
-    options.timeout = std::chrono::seconds{480};  // expected: about three minutes
+    options.timeout = std::chrono::seconds{480};  // expected: about two minutes
     wm::launch(
         1,
         [&](wm::communicator& comm) {
@@ -725,15 +688,8 @@ int main(int argc, char** argv) {
           };
           guarded("device table", [&] { b.device_cases(); });
           guarded("host table", [&] { b.host_cases(); });
-          // Both modes of one ratio one after the other; the 100%-hits gather in the first.
           for (int r = 0; r < n_ratios; ++r) {
-            bool hot = true;
-            for (int m = 0; m < n_modes; ++m) {
-              if (!run_mode[m]) { continue; }
-              guarded(fmt("cache %.2f %s", ratios[r], mode_names[m]).c_str(),
-                      [&] { b.cached_cases(r, m, hot); });
-              hot = false;
-            }
+            guarded(fmt("cache %.2f", ratios[r]).c_str(), [&] { b.cached_cases(r); });
           }
         },
         options);

@@ -175,26 +175,6 @@ inline constexpr char const read_only_message[] = WM_CACHE_READ_ONLY_MESSAGE;
 // Run-time options and statistics
 
 /**
- * @brief How a one-rank gather through a `wm::device_cache<wm::read_write>` writes its dirty
- * victims (the lines its misses evict) back to the host table. Both give the same results and
- * statistics; they differ only in time (bench/NOTES.md, cache_bench's two rows per cached case).
- * Calls that may overlap another call on the cache (prefetch, the owner-side reads of a table of
- * several ranks) ignore it: they write each victim back inside its set's lock.
- */
-enum class write_back_mode : std::uint8_t {
-  /// Each victim is copied to a device staging slot while its set is locked; after the
-  /// admissions the staged rows are sorted by key and written back in ascending key order (a
-  /// second pass over the victims, after every miss was read).
-  sorted,
-  /// The warp that evicts a victim holds its payload in registers and stores it to the host table
-  /// right after releasing the set's lock, without a fence, beside the other warps' reads of the
-  /// misses (both directions of the link busy at once; no staging, no sort). A payload wider than
-  /// the registers hold (detail::cache::victim_depth vectors per lane: 2 KiB of 16-byte vectors,
-  /// e.g. an Adam row of up to 170 floats) is written back inside the lock instead.
-  streamed,
-};
-
-/**
  * @brief Run-time cache settings, the embedding's last constructor argument.
  */
 struct cache_options {
@@ -208,8 +188,6 @@ struct cache_options {
   communicator* group{nullptr};
   /// Seed of the key → set hash (the same on every rank of a group).
   std::uint32_t hash_seed{0};
-  /// How one-rank gathers write dirty victims back (`device_cache<read_write>` only).
-  write_back_mode write_backs{write_back_mode::sorted};
 };
 
 /**

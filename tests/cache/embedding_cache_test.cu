@@ -4,9 +4,8 @@
 // and a store() + load() into an uncached table of another layout; read-only caches (group
 // cache of one rank, device_cache<read_only>) gather what the table holds; the statistics add up
 // and match a host count; edge geometries (one set, ratio 1, fewer rows than one set's 32 ways);
-// invalid keys give zero rows and are reported. The tests of read-write caches run once per
-// wm::write_back_mode (Catch sections "victims sorted" and "victims streamed"), and a gather
-// loop with many dirty victims per gather checks the flushed table and exact write-back counts.
+// invalid keys give zero rows and are reported. A gather loop with many dirty victims per gather
+// checks the flushed table and exact write-back counts.
 #include <wm/wm.cuh>
 
 #include <cuda_bf16.h>
@@ -25,23 +24,6 @@
 #include "rank_check.hpp"
 
 namespace {
-
-/// Runs the calling test case once per wm::write_back_mode (two Catch sections); the mode of
-/// this run.
-wm::write_back_mode write_back_section() {
-  auto mode = wm::write_back_mode::sorted;
-  SECTION("victims sorted") {
-    mode = wm::write_back_mode::sorted;
-  }
-  SECTION("victims streamed") {
-    mode = wm::write_back_mode::streamed;
-  }
-  return mode;
-}
-
-char const* mode_name(wm::write_back_mode m) {
-  return m == wm::write_back_mode::streamed ? "streamed" : "sorted";
-}
 
 template <class T>
 T from_float(float x) {
@@ -178,20 +160,17 @@ std::filesystem::path fresh_dir(char const* what) {
  * into an uncached table of another layout must agree bit for bit.
  */
 template <class T, class R, class Opt>
-void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t seed,
-                   wm::write_back_mode mode) {
+void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t seed) {
   std::string const what = std::string{g.what} + " T=" + std::to_string(sizeof(T)) + "B " +
                            R::name + " " + Opt::name + " rows=" + std::to_string(g.rows) +
-                           " dim=" + std::to_string(g.dim) + " ratio=" + std::to_string(g.ratio) +
-                           " victims " + mode_name(mode);
+                           " dim=" + std::to_string(g.dim) + " ratio=" + std::to_string(g.ratio);
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
   auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
   wm::cache_options co;
-  co.ratio       = g.ratio;
-  co.hash_seed   = static_cast<std::uint32_t>(rng());
-  co.write_backs = mode;
+  co.ratio     = g.ratio;
+  co.hash_seed = static_cast<std::uint32_t>(rng());
   wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
       comm, g.rows, g.dim, opt, init, co};
   wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, g.rows, g.dim, opt,
@@ -305,19 +284,17 @@ constexpr geometry geometries[] = {
     {3000, 32, 500, 0.01, "one set, many misses"},
     // 75,000 lines and 70,000 keys: many victims staged per gather, sets past 32 keys.
     {300000, 4, 70000, 0.25, "many lines"},
-    // Adam rows of 192 floats (2,304 B with m and v) are wider than a streamed victim's registers
-    // (2 KiB): written back inside the lock in that mode; SGD's (768 B) are held.
+    // Wide payloads: Adam rows of 192 floats (2,304 B with m and v), SGD's of 768 B.
     {4000, 192, 600, 0.05, "wide rows"},
 };
 
 template <class T, class R, class Opt>
 void every_geometry(Opt opt) {
-  std::uint64_t const seed       = std::random_device{}();
-  wm::write_back_mode const mode = write_back_section();
-  INFO("seed " << seed << ", victims " << mode_name(mode));
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
   wm::launch(1, [&](wm::communicator& comm) {
     std::uint64_t sd = seed;
-    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++, mode); }
+    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++); }
   });
 }
 
@@ -352,9 +329,8 @@ namespace {
  */
 template <class T, class R, class Opt>
 void hit_first_bitwise(Opt opt, char const* what) {
-  std::uint64_t const seed       = std::random_device{}();
-  wm::write_back_mode const mode = write_back_section();
-  INFO(what << ", seed " << seed << ", victims " << mode_name(mode));
+  std::uint64_t const seed = std::random_device{}();
+  INFO(what << ", seed " << seed);
   wm::launch(1, [&](wm::communicator& comm) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreate(&s));
@@ -362,9 +338,8 @@ void hit_first_bitwise(Opt opt, char const* what) {
     std::size_t const rows = 20000, dim = 16, n = 4000, hot_rows = 600;
     auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
     wm::cache_options co;
-    co.ratio       = 0.1;
-    co.hash_seed   = static_cast<std::uint32_t>(rng());
-    co.write_backs = mode;
+    co.ratio     = 0.1;
+    co.hash_seed = static_cast<std::uint32_t>(rng());
     wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
         comm, rows, dim, opt, init, co};
     wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
@@ -473,17 +448,15 @@ TEST_CASE("read-only caches (group cache of one rank, read-only device cache) ga
 
 TEST_CASE("device cache: the one-rank gather is captured in a CUDA graph and replayed on new keys",
           "[gpu]") {
-  std::uint64_t const seed       = std::random_device{}();
-  wm::write_back_mode const mode = write_back_section();
-  INFO("seed " << seed << ", victims " << mode_name(mode));
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
   wm::launch(1, [&](wm::communicator& comm) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::size_t const rows = 5000, dim = 32, n = 3000;
     auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
     wm::cache_options co;
-    co.ratio       = 0.1;
-    co.write_backs = mode;
+    co.ratio = 0.1;
     wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
         comm, rows, dim, {}, init, co};
     wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
@@ -662,19 +635,16 @@ namespace {
  * uncached table bit for bit, gathers and tables after flush().
  */
 template <class T, class R, class Opt>
-void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed,
-                         wm::write_back_mode mode) {
-  std::string const what =
-      std::string{"bypass "} + R::name + " " + Opt::name + " victims " + mode_name(mode);
+void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed) {
+  std::string const what = std::string{"bypass "} + R::name + " " + Opt::name;
   std::size_t const rows = 300, dim = 16;
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
   auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
   wm::cache_options co;
-  co.ratio       = 0.1;  // 30 lines wanted: one set of 32
-  co.hash_seed   = static_cast<std::uint32_t>(rng());
-  co.write_backs = mode;
+  co.ratio     = 0.1;  // 30 lines wanted: one set of 32
+  co.hash_seed = static_cast<std::uint32_t>(rng());
   wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
       comm, rows, dim, opt, init, co};
   wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
@@ -721,13 +691,12 @@ TEST_CASE(
     "device cache: more than 32 keys of one set in a batch bypass; training still equals "
     "no cache bit for bit",
     "[gpu]") {
-  std::uint64_t const seed       = std::random_device{}();
-  wm::write_back_mode const mode = write_back_section();
-  INFO("seed " << seed << ", victims " << mode_name(mode));
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
   wm::launch(1, [&](wm::communicator& comm) {
-    train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed, mode);
-    train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed + 1, mode);
-    train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2, mode);
+    train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed);
+    train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed + 1);
+    train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2);
   });
 }
 
@@ -795,9 +764,9 @@ namespace {
  * after it == lines loaded); the flushed table equals the uncached one bit for bit.
  */
 template <class T, class R, class Opt>
-void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed, wm::write_back_mode mode) {
-  std::string const what = std::string{"many victims T="} + std::to_string(sizeof(T)) + "B " +
-                           R::name + " " + Opt::name + " victims " + mode_name(mode);
+void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed) {
+  std::string const what =
+      std::string{"many victims T="} + std::to_string(sizeof(T)) + "B " + R::name + " " + Opt::name;
   std::size_t const rows = 200000, dim = 32, n = 9000;
   int const steps = 12;
   cudaStream_t s{};
@@ -805,9 +774,8 @@ void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed, wm::write
   std::mt19937_64 rng{seed};
   auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
   wm::cache_options co;
-  co.ratio       = 0.05;
-  co.hash_seed   = static_cast<std::uint32_t>(rng());
-  co.write_backs = mode;
+  co.ratio     = 0.05;
+  co.hash_seed = static_cast<std::uint32_t>(rng());
   wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
       comm, rows, dim, opt, init, co};
   wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
@@ -865,12 +833,11 @@ TEST_CASE(
     "device cache: many dirty victims per gather; exact write-backs, the flushed table equals "
     "no cache bit for bit",
     "[gpu]") {
-  std::uint64_t const seed       = std::random_device{}();
-  wm::write_back_mode const mode = write_back_section();
-  INFO("seed " << seed << ", victims " << mode_name(mode));
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
   wm::launch(1, [&](wm::communicator& comm) {
-    many_victims<float, wm::lfu>(comm, wm::adam{}, seed, mode);
-    many_victims<__half, wm::lru>(comm, wm::sgd{0.01f}, seed + 1, mode);
-    many_victims<float, wm::lru>(comm, wm::sgd{}, seed + 2, mode);
+    many_victims<float, wm::lfu>(comm, wm::adam{}, seed);
+    many_victims<__half, wm::lru>(comm, wm::sgd{0.01f}, seed + 1);
+    many_victims<float, wm::lru>(comm, wm::sgd{}, seed + 2);
   });
 }

@@ -12,9 +12,7 @@
 // in its line and copied out: lane 0 spins with atomicCAS and __nanosleep back-off (acquire),
 // the warp works, lane 0 releases (release store). Staged calls (one-rank gathers, which run
 // alone and first protect every cached key of the batch) copy the row out after the release:
-// the batch rule keeps the line; their dirty victims are staged and written back sorted after the
-// admissions, or (wm::write_back_mode::streamed) stored from the evicting warp's registers after
-// the release, beside the other warps' reads. Locks rather than grouping keys by set: the
+// the batch rule keeps the line. Locks rather than grouping keys by set: the
 // batch is already sorted by key for the distinct-row plan (detail/dispatch/distinct.cuh); a
 // second sort by set would cost a full radix sort per gather, while with ~10 distinct keys per
 // set a lock is rarely contended. Independent thread scheduling lets the spinning lane wait
@@ -206,65 +204,6 @@ __device__ void warp_move(row_place<T> const& to, row_place<T> const& from, std:
   if (step) { *to.step = step_value; }
 }
 
-/// Vectors per lane a streamed write-back (wm::write_back_mode::streamed) holds in registers: a
-/// victim payload of up to victim_depth x 32 vectors (2 KiB of 16-byte vectors) plus its step.
-inline constexpr int victim_depth = 4;
-
-/// A victim's payload in a warp's registers: lane L holds the vectors L, L + 32, ... of the weight
-/// row followed by the state row (warp_move's layout), lane 0 the step.
-template <class W>
-struct held_row {
-  W v[victim_depth];
-  std::int64_t step;
-};
-
-/// Whether a payload of @p dim values and @p st_cols state floats fits a held_row<W>.
-template <class W, class T>
-[[nodiscard]] __device__ bool fits_held(std::size_t dim, std::size_t st_cols,
-                                        bool states) noexcept {
-  std::size_t const total =
-      dim * sizeof(T) / sizeof(W) + (states ? st_cols * sizeof(float) / sizeof(W) : 0);
-  return total <= std::size_t{victim_depth} * ways;
-}
-
-/// Loads the payload at @p from (one that fits_held) into the warp's registers @p h.
-template <class W, class T>
-__device__ void warp_hold(held_row<W>& h, row_place<T> const& from, std::size_t dim,
-                          std::size_t st_cols, unsigned lane) noexcept {
-  std::size_t const nw    = dim * sizeof(T) / sizeof(W);
-  std::size_t const total = nw + (from.st != nullptr ? st_cols * sizeof(float) / sizeof(W) : 0);
-  auto const* const qw    = reinterpret_cast<W const*>(from.w);
-  auto const* const qs    = reinterpret_cast<W const*>(from.st);
-#pragma unroll
-  for (int j = 0; j < victim_depth; ++j) {
-    std::size_t const i = static_cast<std::size_t>(j) * ways + lane;
-    if (i < total) { h.v[j] = i < nw ? qw[i] : qs[i - nw]; }
-  }
-  h.step = from.step != nullptr && lane == 0 ? *from.step : 0;
-}
-
-/// Stores the warp's registers @p h (filled by warp_hold from a payload of the same shape) to
-/// @p to. Plain stores, no fence: the caller makes sure nothing reads @p to before the kernel
-/// ends.
-template <class W, class T>
-__device__ void warp_put(row_place<T> const& to, held_row<W> const& h, std::size_t dim,
-                         std::size_t st_cols, unsigned lane) noexcept {
-  std::size_t const nw    = dim * sizeof(T) / sizeof(W);
-  std::size_t const total = nw + (to.st != nullptr ? st_cols * sizeof(float) / sizeof(W) : 0);
-  auto* const dw          = reinterpret_cast<W*>(to.w);
-  auto* const ds          = reinterpret_cast<W*>(to.st);
-#pragma unroll
-  for (int j = 0; j < victim_depth; ++j) {
-    std::size_t const i = static_cast<std::size_t>(j) * ways + lane;
-    if (i < nw) {
-      dw[i] = h.v[j];
-    } else if (i < total) {
-      ds[i - nw] = h.v[j];
-    }
-  }
-  if (to.step != nullptr && lane == 0) { *to.step = h.step; }
-}
-
 /// Takes set @p h's lock for the warp: lane 0 acquires the lock word, then every lane fences
 /// (acquire), so the last holder's writes, by any of its lanes, are visible to every lane.
 __device__ inline void lock_set(set_header* h, unsigned lane) noexcept {
@@ -384,15 +323,8 @@ __global__ void __launch_bounds__(line_block)
  * a miss and admits nothing. With @p count_requests (gather) requests, distinct keys, hits, misses
  * and bypasses are counted (a run counts its length, a bypass one per key); evictions,
  * write-backs and bytes from the table always (prefetch too).
- *
- * Dirty victims: with staging slots (c.stage_count, wm::write_back_mode::sorted) copied to a slot
- * under the lock and written back by write_back_staged after this kernel; with @p Streamed
- * (wm::write_back_mode::streamed) held in the warp's registers and stored to the table right
- * after the lock is released, with no fence, beside other warps' reads of their misses; else (or
- * a payload wider than a held_row) written to the table at once, inside the lock. Staging and
- * streaming need the protect pass first (see the comment at the write-back).
  */
-template <class W, class T, class Impl, class Index, bool Streamed = false>
+template <class W, class T, class Impl, class Index>
 __global__ void __launch_bounds__(line_block)
     admit_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::size_t rows,
                  distinct_batch<Index> b, std::size_t const* order, packed_rows out,
@@ -403,9 +335,7 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const runs      = *b.runs;
   std::size_t const row_bytes = c.dim * sizeof(T);
   std::uint32_t const epoch   = *c.epoch;
-  // A protected call (the protect pass ran): its victims are staged or streamed.
-  bool const staged           = Streamed || c.stage_count != nullptr;
-  bool const holds            = Streamed && fits_held<W, T>(c.dim, c.st_cols, c.st != nullptr);
+  bool const staged           = c.stage_count != nullptr;
   unsigned long long requests = 0, distinct = 0, hits = 0, evictions = 0, write_backs = 0,
                      loaded = 0, bypasses = 0, bypass_rows = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
@@ -426,9 +356,6 @@ __global__ void __launch_bounds__(line_block)
     auto const k          = static_cast<std::uint32_t>(key);
     std::uint32_t const s = c.meta.set_index(k);
     auto const set        = c.meta.set(s);
-    held_row<W> victim;  // a streamed victim's payload (Streamed only)
-    std::uint32_t victim_key = 0;
-    bool held                = false;
     lock_set(set.header, lane);
     access_result const a = warp_batch_access(set, k, false, epoch, lane);
     if (a.hit) {
@@ -437,34 +364,18 @@ __global__ void __launch_bounds__(line_block)
       auto const line = c.line(cache_ref<Impl>::slot(s, a.way));
       if (a.admitted.evicted) { ++evictions; }
       if (a.admitted.write_back) {
-        // Staged (sorted): the victim goes to a device slot now and to the table after this
-        // kernel, in ascending key order. Streamed: it goes to the warp's registers now (before
-        // the line is overwritten) and to the table after the unlock, without a fence. Either
-        // way nothing in this kernel reads or writes the victim's table row meanwhile: the
-        // protect pass put every key of the batch already cached into the batch mask, and every
-        // key admitted joins it (warp_batch_access), so a victim (a line outside the mask) is
-        // never a key of this batch, whose rows alone this kernel reads (misses, bypasses) or
-        // evicts again; the call runs alone (one rank, on one stream), and the next call on the
-        // stream starts after this kernel's stores. Without room or registers: to the table at
-        // once, inside the lock.
-        if constexpr (Streamed) {
-          if (holds) {
-            warp_hold<W>(victim, line, c.dim, c.st_cols, lane);
-            victim_key = a.admitted.old_key;
-            held       = true;
-          } else {
-            warp_move<W>(table.locate(a.admitted.old_key), line, c.dim, c.st_cols, lane);
-          }
+        // Staged: the victim goes to a device slot now and to the table after this kernel, in
+        // ascending key order (scattered host writes cost far more than their bytes); the
+        // protect pass made sure no key of this batch is a victim, so nothing here reads the
+        // table row before it is written. Without room: to the table at once.
+        unsigned slot = 0;
+        if (c.stage_count != nullptr && lane == 0) { slot = atomicAdd(c.stage_count, 1u); }
+        slot = __shfl_sync(full_warp, slot, 0);
+        if (c.stage_count != nullptr && slot < c.stage_rows) {
+          warp_move<W>(c.staged(slot), line, c.dim, c.st_cols, lane);
+          if (lane == 0) { c.stage_keys[slot] = a.admitted.old_key; }
         } else {
-          unsigned slot = 0;
-          if (c.stage_count != nullptr && lane == 0) { slot = atomicAdd(c.stage_count, 1u); }
-          slot = __shfl_sync(full_warp, slot, 0);
-          if (c.stage_count != nullptr && slot < c.stage_rows) {
-            warp_move<W>(c.staged(slot), line, c.dim, c.st_cols, lane);
-            if (lane == 0) { c.stage_keys[slot] = a.admitted.old_key; }
-          } else {
-            warp_move<W>(table.locate(a.admitted.old_key), line, c.dim, c.st_cols, lane);
-          }
+          warp_move<W>(table.locate(a.admitted.old_key), line, c.dim, c.st_cols, lane);
         }
         ++write_backs;
         __syncwarp();
@@ -479,9 +390,6 @@ __global__ void __launch_bounds__(line_block)
     // the line this warp hit or admitted: its row may be copied out after the lock is gone.
     if (src != nullptr && !staged) { warp_copy_to<W>(to, copies, src, row_bytes, lane); }
     unlock_set(set.header, lane);
-    if constexpr (Streamed) {
-      if (held) { warp_put<W>(table.locate(victim_key), victim, c.dim, c.st_cols, lane); }
-    }
     if (src != nullptr && staged) { warp_copy_to<W>(to, copies, src, row_bytes, lane); }
     // A bypassed row is in no line (it missed; a call beside this one that admits it meanwhile
     // loads it clean): the table holds it, and the lock is not needed to read it. It is read over
@@ -744,12 +652,8 @@ __global__ void __launch_bounds__(line_block)
  * cache when the batch holds all 32 ways, and copies the row to output row i. An invalid key gives
  * a zero row and sets *err. Counts misses, distinct keys (one per admitted key; a bypassed or
  * invalid key once per occurrence), evictions, write-backs, bytes from the table and bypasses.
- * With @p Streamed (wm::write_back_mode::streamed) a dirty victim that fits a held_row is held in
- * registers and stored to the table after the unlock, without a fence (as in admit_kernel: the
- * hit-first pass joined every hit to the batch and every admission joins it, so no victim is a
- * key of this batch, the only rows this kernel reads).
  */
-template <class W, class T, class Impl, class Index, bool Streamed = false>
+template <class W, class T, class Impl, class Index>
 __global__ void __launch_bounds__(line_block)
     miss_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::size_t rows, Index const* keys,
                 packed_rows out, miss_list m, unsigned* err) {
@@ -759,7 +663,6 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const count     = *m.count;
   std::size_t const row_bytes = c.dim * sizeof(T);
   std::uint32_t const epoch   = *c.epoch;
-  bool const holds            = Streamed && fits_held<W, T>(c.dim, c.st_cols, c.st != nullptr);
   unsigned long long misses = 0, distinct = 0, evictions = 0, write_backs = 0, loaded = 0,
                      bypasses = 0, bypass_rows = 0;
   for (std::size_t e = warp; e < count; e += n_warps) {  // the same trip count in every lane
@@ -790,9 +693,6 @@ __global__ void __launch_bounds__(line_block)
     warp_begin_batch(set, epoch, lane);
     int way       = warp_find(set, k, lane);  // found: admitted by an earlier miss of the batch
     bool bypassed = false;
-    held_row<W> victim;  // a streamed victim's payload (Streamed only)
-    std::uint32_t victim_key = 0;
-    bool held                = false;
     if (way == no_way) {
       admission const a = warp_admit(set, k, lane, set.header->batch);
       way               = a.way;
@@ -810,13 +710,7 @@ __global__ void __launch_bounds__(line_block)
         auto const line = c.line(cache_ref<Impl>::slot(s, way));
         if (a.evicted) { ++evictions; }
         if (a.write_back) {
-          if (holds) {  // Streamed: stored after the unlock
-            warp_hold<W>(victim, line, c.dim, c.st_cols, lane);
-            victim_key = a.old_key;
-            held       = true;
-          } else {
-            warp_move<W>(table.locate(a.old_key), line, c.dim, c.st_cols, lane);
-          }
+          warp_move<W>(table.locate(a.old_key), line, c.dim, c.st_cols, lane);
           ++write_backs;
           __syncwarp();
         }
@@ -826,9 +720,6 @@ __global__ void __launch_bounds__(line_block)
       }
     }
     unlock_set(set.header, lane);
-    if constexpr (Streamed) {
-      if (held) { warp_put<W>(table.locate(victim_key), victim, c.dim, c.st_cols, lane); }
-    }
     if (bypassed) {
       warp_copy<W>(dst, table.locate(k).w, row_bytes, lane);
       loaded += row_bytes;  // once per occurrence: no other warp's copy to take it from
@@ -893,14 +784,10 @@ class line_storage {
    * @param rows this rank's rows; @param ratio cache_options::ratio; @param seed the hash seed
    * @param dim values per row; @param st_cols optimizer state floats per row (0: none)
    * @param steps whether lines keep the per-row step
-   * @param stage_write_backs whether lines are written (read_write): staged calls (one-rank
-   * gathers) then protect their batch and write victims back in @p mode (sorted: staged in
-   * device slots; streamed: from registers beside the admissions)
    * @throw wm::logic_error for a ratio outside (0, 1] or more than 2^32 rows
    */
   line_storage(std::size_t rows, double ratio, std::uint32_t seed, std::size_t dim,
-               std::size_t st_cols, bool steps, bool stage_write_backs = false,
-               write_back_mode mode = write_back_mode::sorted)
+               std::size_t st_cols, bool steps, bool stage_write_backs = false)
       : plan_{plan_cache<Impl>(rows, ratio)},
         seed_{seed},
         dim_{dim},
@@ -913,10 +800,7 @@ class line_storage {
         steps_{steps ? plan_.lines : 0},
         stats_{1},
         epoch_{1},
-        stream_victims_{stage_write_backs && mode == write_back_mode::streamed && plan_.lines != 0},
-        stage_cap_{stage_write_backs && !stream_victims_
-                       ? std::min<std::size_t>(plan_.lines, max_staged)
-                       : 0},
+        stage_cap_{stage_write_backs ? std::min<std::size_t>(plan_.lines, max_staged) : 0},
         stage_w_{stage_cap_ * dim},
         stage_st_{stage_cap_ * st_cols},
         stage_steps_{steps ? stage_cap_ : std::size_t{0}},
@@ -993,23 +877,16 @@ class line_storage {
         hit_first_kernel<W, T, Impl, Index>
             <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, keys, n, out, m);
         WM_CHECK_LAUNCH();
-        if (stream_victims_) {
-          miss_kernel<W, T, Impl, Index, true>
-              <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, rows, keys, out, m, err);
-        } else {
-          miss_kernel<W, T, Impl, Index, false>
-              <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, rows, keys, out, m, err);
-        }
+        miss_kernel<W, T, Impl, Index>
+            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, rows, keys, out, m, err);
         WM_CHECK_LAUNCH();
       });
       ++hit_first_calls_;
       return;
     }
     auto const b = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
-    // Staged write-backs: at most one victim per distinct key, so n slots are enough. Streamed
-    // ones need no slots. Either way the call protects its batch first.
+    // Staged write-backs: at most one victim per distinct key, so n slots are enough.
     std::size_t const sn = staged ? std::min(stage_cap_, n) : 0;
-    bool const stream    = staged && stream_victims_;
     if (sn != 0) {
       c.stage_w     = stage_w_.data();
       c.stage_st    = st_cols_ != 0 ? stage_st_.data() : nullptr;
@@ -1026,18 +903,13 @@ class line_storage {
       next_epoch_kernel<<<1, 1, 0, s>>>(epoch_.data());
     }
     WM_CHECK_LAUNCH();
-    if (sn != 0 || stream) {
+    if (sn != 0) {
       protect_kernel<T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, b);
       WM_CHECK_LAUNCH();
     }
     with_vector(vec, [&]<class W>() {
-      if (stream) {
-        admit_kernel<W, T, Impl, Index, true><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
-            c, table, rows, b, order, out, count_requests, err);
-      } else {
-        admit_kernel<W, T, Impl, Index, false><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
-            c, table, rows, b, order, out, count_requests, err);
-      }
+      admit_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
+          c, table, rows, b, order, out, count_requests, err);
       WM_CHECK_LAUNCH();
     });
     if (sn != 0) { write_back_staged(c, table, sn, s); }
@@ -1154,7 +1026,6 @@ class line_storage {
   device_buffer<std::int64_t> steps_;
   device_buffer<device_statistics> stats_;
   device_buffer<std::uint32_t> epoch_;  // the batch counter (lines_ref::epoch)
-  bool stream_victims_;                 // staged calls stream their victims (no slots)
   std::size_t stage_cap_;               // staging slots (0: write-backs are never staged)
   device_buffer<T> stage_w_;            // staged victims: weights, states, steps, old keys
   device_buffer<float> stage_st_;

@@ -73,13 +73,11 @@ class row_source<CachePolicy, T> {
   row_source(std::size_t rows, std::size_t dim, std::size_t st_cols, bool steps,
              cache_options const& cache)
       : lines_{std::make_unique<cache::line_storage<T, impl_type>>(
-            rows, cache.ratio, cache.hash_seed, dim, st_cols, steps, CachePolicy::writable,
-            cache.write_backs)} {}
+            rows, cache.ratio, cache.hash_seed, dim, st_cols, steps, CachePolicy::writable)} {}
 
   /// The gather of this rank's rows (one rank: every row): hits from lines, misses admitted
   /// (distinct rows read once), then replicated. Dirty victims are staged and written back in
-  /// ascending key order after the admissions, or streamed from registers beside them
-  /// (cache_options::write_backs); no other admission call may overlap this one.
+  /// ascending key order after the admissions (no other admission call may overlap this one).
   template <class Index>
   void gather(table_rows<T> const& table, std::size_t rows, std::span<Index const> indices, T* out,
               unsigned* err, cudaStream_t s) {
