@@ -804,9 +804,11 @@ void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed) {
     RANK_REQUIRE_MSG(st.requests == requests && st.distinct_keys == distinct, what);
     RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what);
     RANK_REQUIRE_MSG(st.bypasses == bypasses, what << " step " << k);
+    RANK_REQUIRE_MSG(st.hit_first_gathers == 0, what << " step " << k << ": a hit-first gather");
+    RANK_REQUIRE_MSG(st.bypass_rows == st.bypasses, what << " step " << k);
     RANK_REQUIRE_MSG(st.write_backs == st.evictions,
                      what << " step " << k << ": every victim is dirty");
-    std::uint64_t const lines_in = st.bytes_from_host - st.bypasses * dim * sizeof(T);
+    std::uint64_t const lines_in = st.bytes_from_host - st.bypass_rows * dim * sizeof(T);
     RANK_REQUIRE_MSG(lines_in % payload == 0, what << " step " << k);
     RANK_REQUIRE_MSG(lines_in / payload + st.bypasses <= distinct, what << " step " << k);
     RANK_REQUIRE_MSG(lines_in / payload - st.evictions <= cached.cache_lines(),
@@ -819,7 +821,7 @@ void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed) {
   cached.flush(cuda::stream_ref{s});
   auto const after = cached.cache_stats();
   std::uint64_t const lines_in =
-      (after.bytes_from_host - after.bypasses * dim * sizeof(T)) / payload;
+      (after.bytes_from_host - after.bypass_rows * dim * sizeof(T)) / payload;
   RANK_REQUIRE_MSG(after.write_backs == lines_in,
                    what << ": " << after.write_backs << " write-backs for " << lines_in
                         << " lines loaded (each must be written back once)");
