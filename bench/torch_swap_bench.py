@@ -86,9 +86,10 @@ def pinned_gbps(nbytes, reps=10):
     return out  # [d2h, h2d]
 
 
-def run(a, mode, pool=0, outstanding=0):
+def run(a, mode, pool=0, outstanding=0, keep_last=0):
     """One row: mode "plain", "save_on_cpu", "wm" (pool mode, `pool` activations) or "direct"
-    (direct mode, at most `outstanding` activations copying before the forward waits)."""
+    (direct mode, at most `outstanding` activations copying before the forward waits; the last
+    `keep_last` saved activations held on the GPU, never paged out)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     model = build(a.layers, a.width)
@@ -102,7 +103,7 @@ def run(a, mode, pool=0, outstanding=0):
     elif mode == "direct":
         scope = wm_torch.SwapScope(0, (a.layers + 2) * act)
         hooks = wm_torch.SwapHooks(scope, skip=[model, x], mode="direct", max_outstanding_bytes=outstanding * act,
-                                   stage_bytes=a.stage * act, auto_prefetch=True)
+                                   stage_bytes=a.stage * act, auto_prefetch=True, keep_last=keep_last)
     gen = torch.Generator(device="cuda").manual_seed(7)
 
     def step():
@@ -148,7 +149,7 @@ def run(a, mode, pool=0, outstanding=0):
                  passive=st["passive_pageins"] / a.steps, pool_peak=st["peak_resident_bytes"] / GIB,
                  copies=st["copies"] / a.steps, shared=st["shared"] / a.steps,
                  mib_out=st["bytes_out"] / a.steps / 2 ** 20, mib_in=st["bytes_in"] / a.steps / 2 ** 20,
-                 direct=st["direct"], reused=st["reused_sources"] / a.steps, staged=st["staged_unpacks"] / a.steps,
+                 direct=st["direct"], reused=(st["reused_sources"] + st["kept_last"]) / a.steps, staged=st["staged_unpacks"] / a.steps,
                  unstaged=st["unstaged_unpacks"] / a.steps, paced=st["throttle_waits"] / a.steps)
     r["peak"] = r["torch_peak"] + r["pool"]
     return r  # the model, the scope and its pinned slab go with this frame
@@ -167,6 +168,8 @@ def main():
     ap.add_argument("--direct-prefetch", choices=("auto", "explicit"), default="auto",
                     help="direct rows: page-ins start at the first unpack (auto) or right after the forward")
     ap.add_argument("--pools", default="2,4", help="pool-mode rows (the first mode): pool sizes in activations")
+    ap.add_argument("--keep-last", default="1,2",
+                    help="direct rows (unpaced): the last k saved activations stay on the GPU (SwapHooks keep_last)")
     ap.add_argument("--no-save-on-cpu", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -184,6 +187,9 @@ def main():
         print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
     for k in [int(v) for v in a.outstanding.split(",") if v]:
         rows.append((f"wm hooks, out <= {k}" if k else "wm hooks, out unpaced", run(a, "direct", outstanding=k)))
+        print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
+    for k in [int(v) for v in a.keep_last.split(",") if v]:
+        rows.append((f"wm hooks, keep last {k}", run(a, "direct", keep_last=k)))
         print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
     for p in [int(v) for v in a.pools.split(",") if v]:
         rows.append((f"wm hooks pool, pool {p}", run(a, "wm", p)))

@@ -321,7 +321,9 @@ struct saved_buffer {
   // Direct mode (page-outs from the tensor's memory, page-ins into torch's memory):
   bool direct{false};
   torch::Tensor staged;  // paged in ahead of its unpack (its copy may still run)
-  torch::Tensor dev;     // what unpack returned: a second unpack (a shared save) gets it again
+  torch::Tensor held;    // keep_last: the tensor itself, not (yet) paged out
+  std::int64_t held_version{0};
+  torch::Tensor dev;  // what unpack returned: a second unpack (a shared save) gets it again
   // The saved tensor itself while it is alive and unchanged: unpack returns it, no page-in.
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> source;
   void const* source_data{nullptr};  // its storage's data pointer at pack time
@@ -386,11 +388,13 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
    * held to the link's pace; the tensors they read are freed in time). Off: the pool mode (pack
    * copies into the scope's device pool).
    */
-  void set_direct(bool on, std::size_t max_outstanding_bytes, std::size_t stage_bytes) {
+  void set_direct(bool on, std::size_t max_outstanding_bytes, std::size_t stage_bytes,
+                  std::size_t keep_last) {
     std::lock_guard lk{mutex_};
     direct_        = on;
     max_out_bytes_ = max_outstanding_bytes;
     stage_bytes_   = stage_bytes;
+    keep_last_     = keep_last;
   }
 
   /// Storages (by data pointer) that pack never copies: parameters, buffers.
@@ -502,6 +506,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     d["staged_unpacks"]    = staged_unpacks_;
     d["unstaged_unpacks"]  = unstaged_unpacks_;
     d["throttle_waits"]    = throttle_waits_;
+    d["kept_last"]         = kept_last_;
     d["direct"]            = direct_;
     d["device_pool_bytes"] = capacity_;
     d["device_budget"]     = scope_->options().device_budget;
@@ -514,7 +519,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     std::lock_guard lk{mutex_};
     scope_->reset_statistics();
     packs_ = copies_ = bytes_copied_ = shared_ = kept_ = kept_no_room_ = unpacks_ = 0;
-    reused_sources_ = staged_unpacks_ = unstaged_unpacks_ = throttle_waits_ = 0;
+    reused_sources_ = staged_unpacks_ = unstaged_unpacks_ = throttle_waits_ = kept_last_ = 0;
   }
 
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -570,19 +575,20 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     auto sp              = std::make_shared<saved_buffer>();
     if (direct_) {
       // 2'. Direct: the page-out reads the tensor's own memory, after the current stream's work.
-      try {
-        sp->buf = scope_->pageout_from(static_cast<std::byte const*>(t.data_ptr()), bytes,
-                                       cuda::stream_ref{s});
-      } catch (wm::logic_error const&) {  // larger than the slab
-        ++kept_;
-        ++kept_no_room_;
-        return nullptr;
+      // With keep_last the newest keep_last tensors wait (held) and go out when newer ones come;
+      // those still held when backward starts are never copied (backward needs them first).
+      if (keep_last_ == 0) {
+        try {
+          issue_pageout(*sp, t, bytes, s);
+        } catch (wm::logic_error const&) {  // larger than the slab
+          ++kept_;
+          ++kept_no_room_;
+          return nullptr;
+        }
+      } else {
+        sp->held         = t;
+        sp->held_version = version;
       }
-      // The copy is issued (pageout_from returns after that): when the tensor is freed, torch's
-      // allocator records an event on the copy stream and reuses the block after it, i.e. after
-      // the copy. No reference is held: the memory goes as soon as both are done.
-      t.record_stream(c10::cuda::getStreamFromExternal(scope_->pageout_stream(),
-                                                       static_cast<c10::DeviceIndex>(device_)));
       sp->owner   = shared_from_this();
       sp->direct  = true;
       sp->sizes   = sizes;
@@ -599,17 +605,18 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
         sp->source_version         = vc.current_version();
       }
       ++live_;
-      if (max_out_bytes_ > 0) {  // hold the forward pass to the link's pace
-        outstanding_.emplace_back(sp, bytes);
-        outstanding_bytes_ += bytes;
-        while (outstanding_bytes_ > max_out_bytes_ && outstanding_.size() > 1) {
-          auto [w, n] = outstanding_.front();
-          outstanding_.pop_front();
-          outstanding_bytes_ -= n;
-          if (auto o = w.lock()) {
-            o->buf.wait_pageout(cuda::stream_ref{s});
-            ++throttle_waits_;
-          }
+      if (keep_last_ == 0) {
+        pace(sp, bytes, s);
+      } else {  // the oldest held beyond keep_last go out now
+        deferred_.push_back(sp);
+        while (deferred_.size() > keep_last_) {
+          auto o = deferred_.front().lock();
+          deferred_.pop_front();
+          if (!o || !o->held.defined()) { continue; }
+          torch::Tensor h = std::move(o->held);
+          o->held.reset();
+          issue_pageout(*o, h, o->bytes, s);  // fits: checked at its pack
+          pace(o, o->bytes, s);
         }
       }
       keys.push_back(saved_key{t.storage().getWeakStorageImpl(), t.storage_offset(), sizes, strides,
@@ -655,6 +662,33 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     return sp;
   }
 
+  /// Queues @p b's page-out from @p t's memory after the work on @p s. The copy is issued
+  /// (pageout_from returns after that): when the tensor is freed, torch's allocator records an
+  /// event on the copy stream and reuses the block after it, i.e. after the copy. No reference is
+  /// held: the memory goes as soon as both are done.
+  void issue_pageout(saved_buffer& b, torch::Tensor const& t, std::size_t bytes, cudaStream_t s) {
+    b.buf = scope_->pageout_from(static_cast<std::byte const*>(t.data_ptr()), bytes,
+                                 cuda::stream_ref{s});
+    t.record_stream(c10::cuda::getStreamFromExternal(scope_->pageout_stream(),
+                                                     static_cast<c10::DeviceIndex>(device_)));
+  }
+
+  /// max_outstanding_bytes: holds the forward pass (stream @p s) to the link's pace.
+  void pace(std::shared_ptr<saved_buffer> const& sp, std::size_t bytes, cudaStream_t s) {
+    if (max_out_bytes_ == 0) { return; }
+    outstanding_.emplace_back(sp, bytes);
+    outstanding_bytes_ += bytes;
+    while (outstanding_bytes_ > max_out_bytes_ && outstanding_.size() > 1) {
+      auto [w, n] = outstanding_.front();
+      outstanding_.pop_front();
+      outstanding_bytes_ -= n;
+      if (auto o = w.lock()) {
+        o->buf.wait_pageout(cuda::stream_ref{s});
+        ++throttle_waits_;
+      }
+    }
+  }
+
   /// The saved tensor itself, if its storage is alive with the same memory and its version
   /// counter says it was not modified since the save; else undefined.
   [[nodiscard]] static torch::Tensor source_if_alive(saved_buffer const& b) {
@@ -687,6 +721,18 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   torch::Tensor unpack_direct(saved_buffer& b, cudaStream_t s,
                               std::vector<std::shared_ptr<saved_buffer>>& hold) {
     torch::Tensor t = b.dev;
+    deferred_.clear();  // backward has started: what is still held stays on the device
+    if (!t.defined() && b.held.defined()) {
+      TORCH_CHECK(b.held._version() == b.held_version,
+                  "wm_torch.SwapHooks: a tensor saved for backward was modified in place");
+      t = std::move(b.held);
+      b.held.reset();
+      ++kept_last_;
+      b.dev = t;
+      t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(b.device)));
+      stage_more(s, hold);
+      return t;
+    }
     if (!t.defined()) {
       t = source_if_alive(b);
       if (t.defined()) {
@@ -714,7 +760,8 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   void stage_more(cudaStream_t s, std::vector<std::shared_ptr<saved_buffer>>& hold) {
     while (!in_order_.empty()) {
       auto o = in_order_.front().lock();
-      if (!o || o->dev.defined() || o->staged.defined() || source_if_alive(*o).defined()) {
+      if (!o || o->dev.defined() || o->staged.defined() || o->held.defined() ||
+          source_if_alive(*o).defined()) {
         in_order_.pop_front();  // gone, unpacked, staged, or still on the device as it was
         if (o) { hold.push_back(std::move(o)); }
         continue;
@@ -729,6 +776,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
 
   void prefetch_all_locked(std::vector<std::shared_ptr<saved_buffer>>& hold) {
     outstanding_.clear();  // backward: the forward's page-out pacing ends
+    deferred_.clear();     // and what keep_last still holds stays on the device
     outstanding_bytes_ = 0;
     bool any_pool      = false;
     for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
@@ -769,6 +817,9 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   std::size_t outstanding_bytes_{0};
   std::deque<std::pair<std::weak_ptr<saved_buffer>, std::size_t>> outstanding_;
   std::deque<std::weak_ptr<saved_buffer>> in_order_;  // direct: still to stage, backward order
+  std::deque<std::weak_ptr<saved_buffer>> deferred_;  // keep_last: held, newest last
+  std::size_t keep_last_{0};
+  std::uint64_t kept_last_{0};  // unpacks served by a tensor keep_last never paged out
   std::recursive_mutex mutex_;
   std::unordered_map<c10::StorageImpl*, std::vector<saved_key>> saved_;
   std::unordered_set<std::uintptr_t> skip_;
@@ -953,7 +1004,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "pinned host slab of host_bytes")
       .def("set_direct", guarded_method(&swap_handle::set_direct), py::arg("on"),
            py::arg("max_outstanding_bytes") = std::size_t{0},
-           py::arg("stage_bytes")           = std::size_t{0},
+           py::arg("stage_bytes") = std::size_t{0}, py::arg("keep_last") = std::size_t{0},
            "Direct mode: page-outs from the tensors' memory, page-ins into torch's memory")
       .def("set_skip", guarded_method(&swap_handle::set_skip), py::arg("storage_ptrs"),
            "Storages (data pointers) that pack never copies, e.g. parameters")

@@ -443,7 +443,11 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
       itself while it is still alive and unchanged; else a tensor from torch's allocator that the
       scope's page-in copy stream filled (swappable::pagein_to), staged in backward order up to
       stage_bytes ahead of use (default: the scope's prefetch_lookahead; at least one tensor)
-      from prefetch_all on.
+      from prefetch_all on. keep_last=k > 0: the k newest saved tensors are held and paged out
+      only when newer ones are saved; those still held when backward starts (the first unpack or
+      prefetch_all) are never copied: backward needs them first, and in a training loop the
+      last ones would otherwise go out and straight back in (their memory stays in use until
+      their unpack, as without hooks).
     - mode="pool": pack copies the tensor into a buffer of the scope's device pool on the current
       stream and queues its page-out; unpack returns a tensor over the pool buffer, paged in if
       needed, whose memory returns to the pool once autograd drops it and the saved handle.
@@ -451,7 +455,7 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, scope, skip=(), auto_prefetch=True, mode="direct", max_outstanding_bytes=0,
-                 stage_bytes=None):
+                 stage_bytes=None, keep_last=0):
         if mode not in ("direct", "pool"):
             raise ValueError(f"wm_torch.SwapHooks: mode must be 'direct' or 'pool', not {mode!r}")
         self.scope = scope
@@ -459,7 +463,9 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
         h = scope._h
         h.set_auto_prefetch(bool(auto_prefetch))
         stage = scope.prefetch_lookahead if stage_bytes is None else int(stage_bytes)
-        h.set_direct(mode == "direct", int(max_outstanding_bytes), stage)
+        if int(keep_last) < 0:
+            raise ValueError(f"wm_torch.SwapHooks: keep_last must be >= 0, not {keep_last}")
+        h.set_direct(mode == "direct", int(max_outstanding_bytes), stage, int(keep_last))
         if isinstance(skip, (torch.nn.Module, torch.Tensor)):
             skip = [skip]
         ptrs = []

@@ -303,6 +303,31 @@ def test_swap_hooks_direct():
               f"{st['unstaged_unpacks']} paged in at the unpack; {st['throttle_waits']} pacing waits, "
               f"{st['host_blocking_syncs']} host syncs, {st['live_buffers']} buffers alive after the steps")
 
+    # keep_last: the newest k saves wait and go out only when newer ones come; the k still held
+    # when backward starts are never copied (their unpack returns them).
+    for explicit, keep in ((True, 1), (False, 2)):
+        scope = wm_torch.SwapScope(0, 16 * act)
+        losses, grads = train_mlp(
+            lambda model: wm_torch.SwapHooks(scope, skip=model, mode="direct", stage_bytes=act, keep_last=keep),
+            steps, layers, width, batch, explicit)
+        st = scope.statistics()
+        same_loss = all(torch.equal(a, b) for a, b in zip(losses, base_losses))
+        same_grad = all(torch.equal(a, b) for ga, gb in zip(grads, base_grads) for a, b in zip(ga, gb))
+        copies = steps * (layers + 2)
+        unpacked = st["reused_sources"] + st["staged_unpacks"] + st["unstaged_unpacks"] + st["kept_last"]
+        check(f"swap hooks direct, keep_last {keep}: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} "
+              f"prefetch_all), the last {keep} saves never paged out",
+              same_loss and same_grad and st["copies"] == copies and st["kept_last"] == steps * keep
+              and st["pageouts_from"] == copies - steps * keep and unpacked == copies
+              and st["live_buffers"] == 0 and st["host_blocking_syncs"] == 0,
+              f"losses {[round(float(v), 5) for v in losses]}, {st['copies']} saves, {st['pageouts_from']} paged out, "
+              f"{st['kept_last']} unpacks of held tensors, {unpacked} unpacks, {st['live_buffers']} alive after")
+    try:
+        wm_torch.SwapHooks(wm_torch.SwapScope(0, 16 * act), mode="direct", keep_last=-1)
+        check("swap hooks: keep_last=-1 raises ValueError", False, "no exception")
+    except ValueError as e:
+        check("swap hooks: keep_last=-1 raises ValueError", True, str(e))
+
 
 def swap_peak(make_hooks):
     """Peak device bytes of SWAP_STEPS steps of the swap MLP above what the model and the input
