@@ -748,7 +748,8 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       }
       b.dev = t;
     }
-    b.buf.wait_pagein(cuda::stream_ref{s});  // nothing once the copy has completed
+    // Nothing once the copy has completed; a tensor keep_last held has no buffer.
+    if (b.buf) { b.buf.wait_pagein(cuda::stream_ref{s}); }
     // Used on s (a no-op if s is where it was allocated).
     t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(b.device)));
     stage_more(s, hold);

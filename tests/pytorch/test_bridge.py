@@ -305,7 +305,7 @@ def test_swap_hooks_direct():
 
     # keep_last: the newest k saves wait and go out only when newer ones come; the k still held
     # when backward starts are never copied (their unpack returns them).
-    for explicit, keep in ((True, 1), (False, 2)):
+    for explicit, keep in ((True, 1), (False, 3)):  # 3: x_{L-1} (saved twice) is held too
         scope = wm_torch.SwapScope(0, 16 * act)
         losses, grads = train_mlp(
             lambda model: wm_torch.SwapHooks(scope, skip=model, mode="direct", stage_bytes=act, keep_last=keep),
