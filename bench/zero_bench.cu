@@ -213,14 +213,15 @@ row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char 
     for (auto& e : events) { WM_CUDA_TRY(cudaEventCreate(&e)); }
     r.ms = wm_bench::median(wm_bench::event_times_ms(once, 2, events, stream, comm));
     for (auto& e : events) { WM_CUDA_TRY(cudaEventDestroy(e)); }
-    auto const last        = opt.offload_stats();
-    r.stats                = last;
-    r.stats.chunks_ahead   = last.chunks_ahead - first.chunks_ahead;
-    r.stats.chunks_after   = last.chunks_after - first.chunks_after;
-    r.stats.chunks_dropped = last.chunks_dropped - first.chunks_dropped;
-    r.stats.chunks_redone  = last.chunks_redone - first.chunks_redone;
-    r.stats.region_waits   = last.region_waits - first.region_waits;
-    r.stats.wait_seconds   = last.wait_seconds - first.wait_seconds;
+    auto const last          = opt.offload_stats();
+    r.stats                  = last;
+    r.stats.chunks_ahead     = last.chunks_ahead - first.chunks_ahead;
+    r.stats.chunks_after     = last.chunks_after - first.chunks_after;
+    r.stats.chunks_dropped   = last.chunks_dropped - first.chunks_dropped;
+    r.stats.chunks_redone    = last.chunks_redone - first.chunks_redone;
+    r.stats.region_waits     = last.region_waits - first.region_waits;
+    r.stats.wait_seconds     = last.wait_seconds - first.wait_seconds;
+    r.stats.cpu_adam_seconds = last.cpu_adam_seconds - first.cpu_adam_seconds;
   }
   if constexpr (Offload::host) {
     // The CPU Adam alone on arrays of this rank's shard size (the same pool size as the step's),
@@ -451,6 +452,15 @@ int main(int argc, char** argv) {
         std::printf("%s: step / the run's fastest CPU Adam alone (%.2f ms) = %.3f%s\n",
                     off.name.c_str(), fastest, off.ms / fastest,
                     off.name == "ZeRO-2, offload" ? " (target <= 1.2)" : "");
+      }
+      // The CPU Adam as it ran inside the timed steps (wall time of its chunk updates, with the
+      // copies and the GPU's driver threads beside it): what the step adds on top of it.
+      for (auto const& off : rows) {
+        if (off.cpu_adam_ms <= 0 || off.timed_steps <= 0) { continue; }
+        double const inside = 1e3 * off.stats.cpu_adam_seconds / off.timed_steps;
+        if (inside <= 0) { continue; }
+        std::printf("%s: CPU Adam inside the step %.2f ms; step / that = %.3f\n", off.name.c_str(),
+                    inside, off.ms / inside);
       }
       for (auto const& off : rows) {
         if (!off.pipeline) { continue; }

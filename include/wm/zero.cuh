@@ -434,6 +434,7 @@ class zero_optimizer {
   std::atomic<std::int64_t> chunks_after_{0};
   std::atomic<std::int64_t> region_waits_{0};
   std::atomic<std::int64_t> wait_ns_{0};
+  std::atomic<std::int64_t> cpu_ns_{0};  // wall time of cpu_update calls (offload_stats)
   mutable std::int64_t chunks_dropped_{0};
   std::int64_t chunks_redone_{0};
   float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last

@@ -159,6 +159,9 @@ struct zero_offload_stats {
   std::int64_t chunks_redone{};   ///< updated after backward by `step` (not ahead, or redone)
   std::int64_t region_waits{};    ///< a chunk found no free spare region: waited for the decision
   double wait_seconds{};          ///< time spent in those waits
+  /// wall time of the CPU Adam's updates (every chunk, in the pipeline or in `step`), as they
+  /// ran inside the steps: with other work beside them (copies, the GPU's driver threads)
+  double cpu_adam_seconds{};
   std::size_t spare_regions{};    ///< regions in the pool (`offload_spare_fraction`)
   std::size_t region_elements{};  ///< elements per region (the largest chunk)
   std::size_t peak_regions{};     ///< most regions in use at once

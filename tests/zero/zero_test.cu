@@ -773,6 +773,7 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   REQUIRE(a.memory().host == b.memory().host + regions * largest * 3 * sizeof(float));
   REQUIRE(stats0.chunks_ahead == 0);
   REQUIRE(stats0.peak_regions == 0);
+  REQUIRE(stats0.cpu_adam_seconds == 0.0);
   REQUIRE(b.offload_stats().spare_regions == 0);
   wm::zero_options odd       = options;
   odd.offload_chunk_elements = 100;  // not a multiple of 64
@@ -940,6 +941,9 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     REQUIRE(total.chunks_ahead == 0);
   }
   if (regions <= 1) { REQUIRE(total.region_waits > 0); }
+  // Every update ran on the CPU somewhere (pipeline or step): its time is counted.
+  REQUIRE(total.cpu_adam_seconds > 0.0);
+  REQUIRE(b.offload_stats().cpu_adam_seconds > 0.0);  // the unpipelined updates too
 }
 
 TEMPLATE_PRODUCT_TEST_CASE(

@@ -639,6 +639,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, std::s
   namespace z = detail::zero;
   if constexpr (Offload::host) {  // only the offload instantiations read adam's fields
     static_assert(Optimizer::states == 2, "the CPU Adam keeps m and v");
+    auto const started   = std::chrono::steady_clock::now();
     auto const& bk       = plan_.buckets[b];
     std::size_t const at = shard_bytes_offset_[b] + first * z::size_of(bk.type);
     z::cpu_adam_options const o{opt_.beta1, opt_.beta2, opt_.eps, opt_.weight_decay,
@@ -662,6 +663,10 @@ void zero_optimizer<Stage, Optimizer, Offload>::cpu_update(std::size_t b, std::s
                          *cpu_pool_);
       std::memcpy(host_weights_ + at, out[0], count * sizeof(float));
     }
+    cpu_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - started)
+                          .count(),
+                      std::memory_order_relaxed);
   }
 }
 
@@ -705,15 +710,16 @@ void zero_optimizer<Stage, Optimizer, Offload>::end_speculation(bool adopt) {
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 zero_offload_stats zero_optimizer<Stage, Optimizer, Offload>::offload_stats() const noexcept {
   zero_offload_stats r;
-  r.chunks_ahead    = chunks_ahead_.load(std::memory_order_relaxed);
-  r.chunks_after    = chunks_after_.load(std::memory_order_relaxed);
-  r.chunks_dropped  = chunks_dropped_;
-  r.chunks_redone   = chunks_redone_;
-  r.region_waits    = region_waits_.load(std::memory_order_relaxed);
-  r.wait_seconds    = static_cast<double>(wait_ns_.load(std::memory_order_relaxed)) * 1e-9;
-  r.spare_regions   = spares_.regions();
-  r.region_elements = region_elements_;
-  r.peak_regions    = peak_regions_;
+  r.chunks_ahead     = chunks_ahead_.load(std::memory_order_relaxed);
+  r.chunks_after     = chunks_after_.load(std::memory_order_relaxed);
+  r.chunks_dropped   = chunks_dropped_;
+  r.chunks_redone    = chunks_redone_;
+  r.region_waits     = region_waits_.load(std::memory_order_relaxed);
+  r.wait_seconds     = static_cast<double>(wait_ns_.load(std::memory_order_relaxed)) * 1e-9;
+  r.cpu_adam_seconds = static_cast<double>(cpu_ns_.load(std::memory_order_relaxed)) * 1e-9;
+  r.spare_regions    = spares_.regions();
+  r.region_elements  = region_elements_;
+  r.peak_regions     = peak_regions_;
   return r;
 }
 
