@@ -48,6 +48,7 @@
 
 #include <wm/error.hpp>
 #include <wm/transfer_queue.hpp>
+#include <wm/zero_codec.cuh>
 
 #include <cuda/stream_ref>
 

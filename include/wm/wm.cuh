@@ -14,3 +14,4 @@
 #include <wm/swap.cuh>
 #include <wm/tensor.cuh>
 #include <wm/zero.cuh>
+#include <wm/zero_codec.cuh>
