@@ -40,6 +40,8 @@
  *   the copies of neighbours in both memories are merged. Several batches are in flight per
  *   direction. The scope counts what it did (`statistics()`): bytes and GB/s per direction,
  *   how long consumer streams waited, peak resident bytes, allocations and host-blocking syncs.
+ * - `wm::zero_codec<Word>` (zero_codec.cuh, included here): a lossless bitmask-plus-nonzeros
+ *   encoding that shrinks mostly-zero pages (ReLU activations) before they cross PCIe.
  *
  * Threads: one user thread at a time per buffer; the scope itself is thread-safe. Buffers must be
  * destroyed before their scope. Every host wait has the scope's deadline (`swap_options::timeout`).

@@ -13,6 +13,11 @@
  * Encoding reads the source twice (the mask, then the values), decoding reads the encoding once
  * (and the mask twice) and writes every element once. Both run stream-ordered, without host
  * synchronization, in tiles of 4096 elements (one warp each), with a scan of the tiles' counts.
+ *
+ * The declarations compile with a host compiler too (wm/swap.cuh includes this header, and
+ * host-compiled bindings include that); the bodies only with nvcc: a host-compiled translation
+ * unit calls them through an explicit instantiation in a .cu file of the same program, e.g.
+ * `template struct wm::zero_codec<std::uint16_t>;`.
  */
 #pragma once
 
@@ -100,4 +105,9 @@ struct zero_codec {
 
 }  // namespace wm
 
+// The bodies are kernels: nvcc only. A translation unit of the host compiler (e.g. PyTorch
+// bindings in a .cpp file, which include wm/swap.cuh) sees the declarations above and links
+// against an explicit instantiation in a .cu file: `template struct wm::zero_codec<std::uint16_t>;`
+#if defined(__CUDACC__)
 #include <wm/detail/swap/zero_codec.cuh>
+#endif

@@ -1309,7 +1309,9 @@ void codec_round_trip(std::vector<Word> const& x, std::size_t offset, bool pinne
   auto* const src_w = reinterpret_cast<Word*>(src.p) + offset;
   auto* const dst_w = reinterpret_cast<Word*>(dst.p) + offset;
   auto* const nz    = reinterpret_cast<std::uint64_t*>(pinned_count ? nz_host.p : nz_dev.p);
-  WM_CUDA_TRY(cudaMemcpyAsync(src_w, x.data(), n * sizeof(Word), cudaMemcpyHostToDevice, s));
+  if (n > 0) {
+    WM_CUDA_TRY(cudaMemcpyAsync(src_w, x.data(), n * sizeof(Word), cudaMemcpyHostToDevice, s));
+  }
   WM_CUDA_TRY(cudaMemsetAsync(enc.p, 0xFF, enc_bytes, s));
   WM_CUDA_TRY(cudaMemsetAsync(dst.p, 0xFF, (n + offset + guard) * sizeof(Word), s));
   WM_CUDA_TRY(cudaMemcpyAsync(nz_dev.p, &poison64, 8, cudaMemcpyHostToDevice, s));
