@@ -85,6 +85,17 @@ __device__ inline void store_elements(Word* __restrict__ p, std::size_t base, st
   }
 }
 
+/// v[i] = in[from + lane + 32 i] for the i with lane + 32 i < @p count (0 for the others).
+template <class Word, int V>
+__device__ inline void load_chunk_values(Word const* __restrict__ in, unsigned from, unsigned count,
+                                         unsigned lane, Word (&v)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    unsigned const k = lane + 32u * static_cast<unsigned>(i);
+    v[i]             = k < count ? in[from + k] : Word{0};
+  }
+}
+
 /**
  * Tile @p t's mask words into @p words_s (words at or past @p words_total read as 0) and, for
  * each word, the set bits of the tile's words before it into @p before_s. Returns the tile's set
@@ -167,18 +178,23 @@ __global__ void __launch_bounds__(block_threads)
   unsigned const warp = threadIdx.x / 32;
   std::size_t const t = blockIdx.x * std::size_t{warps_per_block} + warp;
   if (t >= tiles) { return; }
-  std::uint32_t* const w_s = words_s[warp];
-  std::uint32_t* const b_s = before_s[warp];
-  Word* const stage        = stage_s[warp];
-  unsigned const total     = load_tile_mask(mask, t, mask_words(n), lane, w_s, b_s);
-  Word* const out          = values + offsets[t];
-  std::size_t const first  = t * tile;
-  constexpr int group      = 32 / V;
-  constexpr int chunks     = static_cast<int>(tile) / (32 * V);
-  unsigned const shift     = lane * V % 32;
+  std::uint32_t* const w_s     = words_s[warp];
+  std::uint32_t* const b_s     = before_s[warp];
+  Word* const stage            = stage_s[warp];
+  unsigned const total         = load_tile_mask(mask, t, mask_words(n), lane, w_s, b_s);
+  Word* const out              = values + offsets[t];
+  std::size_t const first      = t * tile;
+  constexpr int group          = 32 / V;
+  constexpr int chunks         = static_cast<int>(tile) / (32 * V);
+  unsigned const shift         = lane * V % 32;
+  std::size_t const lane_first = first + lane * V;
+  Word e[V];
+  load_elements<Word, V>(src, lane_first, n, e);
   for (int c = 0; c < chunks; ++c) {
-    Word e[V];
-    load_elements<Word, V>(src, first + static_cast<std::size_t>(c) * 32 * V + lane * V, n, e);
+    Word next[V]{};  // the next chunk's elements, in flight while this one is compacted
+    if (c + 1 < chunks) {
+      load_elements<Word, V>(src, lane_first + static_cast<std::size_t>(c + 1) * 32 * V, n, next);
+    }
     unsigned const w           = static_cast<unsigned>(c) * V + lane / group;
     std::uint32_t const word   = w_s[w];
     unsigned const chunk_first = b_s[c * V];
@@ -193,6 +209,8 @@ __global__ void __launch_bounds__(block_threads)
       out[chunk_first + k] = stage[k];
     }
     __syncwarp();
+#pragma unroll
+    for (int j = 0; j < V; ++j) { e[j] = next[j]; }
   }
 }
 
@@ -237,11 +255,21 @@ __global__ void __launch_bounds__(block_threads)
   constexpr int group      = 32 / V;
   constexpr int chunks     = static_cast<int>(tile) / (32 * V);
   unsigned const shift     = lane * V % 32;
+  unsigned chunk_first     = 0;  // b_s[0]
+  unsigned chunk_end       = chunks > 1 ? b_s[V] : total;
+  Word v[V];  // this lane's values of the chunk: stage[lane + 32 i]
+  load_chunk_values<Word, V>(in, chunk_first, chunk_end - chunk_first, lane, v);
   for (int c = 0; c < chunks; ++c) {
-    unsigned const chunk_first = b_s[c * V];
-    unsigned const chunk_end   = c + 1 < chunks ? b_s[(c + 1) * V] : total;
-    for (unsigned k = lane; k < chunk_end - chunk_first; k += 32) {
-      stage[k] = in[chunk_first + k];
+    unsigned const next_first = chunk_end;
+    unsigned const next_end   = c + 2 < chunks ? b_s[(c + 2) * V] : total;
+    Word next[V]{};  // the next chunk's values, in flight while this one is expanded
+    if (c + 1 < chunks) {
+      load_chunk_values<Word, V>(in, next_first, next_end - next_first, lane, next);
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      unsigned const k = lane + 32u * static_cast<unsigned>(i);
+      if (k < chunk_end - chunk_first) { stage[k] = v[i]; }
     }
     __syncwarp();
     unsigned const w         = static_cast<unsigned>(c) * V + lane / group;
@@ -254,6 +282,10 @@ __global__ void __launch_bounds__(block_threads)
     }
     store_elements<Word, V>(dst, first + static_cast<std::size_t>(c) * 32 * V + lane * V, n, e);
     __syncwarp();
+#pragma unroll
+    for (int i = 0; i < V; ++i) { v[i] = next[i]; }
+    chunk_first = next_first;
+    chunk_end   = next_end;
   }
 }
 
