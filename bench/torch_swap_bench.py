@@ -16,24 +16,34 @@ as torch_swap.py does. Rows, each on a fresh model from the same seed:
     --stage activations ahead, from the first unpack on (--direct-prefetch auto) or from
     hooks.prefetch_all() right after the forward (explicit); the output, still alive, is
     unpacked as itself;
+  - "wm hooks, host out <= k" (--host-outstanding): the same with host_pacing=True: the host
+    waits instead of the stream, and waits for every page-out when the hooks' block ends, so that
+    torch's allocator can reuse the saved tensors' memory (a record_stream-ed block is reused only
+    once the host has seen its copy end);
+  - "wm hooks zc, host out <= k" (--compress-outstanding): compress=True (each activation
+    zero-encoded on the forward's stream, wm::zero_codec; its encoding goes out) with host pacing;
+    "wm hooks zc, keep last k" (--keep-last): the same with the last k saves held on the GPU;
   - "wm hooks pool, pool P" (the first mode, for comparison): a SwapScope whose device pool holds
     P activations (--pools), pack copies each activation into it, prefetch lookahead of 2
     activations, hooks.prefetch_all() right after the forward.
   The model's parameters and the input buffer are skipped (they stay on the device anyway).
 Columns: median step ms over the timed steps (CUDA events, after the warm-ups); ratio to no
-offload; torch GiB = torch.cuda.max_memory_allocated over the timed steps; wm dev GiB = the
-scope's device pool (one cudaMalloc outside torch's allocator, for the scope's life; 0 in the
-direct mode); peak GiB = their sum, and its reduction against no offload; GB/s of the wm
-page-outs / page-ins while copying (scope statistics), against pinned D2H / H2D copies of one
-activation measured in this run (torch copy_ between a pinned host tensor and a device tensor);
-host-blocking syncs per step; per step, the pool mode's passive page-ins, or the direct mode's
-unpacks as "itself / staged / paged in at the unpack" and its pacing waits; whether the losses
-are bitwise those of no offload.
+offload; alloc / rsvd GiB = torch.cuda.max_memory_allocated / max_memory_reserved over the timed
+steps, each row from an empty cache; wm dev GiB = the scope's device pool (one cudaMalloc outside
+torch's allocator, for the scope's life; 0 in the direct mode); peak GiB = rsvd + pool (what the
+step holds of the GPU: the target's measure), and its reduction against no offload; the same
+reduction by max_memory_allocated (which counts a record_stream-ed tensor free before its copy
+ends); zc = encoded / raw bytes; host waits per step; GB/s of the wm page-outs / page-ins while
+copying (scope statistics), against pinned D2H / H2D copies of one activation measured in this
+run (torch copy_ between a pinned host tensor and a device tensor); host-blocking syncs per step;
+per step, the pool mode's passive page-ins, or the direct mode's unpacks as "itself / staged /
+paged in at the unpack" and its pacing waits; whether the losses are bitwise those of no offload.
 The table is printed last, then the issue's target: a wm row at <= 1.15x no offload with a peak
 >= 35% lower.
 
 Usage: python3 bench/torch_swap_bench.py [--layers 16] [--width 8192] [--batch 16384]
-       [--steps 6] [--warmups 2] [--outstanding 1,2,3,4] [--stage 2]
+       [--steps 6] [--warmups 2] [--outstanding 0,2] [--host-outstanding 1,2]
+       [--compress-outstanding 1,2] [--keep-last 1,2] [--stage 2]
        [--direct-prefetch auto|explicit] [--pools 2,4] [--no-save-on-cpu]
 The first run builds the extension (examples/pytorch/README.md), a few minutes.
 """
@@ -86,10 +96,11 @@ def pinned_gbps(nbytes, reps=10):
     return out  # [d2h, h2d]
 
 
-def run(a, mode, pool=0, outstanding=0, keep_last=0):
+def run(a, mode, pool=0, outstanding=0, keep_last=0, compress=False, host_pacing=False):
     """One row: mode "plain", "save_on_cpu", "wm" (pool mode, `pool` activations) or "direct"
-    (direct mode, at most `outstanding` activations copying before the forward waits; the last
-    `keep_last` saved activations held on the GPU, never paged out)."""
+    (direct mode, at most `outstanding` activations copying before the forward (stream pacing) or
+    the host (host_pacing) waits; the last `keep_last` saved activations held on the GPU, never
+    paged out; compress: the zero encoding before each page-out)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     model = build(a.layers, a.width)
@@ -103,7 +114,8 @@ def run(a, mode, pool=0, outstanding=0, keep_last=0):
     elif mode == "direct":
         scope = wm_torch.SwapScope(0, (a.layers + 2) * act)
         hooks = wm_torch.SwapHooks(scope, skip=[model, x], mode="direct", max_outstanding_bytes=outstanding * act,
-                                   stage_bytes=a.stage * act, auto_prefetch=True, keep_last=keep_last)
+                                   stage_bytes=a.stage * act, auto_prefetch=True, keep_last=keep_last,
+                                   compress=compress, host_pacing=host_pacing)
     gen = torch.Generator(device="cuda").manual_seed(7)
 
     def step():
@@ -140,6 +152,7 @@ def run(a, mode, pool=0, outstanding=0, keep_last=0):
     r = {
         "ms": statistics.median(s.elapsed_time(e) for s, e in ev),
         "torch_peak": torch.cuda.max_memory_allocated() / GIB,
+        "reserved": torch.cuda.max_memory_reserved() / GIB,
         "pool": scope.device_budget / GIB if scope is not None else 0.0,
         "losses": torch.stack(losses).cpu(),
     }
@@ -150,8 +163,10 @@ def run(a, mode, pool=0, outstanding=0, keep_last=0):
                  copies=st["copies"] / a.steps, shared=st["shared"] / a.steps,
                  mib_out=st["bytes_out"] / a.steps / 2 ** 20, mib_in=st["bytes_in"] / a.steps / 2 ** 20,
                  direct=st["direct"], reused=(st["reused_sources"] + st["kept_last"]) / a.steps, staged=st["staged_unpacks"] / a.steps,
-                 unstaged=st["unstaged_unpacks"] / a.steps, paced=st["throttle_waits"] / a.steps)
-    r["peak"] = r["torch_peak"] + r["pool"]
+                 unstaged=st["unstaged_unpacks"] / a.steps, paced=st["throttle_waits"] / a.steps,
+                 zc=(st["encoded_bytes"] / st["encoded_raw_bytes"]) if st["encoded_raw_bytes"] else 0.0,
+                 host_waits=st["host_waits"] / a.steps)
+    r["peak"] = r["reserved"] + r["pool"]
     return r  # the model, the scope and its pinned slab go with this frame
 
 
@@ -162,14 +177,20 @@ def main():
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmups", type=int, default=2)
-    ap.add_argument("--outstanding", default="1,2,3,4",
-                    help="direct rows: activations that may still be copying before the forward waits (0: never)")
+    ap.add_argument("--outstanding", default="0,2",
+                    help="direct rows, stream pacing: activations that may still be copying before the forward waits "
+                         "(0: never)")
+    ap.add_argument("--host-outstanding", default="1,2",
+                    help="direct rows, host pacing: activations that may still be copying before the host waits")
+    ap.add_argument("--compress-outstanding", default="1,2",
+                    help="direct rows with the zero encoding and host pacing")
     ap.add_argument("--stage", type=int, default=2, help="direct rows: activations paged in ahead of backward's use")
     ap.add_argument("--direct-prefetch", choices=("auto", "explicit"), default="auto",
                     help="direct rows: page-ins start at the first unpack (auto) or right after the forward")
     ap.add_argument("--pools", default="2,4", help="pool-mode rows (the first mode): pool sizes in activations")
     ap.add_argument("--keep-last", default="1,2",
-                    help="direct rows (unpaced): the last k saved activations stay on the GPU (SwapHooks keep_last)")
+                    help="direct rows with the zero encoding and host pacing (out <= 2): the last k saved activations "
+                         "stay on the GPU (SwapHooks keep_last)")
     ap.add_argument("--no-save-on-cpu", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -188,8 +209,15 @@ def main():
     for k in [int(v) for v in a.outstanding.split(",") if v]:
         rows.append((f"wm hooks, out <= {k}" if k else "wm hooks, out unpaced", run(a, "direct", outstanding=k)))
         print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
+    for k in [int(v) for v in a.host_outstanding.split(",") if v]:
+        rows.append((f"wm hooks, host out <= {k}", run(a, "direct", outstanding=k, host_pacing=True)))
+        print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
+    for k in [int(v) for v in a.compress_outstanding.split(",") if v]:
+        rows.append((f"wm hooks zc, host out <= {k}", run(a, "direct", outstanding=k, host_pacing=True, compress=True)))
+        print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
     for k in [int(v) for v in a.keep_last.split(",") if v]:
-        rows.append((f"wm hooks, keep last {k}", run(a, "direct", keep_last=k)))
+        rows.append((f"wm hooks zc, keep last {k}",
+                     run(a, "direct", outstanding=2, host_pacing=True, compress=True, keep_last=k)))
         print(f"  {rows[-1][0]}: {rows[-1][1]['ms']:.1f} ms", flush=True)
     for p in [int(v) for v in a.pools.split(",") if v]:
         rows.append((f"wm hooks pool, pool {p}", run(a, "wm", p)))
@@ -201,7 +229,8 @@ def main():
           f"{a.warmups} warm-ups; direct rows: {a.stage} activations staged, page-ins from "
           f"{'the first unpack' if a.direct_prefetch == 'auto' else 'prefetch_all after the forward'}")
     print(f"   pinned copy of one activation (torch copy_): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
-    hdr = (f"{'':27s} {'step ms':>8s} {'ratio':>6s} {'torch GiB':>9s} {'wm dev GiB':>10s} {'peak GiB':>8s} {'vs none':>8s} "
+    hdr = (f"{'':29s} {'step ms':>8s} {'ratio':>6s} {'alloc GiB':>9s} {'rsvd GiB':>8s} {'wm dev GiB':>10s} {'peak GiB':>8s} "
+           f"{'vs none':>8s} {'alloc vs':>8s} {'zc':>5s} {'hw/st':>5s} "
            f"{'out GB/s':>12s} {'in GB/s':>12s} {'MiB out/in per step':>19s} {'sync/st':>7s} "
            f"{'unpacks/st: itself/staged/now, pacing':>38s} {'loss':>5s}")
     print(hdr)
@@ -209,6 +238,7 @@ def main():
     for name, r in rows:
         ratio = r["ms"] / base["ms"]
         lower = 1 - r["peak"] / base["peak"]
+        lower_alloc = 1 - (r["torch_peak"] + r["pool"]) / base["torch_peak"]
         same = "same" if torch.equal(r["losses"], base["losses"]) else "DIFF"
         if "out" in r:
             gb = (f"{r['out']:5.1f} ({r['out'] / d2h:.2f})", f"{r['inn']:5.1f} ({r['inn'] / h2d:.2f})")
@@ -218,14 +248,21 @@ def main():
             else:
                 kinds = f"pool: {r['passive']:.2f} passive page-ins"
             extra = f"{r['syncs']:7.2f} {kinds:>38s}"
+            zc = (f"{r['zc']:5.2f}" if r["zc"] else f"{'-':>5s}") + f" {r['host_waits']:5.1f}"
             if ratio <= 1.15 and lower >= 0.35:
                 met.append(name)
         else:
             gb, traffic, extra = ("-", "-"), "-", f"{'-':>7s} {'-':>38s}"
-        print(f"{name:27s} {r['ms']:8.1f} {ratio:6.3f} {r['torch_peak']:9.2f} {r['pool']:10.2f} {r['peak']:8.2f} "
-              f"{-100 * lower:+7.1f}% {gb[0]:>12s} {gb[1]:>12s} {traffic:>19s} {extra} {same:>5s}")
-    print("   peak GiB = torch.cuda.max_memory_allocated over the timed steps + the wm device pool (cudaMalloc'd by the "
-          "scope, outside torch's allocator; none in the direct mode); out/in GB/s: achieved while copying (ratio to "
+            zc = f"{'-':>5s} {'-':>5s}"
+        print(f"{name:29s} {r['ms']:8.1f} {ratio:6.3f} {r['torch_peak']:9.2f} {r['reserved']:8.2f} {r['pool']:10.2f} "
+              f"{r['peak']:8.2f} {-100 * lower:+7.1f}% {-100 * lower_alloc:+7.1f}% {zc} {gb[0]:>12s} {gb[1]:>12s} "
+              f"{traffic:>19s} {extra} {same:>5s}")
+    print("   alloc / rsvd GiB = torch.cuda.max_memory_allocated / max_memory_reserved over the timed steps (each row "
+          "starts from empty_cache); peak GiB = rsvd + the wm device pool (cudaMalloc'd by the scope, outside torch's "
+          "allocator; none in the direct mode): what the step holds of the GPU, the target's measure; vs none: its "
+          "change against no offload; alloc vs: the same with max_memory_allocated, which counts a record_stream-ed "
+          "tensor as free before its copy has ended; zc: encoded / raw bytes (compress rows); hw/st: host waits per "
+          "step (host pacing, encodings); out/in GB/s: achieved while copying (ratio to "
           "the pinned copy); sync/st: host-blocking syncs of the scope per step; unpacks per step (direct): the saved "
           "tensor itself (still alive), staged ahead, paged in at the unpack; pacing: forward waits for page-outs; "
           "pool rows: page-ins that backward waited for without a prefetch; loss: bitwise equal to no offload")

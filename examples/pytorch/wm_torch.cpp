@@ -24,6 +24,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -33,6 +34,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <torch/extension.h>
 #include <type_traits>
 #include <unordered_map>
@@ -40,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "wm_torch_codec.hpp"
 #include "wm_torch_tables.hpp"
 
 namespace py = pybind11;
@@ -323,6 +326,12 @@ struct saved_buffer {
   torch::Tensor staged;  // paged in ahead of its unpack (its copy may still run)
   torch::Tensor held;    // keep_last: the tensor itself, not (yet) paged out
   std::int64_t held_version{0};
+  // compress: the slab holds the zero encoding (wm::zero_codec) of numel elements of elem bytes
+  bool encoded{false};
+  std::size_t numel{0};
+  std::size_t elem{0};
+  std::size_t encoded_bytes{0};
+  cudaEvent_t decoded{nullptr};  // on the page-in stream, after the decode of the last page-in
   torch::Tensor dev;  // what unpack returned: a second unpack (a shared save) gets it again
   // The saved tensor itself while it is alive and unchanged: unpack returns it, no page-in.
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> source;
@@ -358,6 +367,26 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     device_        = scope_->options().device;
     capacity_      = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
     host_capacity_ = o.host_bytes / pool_alignment * pool_alignment;
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
+    void* p = nullptr;
+    WM_CUDA_TRY(cudaHostAlloc(&p, nonzero_slots * sizeof(std::uint64_t), cudaHostAllocDefault));
+    slots_ = static_cast<std::uint64_t*>(p);
+    for (int i = 0; i < nonzero_slots; ++i) { free_slots_.push_back(i); }
+  }
+
+  swap_handle(swap_handle const&)            = delete;
+  swap_handle& operator=(swap_handle const&) = delete;
+
+  ~swap_handle() {
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
+    for (auto& p : pending_) {
+      if (p.done != nullptr) { (void)cudaEventSynchronize(p.done); }  // the kernel writes a slot
+      give_event(p.done);
+    }
+    pending_.clear();
+    for (auto const& [e, n] : host_out_) { give_event(e); }
+    for (cudaEvent_t e : free_events_) { (void)cudaEventDestroy(e); }
+    (void)cudaFreeHost(slots_);
   }
 
   /**
@@ -389,12 +418,27 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
    * copies into the scope's device pool).
    */
   void set_direct(bool on, std::size_t max_outstanding_bytes, std::size_t stage_bytes,
-                  std::size_t keep_last) {
+                  std::size_t keep_last, bool compress, bool host_pacing) {
     std::lock_guard lk{mutex_};
     direct_        = on;
     max_out_bytes_ = max_outstanding_bytes;
     stage_bytes_   = stage_bytes;
     keep_last_     = keep_last;
+    compress_      = compress;
+    host_pacing_   = host_pacing;
+  }
+
+  /**
+   * The end of the forward pass (leaving the hooks' `with` block): the encoded save still
+   * waiting goes out, and with host pacing the host waits until every page-out is done, so that
+   * torch's allocator can hand the memory of every saved tensor to what comes next (the loss).
+   */
+  void end_forward() {
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
+    py::gil_scoped_release nogil;
+    std::lock_guard lk{mutex_};
+    issue_pending(0, current_stream(device_));
+    if (host_pacing_) { wait_host_outstanding(0); }
   }
 
   /// Storages (by data pointer) that pack never copies: parameters, buffers.
@@ -429,6 +473,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     {
       py::gil_scoped_release nogil;
       std::lock_guard lk{mutex_};
+      issue_pending(0, s);  // backward has started: the last encoded save goes out
       if (auto_prefetch_ && !order_.empty()) { prefetch_all_locked(hold); }
       ++unpacks_;
       if (sp->direct) {
@@ -507,6 +552,11 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     d["unstaged_unpacks"]  = unstaged_unpacks_;
     d["throttle_waits"]    = throttle_waits_;
     d["kept_last"]         = kept_last_;
+    d["encoded"]           = encoded_;
+    d["encoded_raw_bytes"] = encoded_raw_bytes_;
+    d["encoded_bytes"]     = encoded_bytes_;
+    d["host_waits"]        = host_waits_;
+    d["host_wait_seconds"] = host_wait_seconds_;
     d["direct"]            = direct_;
     d["device_pool_bytes"] = capacity_;
     d["device_budget"]     = scope_->options().device_budget;
@@ -520,6 +570,8 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     scope_->reset_statistics();
     packs_ = copies_ = bytes_copied_ = shared_ = kept_ = kept_no_room_ = unpacks_ = 0;
     reused_sources_ = staged_unpacks_ = unstaged_unpacks_ = throttle_waits_ = kept_last_ = 0;
+    encoded_ = encoded_raw_bytes_ = encoded_bytes_ = host_waits_ = 0;
+    host_wait_seconds_                                           = 0;
   }
 
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -577,9 +629,10 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       // 2'. Direct: the page-out reads the tensor's own memory, after the current stream's work.
       // With keep_last the newest keep_last tensors wait (held) and go out when newer ones come;
       // those still held when backward starts are never copied (backward needs them first).
+      bool issued = false;
       if (keep_last_ == 0) {
         try {
-          issue_pageout(*sp, t, bytes, s);
+          issued = start_pageout(sp, t, bytes, s);
         } catch (wm::logic_error const&) {  // larger than the slab
           ++kept_;
           ++kept_no_room_;
@@ -606,7 +659,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       }
       ++live_;
       if (keep_last_ == 0) {
-        pace(sp, bytes, s);
+        if (issued) { pace(sp, bytes, s); }
       } else {  // the oldest held beyond keep_last go out now
         deferred_.push_back(sp);
         while (deferred_.size() > keep_last_) {
@@ -615,8 +668,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
           if (!o || !o->held.defined()) { continue; }
           torch::Tensor h = std::move(o->held);
           o->held.reset();
-          issue_pageout(*o, h, o->bytes, s);  // fits: checked at its pack
-          pace(o, o->bytes, s);
+          if (start_pageout(o, h, o->bytes, s)) { pace(o, o->bytes, s); }  // fits: checked at pack
         }
       }
       keys.push_back(saved_key{t.storage().getWeakStorageImpl(), t.storage_offset(), sizes, strides,
@@ -662,6 +714,154 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     return sp;
   }
 
+  /// Starts @p sp's page-out from @p t (direct mode): first the encoded save still waiting goes
+  /// out (issue_pending), then, with compress, @p t is encoded on @p s into a tensor from torch's
+  /// allocator, which goes out at the next save, at backward or at end_forward (returns false),
+  /// else @p t's own memory is copied (issue_pageout; returns true).
+  bool start_pageout(std::shared_ptr<saved_buffer> const& sp, torch::Tensor const& t,
+                     std::size_t bytes, cudaStream_t s) {
+    issue_pending(0, s);
+    auto const n    = static_cast<std::size_t>(t.numel());
+    auto const elem = static_cast<std::size_t>(t.element_size());
+    if (compress_ && codec_supports(elem) && codec_max_encoded_bytes(n, elem) <= host_capacity_) {
+      encode(sp, t, n, elem, s);
+      return false;
+    }
+    issue_pageout(*sp, t, bytes, s);
+    return true;
+  }
+
+  /// Encodes @p t (wm::zero_codec: a bit per element, then the nonzero elements) on @p s, its
+  /// nonzero count into a pinned slot; the page-out waits in pending_ for the count (its size).
+  /// @p t is read on @p s only, so torch's allocator may reuse it in @p s's order: no
+  /// record_stream on a copy stream, nothing held until a copy ends.
+  void encode(std::shared_ptr<saved_buffer> const& sp, torch::Tensor const& t, std::size_t n,
+              std::size_t elem, cudaStream_t s) {
+    auto const opts = torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, device_);
+    expect_value(!free_slots_.empty(), "wm_torch: no free slot for an encoding's count");
+    pending_encoding p;
+    p.sp    = sp;
+    p.numel = n;
+    p.elem  = elem;
+    p.enc   = at::empty({static_cast<std::int64_t>(codec_max_encoded_bytes(n, elem))}, opts);
+    std::size_t const scratch_bytes = codec_scratch_bytes(n, elem);
+    auto scratch =
+        at::empty({static_cast<std::int64_t>(std::max<std::size_t>(scratch_bytes, 1))}, opts);
+    p.slot = free_slots_.back();
+    free_slots_.pop_back();
+    try {
+      codec_encode(t.data_ptr(), n, elem, p.enc.data_ptr(), &slots_[p.slot], scratch.data_ptr(),
+                   scratch_bytes, s);
+      p.done = take_event();
+      WM_CUDA_TRY(cudaEventRecord(p.done, s));
+    } catch (...) {
+      free_slots_.push_back(p.slot);
+      give_event(p.done);
+      throw;
+    }
+    // Read on s: a tensor made on another stream is kept until s has passed the encode.
+    t.record_stream(c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device_)));
+    sp->encoded = true;
+    sp->numel   = n;
+    sp->elem    = elem;
+    pending_.push_back(std::move(p));
+  }
+
+  /// Issues the page-outs of the encodings in pending_ beyond the newest @p keep: the host waits
+  /// for each encoding (one save behind the forward pass, so the GPU still has a layer queued),
+  /// reads its nonzero count and pages out exactly the encoded bytes on the page-out stream; the
+  /// encoding's tensor is record_stream-ed there and dropped.
+  void issue_pending(std::size_t keep, cudaStream_t s) {
+    while (pending_.size() > keep) {
+      pending_encoding p = std::move(pending_.front());
+      pending_.pop_front();
+      std::uint64_t nonzeros = 0;
+      try {
+        wait_host(p.done, "the encoding of a saved tensor");
+        nonzeros = *static_cast<std::uint64_t volatile*>(&slots_[p.slot]);
+      } catch (...) {
+        free_slots_.push_back(p.slot);
+        give_event(p.done);
+        throw;
+      }
+      free_slots_.push_back(p.slot);
+      give_event(p.done);
+      auto sp = p.sp.lock();
+      if (!sp) { continue; }  // dropped before it went out: the encoding goes in s's order
+      std::size_t const eb   = codec_encoded_bytes(p.numel, nonzeros, p.elem);
+      cudaStream_t const out = scope_->pageout_stream();
+      sp->buf = scope_->pageout_from(static_cast<std::byte const*>(p.enc.data_ptr()), eb,
+                                     cuda::stream_ref{out});
+      p.enc.record_stream(
+          c10::cuda::getStreamFromExternal(out, static_cast<c10::DeviceIndex>(device_)));
+      sp->encoded_bytes = eb;
+      ++encoded_;
+      encoded_raw_bytes_ += sp->bytes;
+      encoded_bytes_ += eb;
+      pace(sp, eb, s);
+    }
+  }
+
+  /// The host waits for @p e (polling, within the scope's timeout); counted when it had to.
+  void wait_host(cudaEvent_t e, char const* what) {
+    auto const t0       = std::chrono::steady_clock::now();
+    auto const deadline = t0 + scope_->options().timeout;
+    bool waited         = false;
+    for (;;) {
+      cudaError_t const r = cudaEventQuery(e);
+      if (r == cudaSuccess) { break; }
+      if (r != cudaErrorNotReady) { WM_CUDA_TRY(r); }
+      waited = true;
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw wm::cuda_error{"wm_torch: SwapHooks gave up waiting for " + std::string{what} +
+                                 " after " + std::to_string(scope_->options().timeout.count()) +
+                                 " ms",
+                             static_cast<int>(cudaErrorTimeout)};
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds{20});
+    }
+    if (waited) {
+      ++host_waits_;
+      host_wait_seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  }
+
+  /// Host pacing: waits for the oldest page-outs while more than @p limit bytes may still be
+  /// copying (0 with @p all: every one).
+  void wait_host_outstanding(std::size_t limit, bool all = true) {
+    while (!host_out_.empty() && (host_out_bytes_ > limit || all) &&
+           (all || host_out_.size() > 1)) {
+      auto [e, n] = host_out_.front();
+      host_out_.pop_front();
+      host_out_bytes_ -= n;
+      try {
+        wait_host(e, "a page-out (host pacing)");
+      } catch (...) {
+        give_event(e);
+        throw;
+      }
+      give_event(e);
+    }
+  }
+
+  [[nodiscard]] cudaEvent_t take_event() {
+    if (!free_events_.empty()) {
+      cudaEvent_t e = free_events_.back();
+      free_events_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+ public:
+  void give_event(cudaEvent_t e) noexcept {
+    if (e != nullptr) { free_events_.push_back(e); }
+  }
+
+ private:
   /// Queues @p b's page-out from @p t's memory after the work on @p s. The copy is issued
   /// (pageout_from returns after that): when the tensor is freed, torch's allocator records an
   /// event on the copy stream and reuses the block after it, i.e. after the copy. No reference is
@@ -675,6 +875,19 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
 
   /// max_outstanding_bytes: holds the forward pass (stream @p s) to the link's pace.
   void pace(std::shared_ptr<saved_buffer> const& sp, std::size_t bytes, cudaStream_t s) {
+    if (host_pacing_) {  // the host waits, so that the allocator sees the memory free in time
+      cudaEvent_t e = take_event();
+      try {
+        WM_CUDA_TRY(cudaEventRecord(e, scope_->pageout_stream()));
+      } catch (...) {
+        give_event(e);
+        throw;
+      }
+      host_out_.emplace_back(e, bytes);
+      host_out_bytes_ += bytes;
+      wait_host_outstanding(max_out_bytes_, false);
+      return;
+    }
     if (max_out_bytes_ == 0) { return; }
     outstanding_.emplace_back(sp, bytes);
     outstanding_bytes_ += bytes;
@@ -708,6 +921,27 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   [[nodiscard]] torch::Tensor page_in_new(saved_buffer& b, cudaStream_t s) {
     auto t = at::empty_strided(
         b.sizes, b.strides, torch::TensorOptions{}.dtype(b.dtype).device(torch::kCUDA, b.device));
+    if (b.encoded) {  // the encoding comes in, then it is decoded into t on the page-in stream
+      cudaStream_t const in = scope_->pagein_stream();
+      auto const in_torch =
+          c10::cuda::getStreamFromExternal(in, static_cast<c10::DeviceIndex>(b.device));
+      auto const opts = torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, b.device);
+      auto enc =
+          at::empty({static_cast<std::int64_t>(std::max<std::size_t>(b.encoded_bytes, 1))}, opts);
+      std::size_t const scratch_bytes = codec_scratch_bytes(b.numel, b.elem);
+      auto scratch =
+          at::empty({static_cast<std::int64_t>(std::max<std::size_t>(scratch_bytes, 1))}, opts);
+      b.buf.pagein_to(static_cast<std::byte*>(enc.data_ptr()), cuda::stream_ref{s});
+      b.buf.wait_pagein(cuda::stream_ref{in});  // the copy is there already; to be sure
+      codec_decode(enc.data_ptr(), b.numel, b.elem, t.data_ptr(), scratch.data_ptr(), scratch_bytes,
+                   in);
+      if (b.decoded == nullptr) { b.decoded = take_event(); }
+      WM_CUDA_TRY(cudaEventRecord(b.decoded, in));
+      enc.record_stream(in_torch);
+      scratch.record_stream(in_torch);
+      t.record_stream(in_torch);
+      return t;
+    }
     b.buf.pagein_to(static_cast<std::byte*>(t.data_ptr()), cuda::stream_ref{s});
     // Freed before the copy is done (a save never unpacked): reused only after the copy stream.
     t.record_stream(c10::cuda::getStreamFromExternal(scope_->pagein_stream(),
@@ -750,6 +984,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     }
     // Nothing once the copy has completed; a tensor keep_last held has no buffer.
     if (b.buf) { b.buf.wait_pagein(cuda::stream_ref{s}); }
+    if (b.decoded != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(s, b.decoded, 0)); }
     // Used on s (a no-op if s is where it was allocated).
     t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(b.device)));
     stage_more(s, hold);
@@ -776,6 +1011,10 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   }
 
   void prefetch_all_locked(std::vector<std::shared_ptr<saved_buffer>>& hold) {
+    issue_pending(0, current_stream(device_));
+    for (auto const& [e, n] : host_out_) { give_event(e); }
+    host_out_.clear();
+    host_out_bytes_ = 0;
     outstanding_.clear();  // backward: the forward's page-out pacing ends
     deferred_.clear();     // and what keep_last still holds stays on the device
     outstanding_bytes_ = 0;
@@ -821,6 +1060,26 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   std::deque<std::weak_ptr<saved_buffer>> deferred_;  // keep_last: held, newest last
   std::size_t keep_last_{0};
   std::uint64_t kept_last_{0};  // unpacks served by a tensor keep_last never paged out
+  // compress: encodings whose page-out waits for their size (at most one: the previous save)
+  struct pending_encoding {
+    std::weak_ptr<saved_buffer> sp;
+    torch::Tensor enc;  // max_encoded_bytes from torch's allocator, on the forward's stream
+    cudaEvent_t done{nullptr};
+    int slot{-1};
+    std::size_t numel{0};
+    std::size_t elem{0};
+  };
+  static constexpr int nonzero_slots = 8;
+  bool compress_{false};
+  bool host_pacing_{false};
+  std::deque<pending_encoding> pending_;
+  std::deque<std::pair<cudaEvent_t, std::size_t>> host_out_;  // host pacing: page-outs issued
+  std::size_t host_out_bytes_{0};
+  std::vector<cudaEvent_t> free_events_;
+  std::uint64_t* slots_{nullptr};  // pinned: each encoding's nonzero count
+  std::vector<int> free_slots_;
+  std::uint64_t encoded_{0}, encoded_raw_bytes_{0}, encoded_bytes_{0}, host_waits_{0};
+  double host_wait_seconds_{0};
   std::recursive_mutex mutex_;
   std::unordered_map<c10::StorageImpl*, std::vector<saved_key>> saved_;
   std::unordered_set<std::uintptr_t> skip_;
@@ -835,6 +1094,7 @@ saved_buffer::~saved_buffer() {
   if (!owner) { return; }  // never held pool memory
   std::lock_guard lk{owner->mutex()};
   if (staged.defined()) { owner->staged_dropped(bytes); }
+  owner->give_event(decoded);
   buf.reset();  // after the work queued so far on the stream of its last data() call
   owner->released();
 }  // then the tensors (after the lock), and `owner`: the last buffer of a dropped scope
@@ -1006,7 +1266,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_direct", guarded_method(&swap_handle::set_direct), py::arg("on"),
            py::arg("max_outstanding_bytes") = std::size_t{0},
            py::arg("stage_bytes") = std::size_t{0}, py::arg("keep_last") = std::size_t{0},
+           py::arg("compress") = false, py::arg("host_pacing") = false,
            "Direct mode: page-outs from the tensors' memory, page-ins into torch's memory")
+      .def("end_forward", guarded_method(&swap_handle::end_forward),
+           "The forward pass ended: the last encoded save goes out; with host pacing the host "
+           "waits for every page-out")
       .def("set_skip", guarded_method(&swap_handle::set_skip), py::arg("storage_ptrs"),
            "Storages (data pointers) that pack never copies, e.g. parameters")
       .def("pack", guarded_method(&swap_handle::pack), py::arg("tensor"),

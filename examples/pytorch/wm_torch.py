@@ -29,7 +29,7 @@ _REPO = _HERE.parent.parent
 _ext = None
 _lock = threading.Lock()
 
-_SOURCES = ["wm_torch.cpp", "wm_torch_tables_device.cu", "wm_torch_tables_host.cu"]
+_SOURCES = ["wm_torch.cpp", "wm_torch_tables_device.cu", "wm_torch_tables_host.cu", "wm_torch_codec.cu"]
 
 
 def _torch_nccl():
@@ -448,6 +448,20 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
       prefetch_all) are never copied: backward needs them first, and in a training loop the
       last ones would otherwise go out and straight back in (their memory stays in use until
       their unpack, as without hooks).
+      compress=True: each saved tensor of 1, 2, 4 or 8-byte elements is encoded on the current
+      stream before it goes out (wm::zero_codec: a bit per element, then the elements whose bit
+      pattern is not zero; lossless, -0.0 and NaN included), so a ReLU output of half zeros sends
+      about 56% of its bytes (bf16) each way; backward decodes it on the page-in stream. The
+      tensor itself is then only read on the current stream (its memory is free for torch's
+      allocator in that stream's order); its encoding goes out at the next save, at backward or
+      when the `with` block ends: the host waits for the encoding then (to learn its size),
+      one save behind the forward pass.
+      host_pacing=True: the waits of max_outstanding_bytes are host waits (0: all but the
+      newest page-out), and leaving the `with` block waits on the host for every page-out. A
+      record_stream-ed tensor is free for torch's allocator only once the host has seen its copy
+      end: without this, a host that runs ahead of the GPU gets new memory for what comes next
+      while the saved tensors are still being copied (torch.cuda.max_memory_reserved shows it;
+      max_memory_allocated does not).
     - mode="pool": pack copies the tensor into a buffer of the scope's device pool on the current
       stream and queues its page-out; unpack returns a tensor over the pool buffer, paged in if
       needed, whose memory returns to the pool once autograd drops it and the saved handle.
@@ -455,7 +469,7 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, scope, skip=(), auto_prefetch=True, mode="direct", max_outstanding_bytes=0,
-                 stage_bytes=None, keep_last=0):
+                 stage_bytes=None, keep_last=0, compress=False, host_pacing=False):
         if mode not in ("direct", "pool"):
             raise ValueError(f"wm_torch.SwapHooks: mode must be 'direct' or 'pool', not {mode!r}")
         self.scope = scope
@@ -465,7 +479,10 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
         stage = scope.prefetch_lookahead if stage_bytes is None else int(stage_bytes)
         if int(keep_last) < 0:
             raise ValueError(f"wm_torch.SwapHooks: keep_last must be >= 0, not {keep_last}")
-        h.set_direct(mode == "direct", int(max_outstanding_bytes), stage, int(keep_last))
+        if (compress or host_pacing) and mode != "direct":
+            raise ValueError("wm_torch.SwapHooks: compress and host_pacing need mode='direct'")
+        h.set_direct(mode == "direct", int(max_outstanding_bytes), stage, int(keep_last), bool(compress),
+                     bool(host_pacing))
         if isinstance(skip, (torch.nn.Module, torch.Tensor)):
             skip = [skip]
         ptrs = []
@@ -482,6 +499,12 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
             return x if isinstance(x, torch.Tensor) else h.unpack(x)
 
         super().__init__(pack, unpack)
+
+    def __exit__(self, *exc):
+        try:
+            self.scope._h.end_forward()
+        finally:
+            super().__exit__(*exc)
 
     def prefetch_all(self):
         self.scope.prefetch_all()

@@ -329,6 +329,106 @@ def test_swap_hooks_direct():
         check("swap hooks: keep_last=-1 raises ValueError", True, str(e))
 
 
+class _Probe(torch.autograd.Function):
+    """Saves `payload` for backward; backward records what its unpack returned."""
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, payload):
+        ctx.save_for_backward(payload)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        _Probe.seen.append(p.clone())
+        return g, None
+
+
+def _bits(t):
+    """A tensor comparable bit for bit (NaN == NaN, -0.0 != 0.0)."""
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _payload(dtype, n, zeros, g):
+    """n random elements of dtype, a `zeros` fraction exactly zero, with -0.0, NaN and inf
+    sprinkled into floating types."""
+    if dtype == torch.bool:
+        return torch.rand(n, device=DEV, generator=g) >= zeros
+    if dtype.is_floating_point:
+        t = (torch.rand(n, device=DEV, generator=g) * 2 - 1).to(dtype)
+        idx = torch.randint(0, n, (max(n // 1000, 4),), device=DEV, generator=g)
+        t[idx[0::4]] = -0.0
+        t[idx[1::4]] = float("nan")
+        t[idx[2::4]] = float("inf")
+        t[idx[3::4]] = float("-inf")
+    else:
+        info = torch.iinfo(dtype)
+        t = torch.randint(max(info.min, -(1 << 30)), min(info.max, 1 << 30), (n,), device=DEV, generator=g,
+                          dtype=torch.int64).to(dtype)
+    t[torch.rand(n, device=DEV, generator=g) < zeros] = 0
+    return t
+
+
+def test_swap_hooks_compress():
+    """compress=True: every saved tensor goes out zero-encoded and comes back bit for bit: the
+    bf16 MLP (gradients bitwise as no hooks, fewer bytes out than raw), with and without host
+    pacing and keep_last; then payloads of every element size (bool, uint8, int16, bf16, fp16,
+    float32, int32, float64, int64) with -0.0, NaN and inf, all zeros, no zeros, a transposed
+    (dense, not contiguous) tensor and a size that is not a multiple of 32."""
+    layers, width, batch, steps, act = SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH, SWAP_STEPS, SWAP_ACT
+    base_losses, base_grads = train_mlp(None, steps, layers, width, batch, False)
+    for explicit, host, max_out, keep in ((True, False, 0, 0), (False, True, act, 0), (False, True, 0, 0),
+                                          (True, True, 2 * act, 1)):
+        scope = wm_torch.SwapScope(0, 16 * act)
+        losses, grads = train_mlp(
+            lambda model: wm_torch.SwapHooks(scope, skip=model, mode="direct", max_outstanding_bytes=max_out,
+                                             stage_bytes=act, keep_last=keep, compress=True, host_pacing=host),
+            steps, layers, width, batch, explicit)
+        st = scope.statistics()
+        same_loss = all(torch.equal(a, b) for a, b in zip(losses, base_losses))
+        same_grad = all(torch.equal(a, b) for ga, gb in zip(grads, base_grads) for a, b in zip(ga, gb))
+        copies = steps * (layers + 2)
+        sent = copies - steps * keep
+        ratio = st["encoded_bytes"] / max(st["encoded_raw_bytes"], 1)
+        check(f"swap hooks compress: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} prefetch_all, "
+              f"{'host' if host else 'stream'} pacing, out <= {max_out // act} act, keep_last {keep})",
+              same_loss and same_grad and st["encoded"] == sent and st["pageouts_from"] == sent
+              and st["bytes_out"] == st["encoded_bytes"] and 0.3 < ratio < 0.9 and st["live_buffers"] == 0,
+              f"losses {[round(float(v), 5) for v in losses]}, {st['encoded']} encoded of {sent} paged out, "
+              f"{st['encoded_bytes'] >> 20} of {st['encoded_raw_bytes'] >> 20} MiB ({ratio:.3f}), "
+              f"{st['bytes_out'] >> 20} MiB out, {st['host_waits']} host waits, {st['live_buffers']} alive after")
+
+    g = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n = (1 << 20) + 37  # over min_bytes for 1-byte elements, not a multiple of 32
+    cases = [(dt, z) for dt in (torch.bool, torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.float32,
+                                torch.int32, torch.float64, torch.int64) for z in (0.5,)]
+    cases += [(torch.bfloat16, 0.0), (torch.bfloat16, 1.0), (torch.float32, 0.9), ("transposed", 0.5)]
+    for dt, z in cases:
+        if dt == "transposed":
+            payload = _payload(torch.bfloat16, 1031 * 1029, z, g).view(1031, 1029).t()  # dense, strides (1, 1029)
+        else:
+            payload = _payload(dt, n, z, g)
+        want = payload.clone()
+        scope = wm_torch.SwapScope(0, 8 * payload.numel() * payload.element_size() + (1 << 20))
+        hooks = wm_torch.SwapHooks(scope, mode="direct", compress=True, host_pacing=True)
+        x = torch.ones(4, device=DEV, requires_grad=True)
+        _Probe.seen.clear()
+        with hooks:
+            y = _Probe.apply(x, payload)
+        del payload  # not alive at the unpack: it must come back from the slab
+        y.sum().backward()
+        st = scope.statistics()
+        got = _Probe.seen[0] if _Probe.seen else None
+        ok = (got is not None and got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+              and torch.equal(_bits(got), _bits(want)) and st["encoded"] == 1 and st["reused_sources"] == 0)
+        check(f"swap hooks compress: {dt} payload, {z:.0%} zeros, bit for bit",
+              ok, f"{st['encoded']} encoded, {st['encoded_bytes']} of {st['encoded_raw_bytes']} bytes, "
+                  f"{st['reused_sources']} returned as themselves")
+
+
 def swap_peak(make_hooks):
     """Peak device bytes of SWAP_STEPS steps of the swap MLP above what the model and the input
     hold: torch.cuda.max_memory_allocated over the steps, plus the scope's device pool (a
@@ -500,7 +600,8 @@ def main():
     print(f"extension ready in {time.time() - t0:.1f} s ({torch.cuda.get_device_name()}, torch {torch.__version__})",
           flush=True)
     for name, fn in (("forward", test_forward), ("training", test_training), ("swap hooks", test_swap_hooks),
-                     ("swap hooks direct", test_swap_hooks_direct), ("swap peak", test_swap_peak),
+                     ("swap hooks direct", test_swap_hooks_direct), ("swap hooks compress", test_swap_hooks_compress),
+                     ("swap peak", test_swap_peak),
                      ("swap storage reuse", test_swap_storage_reuse), ("swap no room", test_swap_no_room),
                      ("bad input", test_bad_input)):
         run_case(name, fn)
