@@ -28,12 +28,13 @@ as torch_swap.py does. Rows, each on a fresh model from the same seed:
     activations, hooks.prefetch_all() right after the forward.
   The model's parameters and the input buffer are skipped (they stay on the device anyway).
 Columns: median step ms over the timed steps (CUDA events, after the warm-ups); ratio to no
-offload; alloc / rsvd GiB = torch.cuda.max_memory_allocated / max_memory_reserved over the timed
-steps, each row from an empty cache; wm dev GiB = the scope's device pool (one cudaMalloc outside
-torch's allocator, for the scope's life; 0 in the direct mode); peak GiB = rsvd + pool (what the
-step holds of the GPU: the target's measure), and its reduction against no offload; the same
-reduction by max_memory_allocated (which counts a record_stream-ed tensor free before its copy
-ends); zc = encoded / raw bytes; host waits per step; GB/s of the wm page-outs / page-ins while
+offload; alloc / active / rsvd GiB = peaks over the timed steps (each row from an empty cache)
+of torch's allocated bytes, active bytes (allocated + freed blocks that wait for a record_stream
+event, which the allocator cannot hand out yet) and reserved bytes; wm dev GiB = the scope's
+device pool (one cudaMalloc outside torch's allocator, for the scope's life; 0 in the direct
+mode); peak GiB = active + pool (the target's measure), and its reduction against no offload;
+the same reduction by allocated bytes (which count a record_stream-ed tensor free before its copy
+ends) and by reserved bytes; zc = encoded / raw bytes; host waits per step; GB/s of the wm page-outs / page-ins while
 copying (scope statistics), against pinned D2H / H2D copies of one activation measured in this
 run (torch copy_ between a pinned host tensor and a device tensor); host-blocking syncs per step;
 per step, the pool mode's passive page-ins, or the direct mode's unpacks as "itself / staged /
@@ -153,6 +154,7 @@ def run(a, mode, pool=0, outstanding=0, keep_last=0, compress=False, host_pacing
         "ms": statistics.median(s.elapsed_time(e) for s, e in ev),
         "torch_peak": torch.cuda.max_memory_allocated() / GIB,
         "reserved": torch.cuda.max_memory_reserved() / GIB,
+        "active": torch.cuda.memory_stats()["active_bytes.all.peak"] / GIB,
         "pool": scope.device_budget / GIB if scope is not None else 0.0,
         "losses": torch.stack(losses).cpu(),
     }
@@ -166,7 +168,7 @@ def run(a, mode, pool=0, outstanding=0, keep_last=0, compress=False, host_pacing
                  unstaged=st["unstaged_unpacks"] / a.steps, paced=st["throttle_waits"] / a.steps,
                  zc=(st["encoded_bytes"] / st["encoded_raw_bytes"]) if st["encoded_raw_bytes"] else 0.0,
                  host_waits=st["host_waits"] / a.steps)
-    r["peak"] = r["reserved"] + r["pool"]
+    r["peak"] = r["active"] + r["pool"]
     return r  # the model, the scope and its pinned slab go with this frame
 
 
@@ -229,8 +231,8 @@ def main():
           f"{a.warmups} warm-ups; direct rows: {a.stage} activations staged, page-ins from "
           f"{'the first unpack' if a.direct_prefetch == 'auto' else 'prefetch_all after the forward'}")
     print(f"   pinned copy of one activation (torch copy_): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
-    hdr = (f"{'':29s} {'step ms':>8s} {'ratio':>6s} {'alloc GiB':>9s} {'rsvd GiB':>8s} {'wm dev GiB':>10s} {'peak GiB':>8s} "
-           f"{'vs none':>8s} {'alloc vs':>8s} {'zc':>5s} {'hw/st':>5s} "
+    hdr = (f"{'':29s} {'step ms':>8s} {'ratio':>6s} {'alloc GiB':>9s} {'active':>7s} {'rsvd GiB':>8s} {'wm dev GiB':>10s} "
+           f"{'peak GiB':>8s} {'vs none':>8s} {'alloc vs':>8s} {'rsvd vs':>8s} {'zc':>5s} {'hw/st':>5s} "
            f"{'out GB/s':>12s} {'in GB/s':>12s} {'MiB out/in per step':>19s} {'sync/st':>7s} "
            f"{'unpacks/st: itself/staged/now, pacing':>38s} {'loss':>5s}")
     print(hdr)
@@ -239,6 +241,7 @@ def main():
         ratio = r["ms"] / base["ms"]
         lower = 1 - r["peak"] / base["peak"]
         lower_alloc = 1 - (r["torch_peak"] + r["pool"]) / base["torch_peak"]
+        lower_rsvd = 1 - (r["reserved"] + r["pool"]) / base["reserved"]
         same = "same" if torch.equal(r["losses"], base["losses"]) else "DIFF"
         if "out" in r:
             gb = (f"{r['out']:5.1f} ({r['out'] / d2h:.2f})", f"{r['inn']:5.1f} ({r['inn'] / h2d:.2f})")
@@ -254,14 +257,16 @@ def main():
         else:
             gb, traffic, extra = ("-", "-"), "-", f"{'-':>7s} {'-':>38s}"
             zc = f"{'-':>5s} {'-':>5s}"
-        print(f"{name:29s} {r['ms']:8.1f} {ratio:6.3f} {r['torch_peak']:9.2f} {r['reserved']:8.2f} {r['pool']:10.2f} "
-              f"{r['peak']:8.2f} {-100 * lower:+7.1f}% {-100 * lower_alloc:+7.1f}% {zc} {gb[0]:>12s} {gb[1]:>12s} "
+        print(f"{name:29s} {r['ms']:8.1f} {ratio:6.3f} {r['torch_peak']:9.2f} {r['active']:7.2f} {r['reserved']:8.2f} "
+              f"{r['pool']:10.2f} {r['peak']:8.2f} {-100 * lower:+7.1f}% {-100 * lower_alloc:+7.1f}% "
+              f"{-100 * lower_rsvd:+7.1f}% {zc} {gb[0]:>12s} {gb[1]:>12s} "
               f"{traffic:>19s} {extra} {same:>5s}")
-    print("   alloc / rsvd GiB = torch.cuda.max_memory_allocated / max_memory_reserved over the timed steps (each row "
-          "starts from empty_cache); peak GiB = rsvd + the wm device pool (cudaMalloc'd by the scope, outside torch's "
-          "allocator; none in the direct mode): what the step holds of the GPU, the target's measure; vs none: its "
-          "change against no offload; alloc vs: the same with max_memory_allocated, which counts a record_stream-ed "
-          "tensor as free before its copy has ended; zc: encoded / raw bytes (compress rows); hw/st: host waits per "
+    print("   alloc / active / rsvd GiB = peaks over the timed steps (each row starts from empty_cache) of torch's "
+          "allocated bytes, active bytes (allocated + freed blocks still waiting for a record_stream event: memory the "
+          "allocator cannot hand out yet) and reserved bytes (+ its cached, fragmented segments); peak GiB = active + "
+          "the wm device pool (cudaMalloc'd by the scope, outside torch's allocator; none in the direct mode): the "
+          "target's measure; vs none: its change against no offload; alloc vs / rsvd vs: the same by allocated bytes "
+          "(which count a record_stream-ed tensor free before its copy ends) and by reserved bytes; zc: encoded / raw bytes (compress rows); hw/st: host waits per "
           "step (host pacing, encodings); out/in GB/s: achieved while copying (ratio to "
           "the pinned copy); sync/st: host-blocking syncs of the scope per step; unpacks per step (direct): the saved "
           "tensor itself (still alive), staged ahead, paged in at the unpack; pacing: forward waits for page-outs; "

@@ -323,8 +323,9 @@ struct saved_buffer {
   std::size_t bytes{0};
   // Direct mode (page-outs from the tensor's memory, page-ins into torch's memory):
   bool direct{false};
-  torch::Tensor staged;  // paged in ahead of its unpack (its copy may still run)
-  torch::Tensor held;    // keep_last: the tensor itself, not (yet) paged out
+  torch::Tensor staged;                 // paged in ahead of its unpack (its copy may still run)
+  cudaStream_t staged_stream{nullptr};  // where `staged` was allocated (it waits before a drop)
+  torch::Tensor held;                   // keep_last: the tensor itself, not (yet) paged out
   std::int64_t held_version{0};
   // compress: the slab holds the zero encoding (wm::zero_codec) of numel elements of elem bytes
   bool encoded{false};
@@ -916,8 +917,13 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     return t;
   }
 
-  /// A tensor with sizes and strides of @p b from torch's allocator (on the current stream),
+  /// A tensor with sizes and strides of @p b from torch's allocator (on the current stream @p s),
   /// filled by pagein_to on the page-in copy stream after that stream's work so far.
+  /// No record_stream on the page-in stream: its block would stay unusable for the allocator
+  /// until the host had seen an event on that stream, and in backward the host runs far ahead
+  /// of the GPU, so every page-in would take new memory. Instead @p s waits for the copy before
+  /// any use (unpack_direct) or before the tensor is dropped unused (~saved_buffer), so that
+  /// the block is reused in @p s's order only after the copy.
   [[nodiscard]] torch::Tensor page_in_new(saved_buffer& b, cudaStream_t s) {
     auto t = at::empty_strided(
         b.sizes, b.strides, torch::TensorOptions{}.dtype(b.dtype).device(torch::kCUDA, b.device));
@@ -926,26 +932,25 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       auto const in_torch =
           c10::cuda::getStreamFromExternal(in, static_cast<c10::DeviceIndex>(b.device));
       auto const opts = torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, b.device);
-      auto enc =
-          at::empty({static_cast<std::int64_t>(std::max<std::size_t>(b.encoded_bytes, 1))}, opts);
       std::size_t const scratch_bytes = codec_scratch_bytes(b.numel, b.elem);
-      auto scratch =
-          at::empty({static_cast<std::int64_t>(std::max<std::size_t>(scratch_bytes, 1))}, opts);
+      torch::Tensor enc;
+      torch::Tensor scratch;
+      {  // used on the page-in stream only: allocated there, reused in its order, no events
+        c10::cuda::CUDAStreamGuard on_in{in_torch};
+        enc =
+            at::empty({static_cast<std::int64_t>(std::max<std::size_t>(b.encoded_bytes, 1))}, opts);
+        scratch =
+            at::empty({static_cast<std::int64_t>(std::max<std::size_t>(scratch_bytes, 1))}, opts);
+      }
       b.buf.pagein_to(static_cast<std::byte*>(enc.data_ptr()), cuda::stream_ref{s});
       b.buf.wait_pagein(cuda::stream_ref{in});  // the copy is there already; to be sure
       codec_decode(enc.data_ptr(), b.numel, b.elem, t.data_ptr(), scratch.data_ptr(), scratch_bytes,
                    in);
       if (b.decoded == nullptr) { b.decoded = take_event(); }
       WM_CUDA_TRY(cudaEventRecord(b.decoded, in));
-      enc.record_stream(in_torch);
-      scratch.record_stream(in_torch);
-      t.record_stream(in_torch);
       return t;
     }
     b.buf.pagein_to(static_cast<std::byte*>(t.data_ptr()), cuda::stream_ref{s});
-    // Freed before the copy is done (a save never unpacked): reused only after the copy stream.
-    t.record_stream(c10::cuda::getStreamFromExternal(scope_->pagein_stream(),
-                                                     static_cast<c10::DeviceIndex>(b.device)));
     return t;
   }
 
@@ -1003,7 +1008,8 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
         continue;
       }
       if (staged_bytes_ > 0 && staged_bytes_ + o->bytes > stage_bytes_) { return; }
-      o->staged = page_in_new(*o, s);
+      o->staged        = page_in_new(*o, s);
+      o->staged_stream = s;
       staged_bytes_ += o->bytes;
       in_order_.pop_front();
       hold.push_back(std::move(o));
@@ -1093,7 +1099,14 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
 saved_buffer::~saved_buffer() {
   if (!owner) { return; }  // never held pool memory
   std::lock_guard lk{owner->mutex()};
-  if (staged.defined()) { owner->staged_dropped(bytes); }
+  if (staged.defined()) {  // never unpacked: its stream waits for the page-in before the drop
+    owner->staged_dropped(bytes);
+    try {
+      if (buf) { buf.wait_pagein(cuda::stream_ref{staged_stream}); }
+      if (decoded != nullptr) { (void)cudaStreamWaitEvent(staged_stream, decoded, 0); }
+    } catch (...) {  // destructors never throw; the copy's error resurfaces on the next check
+    }
+  }
   owner->give_event(decoded);
   buf.reset();  // after the work queued so far on the stream of its last data() call
   owner->released();

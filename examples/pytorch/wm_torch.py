@@ -456,12 +456,14 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
       allocator in that stream's order); its encoding goes out at the next save, at backward or
       when the `with` block ends: the host waits for the encoding then (to learn its size),
       one save behind the forward pass.
-      host_pacing=True: the waits of max_outstanding_bytes are host waits (0: all but the
-      newest page-out), and leaving the `with` block waits on the host for every page-out. A
-      record_stream-ed tensor is free for torch's allocator only once the host has seen its copy
-      end: without this, a host that runs ahead of the GPU gets new memory for what comes next
-      while the saved tensors are still being copied (torch.cuda.max_memory_reserved shows it;
-      max_memory_allocated does not).
+      host_pacing (default True in the direct mode): the waits of max_outstanding_bytes are
+      host waits (0: all but the newest page-out), and leaving the `with` block waits on the host
+      for every page-out. A record_stream-ed tensor is free for torch's allocator only once the
+      host has seen its copy end: with host_pacing=False (the stream waits instead), a host that
+      runs ahead of the GPU gets new memory for everything that comes next while the saved
+      tensors are still being copied, and the step needs MORE memory than without hooks
+      (torch.cuda.memory_stats()["active_bytes.all.peak"] shows it, max_memory_allocated does not:
+      +116% on bench/torch_swap_bench.py).
     - mode="pool": pack copies the tensor into a buffer of the scope's device pool on the current
       stream and queues its page-out; unpack returns a tensor over the pool buffer, paged in if
       needed, whose memory returns to the pool once autograd drops it and the saved handle.
@@ -469,7 +471,7 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, scope, skip=(), auto_prefetch=True, mode="direct", max_outstanding_bytes=0,
-                 stage_bytes=None, keep_last=0, compress=False, host_pacing=False):
+                 stage_bytes=None, keep_last=0, compress=False, host_pacing=None):
         if mode not in ("direct", "pool"):
             raise ValueError(f"wm_torch.SwapHooks: mode must be 'direct' or 'pool', not {mode!r}")
         self.scope = scope
@@ -481,6 +483,8 @@ class SwapHooks(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"wm_torch.SwapHooks: keep_last must be >= 0, not {keep_last}")
         if (compress or host_pacing) and mode != "direct":
             raise ValueError("wm_torch.SwapHooks: compress and host_pacing need mode='direct'")
+        if host_pacing is None:
+            host_pacing = mode == "direct"
         h.set_direct(mode == "direct", int(max_outstanding_bytes), stage, int(keep_last), bool(compress),
                      bool(host_pacing))
         if isinstance(skip, (torch.nn.Module, torch.Tensor)):
