@@ -448,7 +448,8 @@ def swap_peak(make_hooks):
         pool = hooks.scope.device_budget
         return hooks
 
-    losses, _ = train_mlp(hooks_of, SWAP_STEPS, SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH, True)
+    losses, _ = train_mlp(None if make_hooks is None else hooks_of, SWAP_STEPS, SWAP_LAYERS, SWAP_WIDTH, SWAP_BATCH,
+                          make_hooks is not None)
     torch.cuda.synchronize()
     return torch.cuda.memory_stats()["active_bytes.all.peak"] - base + pool, losses
 
@@ -468,6 +469,18 @@ def test_swap_peak():
           direct_peak < pool_peak and same,
           f"direct {direct_peak / 2 ** 20:.1f} MiB, pool (4 activations) {pool_peak / 2 ** 20:.1f} MiB, "
           f"activation {act / 2 ** 20:.0f} MiB; losses {'equal' if same else 'DIFFERENT'}")
+    # Against no hooks: the saved activations (6 ReLU outputs of 8 MiB, the float32 output) must
+    # leave the peak, by torch's active bytes (a record_stream-ed block still copying counts).
+    none_peak, none_losses = swap_peak(None)
+    zc_peak, zc_losses = swap_peak(lambda m: wm_torch.SwapHooks(
+        wm_torch.SwapScope(0, 16 * act), skip=m, mode="direct", stage_bytes=act, compress=True))
+    same = all(torch.equal(a, b) for a, b in zip(none_losses, direct_losses)) and all(
+        torch.equal(a, b) for a, b in zip(none_losses, zc_losses))
+    check("swap hooks: the direct mode (host pacing, plain and compressed) lowers the active peak of no hooks by "
+          "at least 2 activations",
+          direct_peak <= none_peak - 2 * act and zc_peak <= none_peak - 2 * act and same,
+          f"no hooks {none_peak / 2 ** 20:.1f} MiB, direct {direct_peak / 2 ** 20:.1f} MiB, compressed "
+          f"{zc_peak / 2 ** 20:.1f} MiB, activation {act / 2 ** 20:.0f} MiB; losses {'equal' if same else 'DIFFERENT'}")
 
 
 def test_swap_hooks():
