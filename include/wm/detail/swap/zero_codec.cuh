@@ -165,29 +165,53 @@ __global__ void __launch_bounds__(block_threads)
   if (lane == 0) { counts[t] = count; }
 }
 
-/// Pass 2 of encode: tile t's nonzeros, in order, to values[offsets[t], ...).
+/// A warp's tile in scatter_kernel and expand_kernel: its index, lane, mask words and the set
+/// bits before each word (shared memory), its set bits, and a staging row of 32 V elements.
 template <class Word, int V>
-__global__ void __launch_bounds__(block_threads)
-    scatter_kernel(Word const* __restrict__ src, std::size_t n,
-                   std::uint32_t const* __restrict__ mask, Word* __restrict__ values,
-                   std::uint64_t const* __restrict__ offsets, std::size_t tiles) {
+struct warp_tile {
+  std::size_t t;
+  unsigned lane;
+  std::uint32_t* words;
+  std::uint32_t* before;
+  Word* stage;
+  unsigned total;
+};
+
+/// Opens the calling warp's tile into @p w (its mask from @p mask); false past the last tile.
+template <class Word, int V>
+__device__ inline bool open_tile(std::uint32_t const* __restrict__ mask, std::size_t n,
+                                 std::size_t tiles, warp_tile<Word, V>& w) {
   __shared__ __align__(16) std::uint32_t words_s[warps_per_block][tile_words];
   __shared__ std::uint32_t before_s[warps_per_block][tile_words];
   __shared__ Word stage_s[warps_per_block][32 * V];
   unsigned const lane = threadIdx.x % 32;
   unsigned const warp = threadIdx.x / 32;
   std::size_t const t = blockIdx.x * std::size_t{warps_per_block} + warp;
-  if (t >= tiles) { return; }
-  std::uint32_t* const w_s     = words_s[warp];
-  std::uint32_t* const b_s     = before_s[warp];
-  Word* const stage            = stage_s[warp];
-  unsigned const total         = load_tile_mask(mask, t, mask_words(n), lane, w_s, b_s);
-  Word* const out              = values + offsets[t];
-  std::size_t const first      = t * tile;
-  constexpr int group          = 32 / V;
-  constexpr int chunks         = static_cast<int>(tile) / (32 * V);
-  unsigned const shift         = lane * V % 32;
-  std::size_t const lane_first = first + lane * V;
+  if (t >= tiles) { return false; }
+  w = {t,
+       lane,
+       words_s[warp],
+       before_s[warp],
+       stage_s[warp],
+       load_tile_mask(mask, t, mask_words(n), lane, words_s[warp], before_s[warp])};
+  return true;
+}
+
+/// Pass 2 of encode: tile t's nonzeros, in order, to values[offsets[t], ...).
+template <class Word, int V>
+__global__ void __launch_bounds__(block_threads)
+    scatter_kernel(Word const* __restrict__ src, std::size_t n,
+                   std::uint32_t const* __restrict__ mask, Word* __restrict__ values,
+                   std::uint64_t const* __restrict__ offsets, std::size_t tiles) {
+  warp_tile<Word, V> tile_of_warp;
+  if (!open_tile(mask, n, tiles, tile_of_warp)) { return; }
+  auto const [t, lane, w_s, b_s, stage, total] = tile_of_warp;
+  Word* const out                              = values + offsets[t];
+  std::size_t const first                      = t * tile;
+  constexpr int group                          = 32 / V;
+  constexpr int chunks                         = static_cast<int>(tile) / (32 * V);
+  unsigned const shift                         = lane * V % 32;
+  std::size_t const lane_first                 = first + lane * V;
   Word e[V];
   load_elements<Word, V>(src, lane_first, n, e);
   for (int c = 0; c < chunks; ++c) {
@@ -239,24 +263,16 @@ __global__ void __launch_bounds__(block_threads)
     expand_kernel(std::uint32_t const* __restrict__ mask, Word const* __restrict__ values,
                   std::uint64_t const* __restrict__ offsets, std::size_t n, Word* __restrict__ dst,
                   std::size_t tiles) {
-  __shared__ __align__(16) std::uint32_t words_s[warps_per_block][tile_words];
-  __shared__ std::uint32_t before_s[warps_per_block][tile_words];
-  __shared__ Word stage_s[warps_per_block][32 * V];
-  unsigned const lane = threadIdx.x % 32;
-  unsigned const warp = threadIdx.x / 32;
-  std::size_t const t = blockIdx.x * std::size_t{warps_per_block} + warp;
-  if (t >= tiles) { return; }
-  std::uint32_t* const w_s = words_s[warp];
-  std::uint32_t* const b_s = before_s[warp];
-  Word* const stage        = stage_s[warp];
-  unsigned const total     = load_tile_mask(mask, t, mask_words(n), lane, w_s, b_s);
-  Word const* const in     = values + offsets[t];
-  std::size_t const first  = t * tile;
-  constexpr int group      = 32 / V;
-  constexpr int chunks     = static_cast<int>(tile) / (32 * V);
-  unsigned const shift     = lane * V % 32;
-  unsigned chunk_first     = 0;  // b_s[0]
-  unsigned chunk_end       = chunks > 1 ? b_s[V] : total;
+  warp_tile<Word, V> tile_of_warp;
+  if (!open_tile(mask, n, tiles, tile_of_warp)) { return; }
+  auto const [t, lane, w_s, b_s, stage, total] = tile_of_warp;
+  Word const* const in                         = values + offsets[t];
+  std::size_t const first                      = t * tile;
+  constexpr int group                          = 32 / V;
+  constexpr int chunks                         = static_cast<int>(tile) / (32 * V);
+  unsigned const shift                         = lane * V % 32;
+  unsigned chunk_first                         = 0;  // b_s[0]
+  unsigned chunk_end                           = chunks > 1 ? b_s[V] : total;
   Word v[V];  // this lane's values of the chunk: stage[lane + 32 i]
   load_chunk_values<Word, V>(in, chunk_first, chunk_end - chunk_first, lane, v);
   for (int c = 0; c < chunks; ++c) {
