@@ -239,8 +239,23 @@ void run_variant(range_fn<Grad> f, int chunks, z::cpu_adam_options const& o, z::
   });
 }
 
+#if defined(__linux__)
+/// The CPUs this process may run on at start, before --pin narrows each pool thread (the caller
+/// included) to one: the peer's process gets them back (a child inherits its parent thread's mask).
+cpu_set_t const& initial_cpus() {
+  static cpu_set_t const set = [] {
+    cpu_set_t s;
+    CPU_ZERO(&s);
+    (void)sched_getaffinity(0, sizeof s, &s);
+    return s;
+  }();
+  return set;
+}
+#endif
+
 void pin(z::thread_pool& pool) {
 #if defined(__linux__)
+  (void)initial_cpus();
   unsigned const cpus = std::max(1u, std::thread::hardware_concurrency());
   pool.run(pool.size(), [&](std::size_t t) {
     cpu_set_t set;
@@ -505,6 +520,11 @@ void run_peer(std::size_t n, unsigned threads, int reps, sweep_result const& r) 
                           " --threads " + std::to_string(threads) + " --reps " +
                           std::to_string(reps);
   std::fflush(stdout);
+#if defined(__linux__)
+  // Unpinned: popen's child would inherit this thread's single CPU under --pin (torch's threads
+  // on one core: the 2026-11-24 H100 run's "0.67 Gparams/s").
+  (void)pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &initial_cpus());
+#endif
   FILE* p = ::popen(cmd.c_str(), "r");
   std::string last;
   if (p == nullptr) {
