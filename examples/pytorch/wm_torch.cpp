@@ -557,11 +557,12 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     d["encoded_raw_bytes"] = encoded_raw_bytes_;
     d["encoded_bytes"]     = encoded_bytes_;
     d["host_waits"]        = host_waits_;
-    d["host_wait_seconds"] = host_wait_seconds_;
-    d["direct"]            = direct_;
-    d["device_pool_bytes"] = capacity_;
-    d["device_budget"]     = scope_->options().device_budget;
-    d["host_bytes"]        = scope_->options().host_bytes;
+    // Not "host_wait_seconds": that key is the scope's (its host-blocking syncs), set above.
+    d["hooks_host_wait_seconds"] = host_wait_seconds_;
+    d["direct"]                  = direct_;
+    d["device_pool_bytes"]       = capacity_;
+    d["device_budget"]           = scope_->options().device_budget;
+    d["host_bytes"]              = scope_->options().host_bytes;
     return d;
   }
 

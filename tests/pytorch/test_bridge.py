@@ -397,10 +397,15 @@ def test_swap_hooks_compress():
         check(f"swap hooks compress: bf16 MLP bitwise ({'explicit' if explicit else 'automatic'} prefetch_all, "
               f"{'host' if host else 'stream'} pacing, out <= {max_out // act} act, keep_last {keep})",
               same_loss and same_grad and st["encoded"] == sent and st["pageouts_from"] == sent
-              and st["bytes_out"] == st["encoded_bytes"] and 0.3 < ratio < 0.9 and st["live_buffers"] == 0,
+              and st["bytes_out"] == st["encoded_bytes"] and 0.3 < ratio < 0.9 and st["live_buffers"] == 0
+              # the hooks' host waits have their own key; host_wait_seconds stays the scope's syncs
+              and (st["hooks_host_wait_seconds"] > 0) == (st["host_waits"] > 0)
+              and (st["host_blocking_syncs"] > 0 or st["host_wait_seconds"] == 0),
               f"losses {[round(float(v), 5) for v in losses]}, {st['encoded']} encoded of {sent} paged out, "
               f"{st['encoded_bytes'] >> 20} of {st['encoded_raw_bytes'] >> 20} MiB ({ratio:.3f}), "
-              f"{st['bytes_out'] >> 20} MiB out, {st['host_waits']} host waits, {st['live_buffers']} alive after")
+              f"{st['bytes_out'] >> 20} MiB out, {st['host_waits']} host waits "
+              f"({st['hooks_host_wait_seconds']:.4f} s; scope: {st['host_blocking_syncs']} syncs, "
+              f"{st['host_wait_seconds']:.4f} s), {st['live_buffers']} alive after")
 
     g = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     n = (1 << 20) + 37  # over min_bytes for 1-byte elements, not a multiple of 32
