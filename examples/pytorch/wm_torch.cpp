@@ -379,7 +379,9 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   swap_handle& operator=(swap_handle const&) = delete;
 
   ~swap_handle() {
-    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
+    int previous = 0;  // no CUDAGuard: its constructor may throw, and destructors must not
+    bool const switched =
+        cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess;
     for (auto& p : pending_) {
       if (p.done != nullptr) { (void)cudaEventSynchronize(p.done); }  // the kernel writes a slot
       give_event(p.done);
@@ -388,6 +390,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     for (auto const& [e, n] : host_out_) { give_event(e); }
     for (cudaEvent_t e : free_events_) { (void)cudaEventDestroy(e); }
     (void)cudaFreeHost(slots_);
+    if (switched) { (void)cudaSetDevice(previous); }
   }
 
   /**
@@ -740,7 +743,8 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   void encode(std::shared_ptr<saved_buffer> const& sp, torch::Tensor const& t, std::size_t n,
               std::size_t elem, cudaStream_t s) {
     auto const opts = torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, device_);
-    expect_value(!free_slots_.empty(), "wm_torch: no free slot for an encoding's count");
+    // (pack runs without the GIL: a wm::logic_error, not a Python error set here)
+    WM_EXPECTS(!free_slots_.empty(), "wm_torch: no free slot for an encoding's count");
     pending_encoding p;
     p.sp    = sp;
     p.numel = n;
