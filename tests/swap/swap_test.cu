@@ -63,13 +63,13 @@ __global__ void spin_kernel(std::uint64_t ns) {
   } while (now - start < ns);
 }
 
-void fill(std::uint32_t* p, std::size_t n, std::uint64_t seed, cudaStream_t s) {
-  fill_kernel<<<256, 256, 0, s>>>(p, n, seed);
+void fill(std::uint32_t* p, std::size_t n, std::uint64_t seed, cuda::stream_ref s) {
+  fill_kernel<<<256, 256, 0, s.get()>>>(p, n, seed);
   WM_CHECK_LAUNCH();
 }
 
-void spin(std::uint64_t ms, cudaStream_t s) {
-  spin_kernel<<<1, 1, 0, s>>>(ms * 1'000'000);
+void spin(std::uint64_t ms, cuda::stream_ref s) {
+  spin_kernel<<<1, 1, 0, s.get()>>>(ms * 1'000'000);
   WM_CHECK_LAUNCH();
 }
 
@@ -97,9 +97,9 @@ struct checker {
     WM_CUDA_TRY(cudaMemset(bad, 0, n * sizeof(unsigned long long)));
   }
   ~checker() { (void)cudaFree(bad); }
-  void check(std::uint32_t const* p, std::size_t n, std::uint64_t seed, cudaStream_t s) {
+  void check(std::uint32_t const* p, std::size_t n, std::uint64_t seed, cuda::stream_ref s) {
     REQUIRE(used < capacity);
-    check_kernel<<<256, 256, 0, s>>>(p, n, seed, bad + used++);
+    check_kernel<<<256, 256, 0, s.get()>>>(p, n, seed, bad + used++);
     WM_CHECK_LAUNCH();
   }
   // Wrong words per check so far (synchronizes the device).
@@ -146,10 +146,10 @@ void order(cudaStream_t from, cudaStream_t to) {
 
 // The whole buffer, copied back on @p s, compared on the host with the pattern of @p seed.
 std::size_t wrong_on_host(std::uint32_t const* d, std::size_t n, std::uint64_t seed,
-                          cudaStream_t s) {
+                          cuda::stream_ref s) {
   std::vector<std::uint32_t> h(n, 0);
-  WM_CUDA_TRY(cudaMemcpyAsync(h.data(), d, n * 4, cudaMemcpyDeviceToHost, s));
-  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  WM_CUDA_TRY(cudaMemcpyAsync(h.data(), d, n * 4, cudaMemcpyDeviceToHost, s.get()));
+  WM_CUDA_TRY(cudaStreamSynchronize(s.get()));
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < n; ++i) { wrong += h[i] != pattern(i, seed) ? 1 : 0; }
   return wrong;
@@ -161,6 +161,50 @@ wm::swap_options small_scope(std::size_t budget) {
   o.host_bytes    = std::size_t{1} << 30;
   o.timeout       = std::chrono::milliseconds{30'000};
   return o;
+}
+
+// What the single-GPU cases start from: fresh random seeds, four streams (s0 to s3 refer to
+// st.s[0] to st.s[3]) and a checker.
+struct swap_fixture {
+  std::mt19937_64 rng{std::random_device{}()};
+  streams st{4};
+  cuda::stream_ref const s0{st.s[0]};
+  cuda::stream_ref const s1{st.s[1]};
+  cuda::stream_ref const s2{st.s[2]};
+  cuda::stream_ref const s3{st.s[3]};
+  checker chk{128};
+};
+
+// A swap_fixture whose scope's pool holds @p Blocks buffers of @c words (16 MiB: each buffer a
+// block of its own, not coalesced, each copy alone).
+template <std::size_t Blocks>
+struct blocks_fixture : swap_fixture {
+  std::size_t const words = 4 * mib;
+  wm::swap_scope scope{small_scope(Blocks * words * 4)};
+};
+
+// A new buffer of @p words from @p scope, written on @p s with the pattern of @p seed.
+wm::swappable<std::uint32_t> filled(wm::swap_scope& scope, std::size_t words, std::uint64_t seed,
+                                    cuda::stream_ref s) {
+  auto b = scope.allocate<std::uint32_t>(words, s);
+  fill(b.data(s), words, seed, s);
+  return b;
+}
+
+// Takes a block of @p scope for @p words, writes it on @p s with the pattern of @p seed and
+// releases it after a spin of @p ms there: the block's next user waits for the spin.
+void release_after_spin(wm::swap_scope& scope, std::size_t words, std::uint64_t seed,
+                        std::uint64_t ms, cuda::stream_ref s) {
+  auto const b = filled(scope, words, seed, s);
+  spin(ms, s);
+}
+
+// Polls @p done every @p poll until it holds or five seconds have passed (the workers issue and
+// book the copies a moment after they were asked for or the GPU finished them).
+template <class Done>
+void wait_until(Done const& done, std::chrono::microseconds poll = std::chrono::microseconds{100}) {
+  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
+  while (!done() && std::chrono::steady_clock::now() < until) { std::this_thread::sleep_for(poll); }
 }
 
 }  // namespace
@@ -320,30 +364,27 @@ TEST_CASE("swap: random writes, page-outs, prefetches and reads from several str
   CHECK(cudaGetLastError() == cudaSuccess);
 }
 
-TEST_CASE("swap: an access while the page-out is in flight waits for it and keeps the data",
-          "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{16};
+TEST_CASE_METHOD(swap_fixture,
+                 "swap: an access while the page-out is in flight waits for it and keeps the data",
+                 "[gpu][swap]") {
   wm::swap_scope scope{small_scope(512 * mib)};
-  std::size_t const words = 64 * mib;  // 256 MiB: ~5 ms each way
-  auto b                  = scope.allocate<std::uint32_t>(words, cuda::stream_ref{st.s[0]});
-  std::uint64_t const s1  = rng();
-  fill(b.data(cuda::stream_ref{st.s[0]}), words, s1, st.s[0]);
-  spin(100, st.s[0]);  // the page-out is issued at once but waits for this
-  REQUIRE(b.pageout(cuda::stream_ref{st.s[0]}));
+  std::size_t const words   = 64 * mib;  // 256 MiB: ~5 ms each way
+  std::uint64_t const seed1 = rng();
+  auto b                    = filled(scope, words, seed1, s0);
+  spin(100, s0);  // the page-out is issued at once but waits for this
+  REQUIRE(b.pageout(s0));
   std::this_thread::sleep_for(std::chrono::milliseconds{10});  // the worker has issued it
-  std::uint32_t* p = b.data(cuda::stream_ref{st.s[1]});        // passive access during the page-out
+  std::uint32_t* p = b.data(s1);                               // passive access during the page-out
   CHECK(b.resident());
-  chk.check(p, words, s1, st.s[1]);  // after the copy, still the first data
-  std::uint64_t const s2 = rng();
-  fill(p, words, s2, st.s[1]);
-  REQUIRE(b.pageout(cuda::stream_ref{st.s[1]}));  // written again: copied again after the first
+  chk.check(p, words, seed1, s1);  // after the copy, still the first data
+  std::uint64_t const seed2 = rng();
+  fill(p, words, seed2, s1);
+  REQUIRE(b.pageout(s1));  // written again: copied again after the first
   scope.wait_pageouts();
   CHECK_FALSE(b.resident());
-  p = b.data(cuda::stream_ref{st.s[0]});  // a passive page-in
-  chk.check(p, words, s2, st.s[0]);
-  CHECK(wrong_on_host(p, words, s2, st.s[0]) == 0);
+  p = b.data(s0);  // a passive page-in
+  chk.check(p, words, seed2, s0);
+  CHECK(wrong_on_host(p, words, seed2, s0) == 0);
   CHECK(chk.wrong_checks() == 0);
   auto const stats = scope.statistics();
   CHECK(stats.pageouts_cancelled >= 1);
@@ -352,64 +393,53 @@ TEST_CASE("swap: an access while the page-out is in flight waits for it and keep
   CHECK(stats.passive_pageins == 1);
 }
 
-TEST_CASE("swap: pinned buffers stay resident under pressure", "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{1};
-  cudaStream_t const s = st.s[0];
-  cuda::stream_ref const sr{s};
-  checker chk{64};
+TEST_CASE_METHOD(swap_fixture, "swap: pinned buffers stay resident under pressure", "[gpu][swap]") {
   std::size_t const budget = 64 * mib;
   wm::swap_scope scope{small_scope(budget)};
-  auto a                 = scope.allocate<std::uint32_t>(4 * mib, sr);  // 16 MiB
+  auto a                 = scope.allocate<std::uint32_t>(4 * mib, s0);  // 16 MiB
   std::uint64_t const sa = rng();
-  std::uint32_t* pa      = a.pin(sr);
-  fill(pa, a.size(), sa, s);
+  std::uint32_t* pa      = a.pin(s0);
+  fill(pa, a.size(), sa, s0);
   CHECK(a.pins() == 1);
-  CHECK_FALSE(a.pageout(sr));
+  CHECK_FALSE(a.pageout(s0));
   CHECK(a.resident());
   // 8 x 16 MiB more through the other 48 MiB of the pool: each is paged out to make room.
   std::vector<wm::swappable<std::uint32_t>> others;
   std::vector<std::uint64_t> seeds;
   for (int i = 0; i < 8; ++i) {
-    others.push_back(scope.allocate<std::uint32_t>(4 * mib, sr));
     seeds.push_back(rng());
-    fill(others.back().data(sr), others.back().size(), seeds.back(), s);
-    REQUIRE(others.back().pageout(sr));
+    others.push_back(filled(scope, 4 * mib, seeds.back(), s0));
+    REQUIRE(others.back().pageout(s0));
     CHECK(a.resident());
   }
-  CHECK(a.data(sr) == pa);  // never moved
-  chk.check(pa, a.size(), sa, s);
+  CHECK(a.data(s0) == pa);  // never moved
+  chk.check(pa, a.size(), sa, s0);
   for (std::size_t i = 0; i < others.size(); ++i) {
-    chk.check(others[i].data(sr), others[i].size(), seeds[i], s);
-    others[i].pageout(sr);
+    chk.check(others[i].data(s0), others[i].size(), seeds[i], s0);
+    others[i].pageout(s0);
   }
   CHECK(chk.wrong_checks() == 0);
   a.unpin();
   CHECK(a.pins() == 0);
   CHECK_THROWS_AS(a.unpin(), wm::logic_error);
-  REQUIRE(a.pageout(sr));
+  REQUIRE(a.pageout(s0));
   scope.wait_pageouts();
   CHECK_FALSE(a.resident());
-  CHECK(wrong_on_host(a.data(sr), a.size(), sa, s) == 0);
+  CHECK(wrong_on_host(a.data(s0), a.size(), sa, s0) == 0);
   CHECK(scope.statistics().peak_resident_bytes <= budget);
 }
 
-TEST_CASE("swap: small buffers are prefetched together, in order, within the lookahead",
-          "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{1};
-  cudaStream_t const s = st.s[0];
-  cuda::stream_ref const sr{s};
-  checker chk{128};
+TEST_CASE_METHOD(swap_fixture,
+                 "swap: small buffers are prefetched together, in order, within the lookahead",
+                 "[gpu][swap]") {
   wm::swap_scope scope{small_scope(256 * mib)};
   std::vector<wm::swappable<std::uint32_t>> bufs;
   std::vector<std::uint64_t> seeds;
   for (int i = 0; i < 64; ++i) {  // 64 x 64 KiB side by side in the pool
-    bufs.push_back(scope.allocate<std::uint32_t>(16 * kib, sr));
     seeds.push_back(rng());
-    fill(bufs.back().data(sr), bufs.back().size(), seeds.back(), s);
+    bufs.push_back(filled(scope, 16 * kib, seeds.back(), s0));
   }
-  for (auto& b : bufs) { REQUIRE(b.pageout(sr)); }
+  for (auto& b : bufs) { REQUIRE(b.pageout(s0)); }
   scope.wait_pageouts();
   scope.prefetch_init();
   for (auto& b : bufs) {
@@ -425,7 +455,7 @@ TEST_CASE("swap: small buffers are prefetched together, in order, within the loo
   CHECK(stats.bytes_in == 64 * 64 * kib);
   for (std::size_t i = 0; i < bufs.size(); ++i) {
     CHECK(bufs[i].resident());
-    chk.check(bufs[i].data(sr), bufs[i].size(), seeds[i], s);
+    chk.check(bufs[i].data(s0), bufs[i].size(), seeds[i], s0);
   }
   CHECK(chk.wrong_checks() == 0);
   CHECK(scope.statistics().device_allocations == 0);  // since the reset
@@ -548,25 +578,19 @@ TEST_CASE("swap: blocks change hands by events: two blocks, eight buffers, three
   CHECK(stats.device_allocations == 1);
 }
 
-TEST_CASE("swap: a released buffer's block goes to another stream after the release's work",
-          "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{16};
-  std::size_t const words = 4 * mib;
-  wm::swap_scope scope{small_scope(words * 4)};  // one block
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
+TEST_CASE_METHOD(blocks_fixture<1>,
+                 "swap: a released buffer's block goes to another stream after the release's work",
+                 "[gpu][swap]") {
   std::uint64_t const sa = rng();
+  auto a                 = filled(scope, words, sa, s0);
+  spin(50, s0);
+  chk.check(a.data(s0), words, sa, s0);  // runs after the spin
+  a.reset();                             // released after the check, on stream 0
+  // Its block: stream 1 waits the release (without the wait, b's fill would overwrite a before
+  // its check).
   std::uint64_t const sb = rng();
-  auto a                 = scope.allocate<std::uint32_t>(words, s0);
-  fill(a.data(s0), words, sa, st.s[0]);
-  spin(50, st.s[0]);
-  chk.check(a.data(s0), words, sa, st.s[0]);          // runs after the spin
-  a.reset();                                          // released after the check, on stream 0
-  auto b = scope.allocate<std::uint32_t>(words, s1);  // its block: stream 1 waits the release
-  fill(b.data(s1), words, sb, st.s[1]);  // without the wait, it would overwrite a before its check
-  chk.check(b.data(s1), words, sb, st.s[1]);
+  auto b                 = filled(scope, words, sb, s1);
+  chk.check(b.data(s1), words, sb, s1);
   CHECK(chk.wrong_checks() == 0);
   auto const stats = scope.statistics();
   CHECK(stats.host_blocking_syncs == 0);
@@ -575,41 +599,31 @@ TEST_CASE("swap: a released buffer's block goes to another stream after the rele
   CHECK(stats.consumer_wait_seconds > 0.02);  // stream 1 waited for the spin
 }
 
-TEST_CASE("swap: a prefetch takes the block of a page-out in flight (one block, two buffers)",
-          "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{16};
-  std::size_t const words = 4 * mib;
-  wm::swap_scope scope{small_scope(words * 4)};  // one block
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
+TEST_CASE_METHOD(
+    blocks_fixture<1>,
+    "swap: a prefetch takes the block of a page-out in flight (one block, two buffers)",
+    "[gpu][swap]") {
   std::uint64_t const sa = rng();
-  std::uint64_t const sb = rng();
-  auto a                 = scope.allocate<std::uint32_t>(words, s0);
-  fill(a.data(s0), words, sa, st.s[0]);
-  spin(30, st.s[0]);
+  auto a                 = filled(scope, words, sa, s0);
+  spin(30, s0);
   REQUIRE(a.pageout(s0));
-  auto b = scope.allocate<std::uint32_t>(words, s1);  // a's block, after a's page-out copy
-  fill(b.data(s1), words, sb, st.s[1]);
-  spin(10, st.s[1]);
+  std::uint64_t const sb = rng();
+  auto b                 = filled(scope, words, sb, s1);  // a's block, after a's page-out copy
+  spin(10, s1);
   REQUIRE(b.pageout(s1));
   CHECK_FALSE(a.resident());
   scope.prefetch_init();
   a.need_prefetch();
   scope.prefetch_all();  // a's page-in takes b's block: the copy stream waits b's page-out
   // The worker issues it without waiting on the GPU (b's page-out still waits for its spin).
-  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (!a.resident() && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  wait_until([&] { return a.resident(); });
   REQUIRE(a.resident());
   std::uint32_t* pa = a.data(s0);
-  chk.check(pa, words, sa, st.s[0]);
+  chk.check(pa, words, sa, s0);
   REQUIRE(a.pageout(s0));
   std::uint32_t* pb = b.data(s1);  // b's page-in takes the block back from a's page-out
-  chk.check(pb, words, sb, st.s[1]);
-  CHECK(wrong_on_host(pb, words, sb, st.s[1]) == 0);
+  chk.check(pb, words, sb, s1);
+  CHECK(wrong_on_host(pb, words, sb, s1) == 0);
   CHECK(chk.wrong_checks() == 0);
   auto const stats = scope.statistics();
   CHECK(stats.host_blocking_syncs == 0);
@@ -619,8 +633,10 @@ TEST_CASE("swap: a prefetch takes the block of a page-out in flight (one block, 
   CHECK(stats.peak_resident_bytes <= words * 4);
 }
 
-TEST_CASE("swap: a page-in in flight whose page-out was cancelled is waited for by the reader",
-          "[gpu][swap]") {
+TEST_CASE_METHOD(
+    swap_fixture,
+    "swap: a page-in in flight whose page-out was cancelled is waited for by the reader",
+    "[gpu][swap]") {
   // x's page-in waits (on the copy stream) for a released block whose release follows a spin;
   // x is paged out again, and the page-out stays queued (one copy in flight at most, and y's
   // waits for another spin); a read of x on a stream ordered after neither cancels it and must
@@ -628,174 +644,118 @@ TEST_CASE("swap: a page-in in flight whose page-out was cancelled is waited for 
   // passed without the wait in data() that it was written for: the read was check_kernel's first
   // launch, which under lazy loading synchronized the context; load_kernels() now loads it first.)
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{3};
-  checker chk{8};
   std::size_t const words = 4 * mib;
   wm::swap_options o      = small_scope(2 * words * 4);  // two blocks
   o.max_in_flight         = 1;
   wm::swap_scope scope{o};
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
-  cuda::stream_ref const s2{st.s[2]};
   std::uint64_t const sx = rng();
-  auto x                 = scope.allocate<std::uint32_t>(words, s0);
-  fill(x.data(s0), words, sx, st.s[0]);
+  auto x                 = filled(scope, words, sx, s0);
   REQUIRE(x.pageout(s0));
   scope.wait_pageouts();
   REQUIRE_FALSE(x.resident());
-  auto y = scope.allocate<std::uint32_t>(words, s1);  // holds the other block
-  fill(y.data(s1), words, rng(), st.s[1]);
-  {
-    auto a = scope.allocate<std::uint32_t>(words, s0);  // a block released after a spin
-    fill(a.data(s0), words, rng(), st.s[0]);
-    spin(150, st.s[0]);
-  }
+  auto y = filled(scope, words, rng(), s1);          // holds the other block
+  release_after_spin(scope, words, rng(), 150, s0);  // the block for x's page-in
   scope.prefetch_init();
   x.need_prefetch();
   scope.prefetch_all();  // x's page-in: issued at once, its copy waits for the spin
-  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().prefetches == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  wait_until([&] { return scope.statistics().prefetches != 0; });
   REQUIRE(scope.statistics().prefetches == 1);
-  spin(300, st.s[1]);
+  spin(300, s1);
   REQUIRE(y.pageout(s1));                                      // in flight, behind the second spin
   std::this_thread::sleep_for(std::chrono::milliseconds{20});  // its worker issues it
   REQUIRE(x.pageout(s1));  // queued: the one copy in flight is y's
   std::this_thread::sleep_for(std::chrono::milliseconds{5});
   auto const before = scope.statistics();
   INFO("copies out " << before.copies_out << ", in " << before.copies_in);
-  REQUIRE(before.copies_out == 2);            // x's first page-out and y's: x's second one waits
-  chk.check(x.data(s2), words, sx, st.s[2]);  // cancels x's page-out; s2 waits for the page-in
+  REQUIRE(before.copies_out == 2);       // x's first page-out and y's: x's second one waits
+  chk.check(x.data(s2), words, sx, s2);  // cancels x's page-out; s2 waits for the page-in
   CHECK(chk.wrong_checks() == 0);
-  CHECK(wrong_on_host(x.data(s2), words, sx, st.s[2]) == 0);
+  CHECK(wrong_on_host(x.data(s2), words, sx, s2) == 0);
   CHECK(scope.statistics().pageouts_cancelled >= 1);
 }
 
-TEST_CASE("swap: a page-out booked late leaves alone the buffer's newer page-out in flight",
-          "[gpu][swap]") {
+TEST_CASE_METHOD(blocks_fixture<2>,
+                 "swap: a page-out booked late leaves alone the buffer's newer page-out in flight",
+                 "[gpu][swap]") {
   // x's page-out (out1) is held on the GPU by a spin and its block goes to y; x is paged in (after
   // out1), written anew and paged out again (out2, held by a longer spin) before the worker has
   // booked out1. Booking out1 must not act on out2: it freed x's block and said x was on the
   // host, so that a read of x paged in the slab's old contents (out1's) while out2 still waited.
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{4};
-  checker chk{8};
-  std::size_t const words = 4 * mib;
-  wm::swap_scope scope{small_scope(2 * words * 4)};  // two blocks
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
-  cuda::stream_ref const s2{st.s[2]};
-  cuda::stream_ref const s3{st.s[3]};
   std::uint64_t const sx1 = rng();
   std::uint64_t const sx  = sx1 + 1;  // what x holds after its page-in
   std::uint64_t const sy  = rng();
-  auto x                  = scope.allocate<std::uint32_t>(words, s0);
-  fill(x.data(s0), words, sx1, st.s[0]);
-  spin(200, st.s[0]);
-  REQUIRE(x.pageout(s0));                             // out1, after the spin
-  auto w = scope.allocate<std::uint32_t>(words, s1);  // the other block
-  fill(w.data(s1), words, rng(), st.s[1]);
-  auto y = scope.allocate<std::uint32_t>(words, s1);  // x's block, after out1
-  fill(y.data(s1), words, sy, st.s[1]);
-  w.reset();                       // its block goes to x's page-in
-  std::uint32_t* px = x.data(s2);  // paged in after out1
-  fill(px, words, sx, st.s[2]);
-  spin(600, st.s[2]);
+  auto x                  = filled(scope, words, sx1, s0);
+  spin(200, s0);
+  REQUIRE(x.pageout(s0));                    // out1, after the spin
+  auto w = filled(scope, words, rng(), s1);  // the other block
+  auto y = filled(scope, words, sy, s1);     // x's block, after out1
+  w.reset();                                 // its block goes to x's page-in
+  std::uint32_t* px = x.data(s2);            // paged in after out1
+  fill(px, words, sx, s2);
+  spin(600, s2);
   REQUIRE(x.pageout(s2));  // out2, after the second spin
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().copies_out < 2 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  wait_until([&] { return scope.statistics().copies_out >= 2; });
   auto const issued = scope.statistics();
   REQUIRE(issued.copies_out == 2);  // out2 is issued ...
   REQUIRE(issued.pageouts == 0);    // ... before out1 is booked (else the spin was too short)
-  until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().pageouts < 1 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  wait_until([&] { return scope.statistics().pageouts >= 1; });
   REQUIRE(scope.statistics().pageouts == 1);  // out1 booked; out2 still waits for its spin
   // x's page-out is cancelled: stream 3 waits for out2 (not a page-in of out1's data).
-  chk.check(x.data(s3), words, sx, st.s[3]);
+  chk.check(x.data(s3), words, sx, s3);
   CHECK(chk.wrong_checks() == 0);
-  CHECK(wrong_on_host(x.data(s3), words, sx, st.s[3]) == 0);
-  chk.check(y.data(s1), words, sy, st.s[1]);
+  CHECK(wrong_on_host(x.data(s3), words, sx, s3) == 0);
+  chk.check(y.data(s1), words, sy, s1);
   CHECK(chk.wrong_checks() == 0);
   CHECK(scope.statistics().host_blocking_syncs == 0);
 }
 
-TEST_CASE("swap: a page-in booked late leaves alone the buffer's newer page-in in flight",
-          "[gpu][swap]") {
+TEST_CASE_METHOD(blocks_fixture<2>,
+                 "swap: a page-in booked late leaves alone the buffer's newer page-in in flight",
+                 "[gpu][swap]") {
   // x's prefetch (in1) waits for a block released after a spin; x is paged out again (out2, after
   // in1), its block goes to y, and a second prefetch (in2) waits for a block released after a
   // longer spin, all before the worker has booked in1. Booking in1 must not act on in2: it said
   // x was resident, and x's release then gave in2's block to z after x's last stream only, so
   // that in2 wrote x's data over z's.
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{4};
-  checker chk{8};
-  std::size_t const words = 4 * mib;
-  wm::swap_scope scope{small_scope(2 * words * 4)};  // two blocks
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
-  cuda::stream_ref const s2{st.s[2]};
-  cuda::stream_ref const s3{st.s[3]};
   std::uint64_t const sx = rng();
   std::uint64_t const sy = rng();
   std::uint64_t const sz = rng();
-  auto x                 = scope.allocate<std::uint32_t>(words, s0);
-  fill(x.data(s0), words, sx, st.s[0]);
+  auto x                 = filled(scope, words, sx, s0);
   REQUIRE(x.pageout(s0));
   scope.wait_pageouts();
   REQUIRE_FALSE(x.resident());
-  scope.reset_statistics();                           // wait_pageouts was a host sync
-  auto w = scope.allocate<std::uint32_t>(words, s1);  // a block, for in2 later
-  fill(w.data(s1), words, rng(), st.s[1]);
-  {
-    auto a = scope.allocate<std::uint32_t>(words, s0);  // the other, released after a spin
-    fill(a.data(s0), words, rng(), st.s[0]);
-    spin(200, st.s[0]);
-  }
+  scope.reset_statistics();                          // wait_pageouts was a host sync
+  auto w = filled(scope, words, rng(), s1);          // a block, for in2 later
+  release_after_spin(scope, words, rng(), 200, s0);  // the other block, for in1
   x.need_prefetch();
-  scope.prefetch_all();  // in1: into a's block, after the spin
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().prefetches < 1 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  scope.prefetch_all();  // in1: into the released block, after the spin
+  wait_until([&] { return scope.statistics().prefetches >= 1; });
   REQUIRE(scope.statistics().prefetches == 1);
-  REQUIRE(x.pageout(s2));                             // out2: stream 2 waits for in1 first
-  auto y = scope.allocate<std::uint32_t>(words, s3);  // x's block, after out2
-  fill(y.data(s3), words, sy, st.s[3]);
-  spin(600, st.s[1]);
+  REQUIRE(x.pageout(s2));                 // out2: stream 2 waits for in1 first
+  auto y = filled(scope, words, sy, s3);  // x's block, after out2
+  spin(600, s1);
   w.reset();          // w's block, after the longer spin
   x.need_prefetch();  // in2: into w's block, after out2 and the longer spin
-  until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().prefetches < 2 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  wait_until([&] { return scope.statistics().prefetches >= 2; });
   auto const issued = scope.statistics();
   REQUIRE(issued.prefetches == 2);  // in2 is issued ...
   REQUIRE(issued.bytes_in == 0);    // ... before in1 is booked (else the spin was too short)
-  until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().bytes_in < words * 4 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  wait_until([&] { return scope.statistics().bytes_in >= words * 4; });
   REQUIRE(scope.statistics().bytes_in == words * 4);  // in1 booked; in2 still waits
   x.reset();  // its block goes after in2 (stream 2, its last, has waited for in1 only)
-  auto z = scope.allocate<std::uint32_t>(words, s0);  // in2's block
-  fill(z.data(s0), words, sz, st.s[0]);
-  WM_CUDA_TRY(cudaDeviceSynchronize());  // in2 has run: it must not have written over z
-  chk.check(z.data(s0), words, sz, st.s[0]);
-  chk.check(y.data(s3), words, sy, st.s[3]);
+  auto z = filled(scope, words, sz, s0);  // in2's block
+  WM_CUDA_TRY(cudaDeviceSynchronize());   // in2 has run: it must not have written over z
+  chk.check(z.data(s0), words, sz, s0);
+  chk.check(y.data(s3), words, sy, s3);
   CHECK(chk.wrong_checks() == 0);
-  CHECK(wrong_on_host(z.data(s0), words, sz, st.s[0]) == 0);
+  CHECK(wrong_on_host(z.data(s0), words, sz, s0) == 0);
   CHECK(scope.statistics().host_blocking_syncs == 0);
 }
 
-TEST_CASE(
+TEST_CASE_METHOD(
+    blocks_fixture<1>,
     "swap: pageout_begin of a buffer whose page-in still runs does not skip the reader's wait",
     "[gpu][swap]") {
   // x's prefetch waits for a block released after a spin. pageout_begin(stream 1) made stream 1
@@ -803,133 +763,98 @@ TEST_CASE(
   // without a wait: a read on stream 2 saw the block's previous contents. pageout_begin now
   // declines while a page-in may still run; data() waits for it as for any page-in.
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{3};
-  checker chk{8};
-  std::size_t const words = 4 * mib;
-  wm::swap_scope scope{small_scope(words * 4)};  // one block
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
-  cuda::stream_ref const s2{st.s[2]};
   std::uint64_t const sx = rng();
-  auto x                 = scope.allocate<std::uint32_t>(words, s0);
-  fill(x.data(s0), words, sx, st.s[0]);
+  auto x                 = filled(scope, words, sx, s0);
   REQUIRE(x.pageout(s0));
   scope.wait_pageouts();
   REQUIRE_FALSE(x.resident());
-  {
-    auto a = scope.allocate<std::uint32_t>(words, s0);  // the block, released after a spin
-    fill(a.data(s0), words, sx + 1, st.s[0]);
-    spin(300, st.s[0]);
-  }
+  release_after_spin(scope, words, sx + 1, 300, s0);  // the block, released after a spin
   x.need_prefetch();
-  scope.prefetch_all();  // into a's block, after the spin
-  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().prefetches < 1 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::microseconds{100});
-  }
+  scope.prefetch_all();  // into the released block, after the spin
+  wait_until([&] { return scope.statistics().prefetches >= 1; });
   REQUIRE(scope.statistics().prefetches == 1);
   REQUIRE(scope.statistics().bytes_in == 0);  // the page-in waits for the spin
   CHECK_FALSE(x.pageout_begin(s1));
-  chk.check(x.data(s2), words, sx, st.s[2]);  // stream 2 is ordered after neither 0 nor 1
+  chk.check(x.data(s2), words, sx, s2);  // stream 2 is ordered after neither 0 nor 1
   CHECK(chk.wrong_checks() == 0);
-  CHECK(wrong_on_host(x.data(s2), words, sx, st.s[2]) == 0);
+  CHECK(wrong_on_host(x.data(s2), words, sx, s2) == 0);
   REQUIRE(x.pageout(s2));  // a page-out as usual
-  chk.check(x.data(s1), words, sx, st.s[1]);
+  chk.check(x.data(s1), words, sx, s1);
   CHECK(chk.wrong_checks() == 0);
 }
 
-TEST_CASE("swap: a page-out takes the slab range of a buffer whose page-in still runs",
-          "[gpu][swap]") {
+TEST_CASE_METHOD(swap_fixture,
+                 "swap: a page-out takes the slab range of a buffer whose page-in still runs",
+                 "[gpu][swap]") {
   // A host that runs a step ahead of the GPU: the slab holds the previous step's page-ins until
   // their copies finish. A page-out must take such a range on the copy stream, not on the host.
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{16};
   std::size_t const words = 4 * mib;
   std::size_t const bytes = words * 4;
   wm::swap_options o      = small_scope(bytes);  // one block
   o.host_bytes            = 2 * bytes;           // two slab ranges
   wm::swap_scope scope{o};
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
   std::uint64_t const sx = rng();
   std::uint64_t const sa = rng();
   std::uint64_t const sb = rng();
   std::uint64_t const sd = rng();
-  auto x                 = scope.allocate<std::uint32_t>(words, s0);  // stays on the host
-  fill(x.data(s0), words, sx, st.s[0]);
+  auto x                 = filled(scope, words, sx, s0);  // stays on the host
   REQUIRE(x.pageout(s0));
-  auto a = scope.allocate<std::uint32_t>(words, s0);
-  fill(a.data(s0), words, sa, st.s[0]);
+  auto a = filled(scope, words, sa, s0);
   REQUIRE(a.pageout(s0));
   scope.wait_pageouts();  // both on the host: the slab is full
   REQUIRE_FALSE(a.resident());
   scope.reset_statistics();
-  {
-    auto c = scope.allocate<std::uint32_t>(words, s1);  // the block, released after a spin
-    fill(c.data(s1), words, rng(), st.s[1]);
-    spin(100, st.s[1]);
-  }
+  release_after_spin(scope, words, rng(), 100, s1);  // the block, released after a spin
   std::uint32_t* pa = a.data(s0);  // a's page-in waits on the copy stream for the spin
-  chk.check(pa, words, sa, st.s[0]);
+  chk.check(pa, words, sa, s0);
   a.reset();  // its slab range stays taken until its page-in copy has finished
-  auto b = scope.allocate<std::uint32_t>(words, s0);  // a's block, after a's check
-  fill(b.data(s0), words, sb, st.s[0]);
+  auto b = filled(scope, words, sb, s0);  // a's block, after a's check
   REQUIRE(b.pageout(s0));  // slab full: it takes a's range after a's page-in copy, on the GPU
-  auto d = scope.allocate<std::uint32_t>(words, s1);  // b's block, after b's page-out copy
-  fill(d.data(s1), words, sd, st.s[1]);
-  chk.check(d.data(s1), words, sd, st.s[1]);
+  auto d = filled(scope, words, sd, s1);  // b's block, after b's page-out copy
+  chk.check(d.data(s1), words, sd, s1);
   auto const mid = scope.statistics();
   CHECK(mid.host_blocking_syncs == 0);  // nothing above waited for the spin on the host
   CHECK(mid.host_syncs_slab == 0);
   CHECK(mid.slab_ranges_reused == 1);
   d.reset();
   std::uint32_t* pb = b.data(s0);
-  chk.check(pb, words, sb, st.s[0]);
-  CHECK(wrong_on_host(pb, words, sb, st.s[0]) == 0);
+  chk.check(pb, words, sb, s0);
+  CHECK(wrong_on_host(pb, words, sb, s0) == 0);
   b.reset();
-  chk.check(x.data(s1), words, sx, st.s[1]);
+  chk.check(x.data(s1), words, sx, s1);
   CHECK(chk.wrong_checks() == 0);
 }
 
-TEST_CASE("swap: pageout_begin copies while the data is read; pageout frees it after the readers",
-          "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{16};
-  std::size_t const words = 4 * mib;
-  wm::swap_scope scope{small_scope(words * 4)};  // one block
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
+TEST_CASE_METHOD(
+    blocks_fixture<1>,
+    "swap: pageout_begin copies while the data is read; pageout frees it after the readers",
+    "[gpu][swap]") {
   std::uint64_t const sa = rng();
-  std::uint64_t const sb = rng();
   auto a                 = scope.allocate<std::uint32_t>(words, s0);
   std::uint32_t* pa      = a.data(s0);
-  fill(pa, words, sa, st.s[0]);
-  spin(20, st.s[0]);
+  fill(pa, words, sa, s0);
+  spin(20, s0);
   REQUIRE(a.pageout_begin(s0));  // the copy goes after the spin
   CHECK_FALSE(a.pageout_begin(s0));
   order(st.s[0], st.s[1]);
   CHECK(a.data(s1) == pa);  // still readable; the page-out goes on
   CHECK(a.resident());
-  chk.check(pa, words, sa, st.s[1]);
-  spin(30, st.s[1]);
-  chk.check(pa, words, sa, st.s[1]);  // a reader well after the copy started
-  REQUIRE(a.pageout(s1));             // the block goes after the copy and stream 1's readers
+  chk.check(pa, words, sa, s1);
+  spin(30, s1);
+  chk.check(pa, words, sa, s1);  // a reader well after the copy started
+  REQUIRE(a.pageout(s1));        // the block goes after the copy and stream 1's readers
   CHECK_FALSE(a.resident());
-  auto b = scope.allocate<std::uint32_t>(words, s0);  // a's block: stream 0 waits for both
-  fill(b.data(s0), words, sb, st.s[0]);  // without the readers' event: overwrites a under them
+  // a's block: stream 0 waits for both (without the readers' event, b's fill overwrites a under
+  // them).
+  std::uint64_t const sb = rng();
+  auto b                 = filled(scope, words, sb, s0);
   REQUIRE(b.pageout(s0));
   std::uint32_t* pa2 = a.data(s1);  // paged in from the one copy, into b's block after b's copy
-  chk.check(pa2, words, sa, st.s[1]);
-  CHECK(wrong_on_host(pa2, words, sa, st.s[1]) == 0);
+  chk.check(pa2, words, sa, s1);
+  CHECK(wrong_on_host(pa2, words, sa, s1) == 0);
   CHECK(chk.wrong_checks() == 0);
   // The workers book the copies a moment after the GPU finished them.
-  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().pageouts < 2 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds{1});
-  }
+  wait_until([&] { return scope.statistics().pageouts >= 2; }, std::chrono::milliseconds{1});
   auto const stats = scope.statistics();
   CHECK(stats.pageouts == 2);  // a once, b once: a's data was not copied again
   CHECK(stats.bytes_out == 2 * words * 4);
@@ -949,24 +874,21 @@ struct device_words {
 };
 }  // namespace
 
-TEST_CASE("swap: pageout_from copies caller memory after its producer; pagein_to gives it back",
-          "[gpu][swap]") {
+TEST_CASE_METHOD(
+    swap_fixture,
+    "swap: pageout_from copies caller memory after its producer; pagein_to gives it back",
+    "[gpu][swap]") {
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{16};
   std::size_t const words = 64 * mib;  // 256 MiB: ~5 ms each way
   wm::swap_scope scope{small_scope(words * 4)};
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
   device_words src{words};
   device_words dst{words};
   std::uint64_t const s_old = rng();
   std::uint64_t const s_new = rng();
-  fill(src.p, words, s_old, st.s[0]);
+  fill(src.p, words, s_old, s0);
   WM_CUDA_TRY(cudaStreamSynchronize(st.s[0]));
-  spin(100, st.s[0]);
-  fill(src.p, words, s_new, st.s[0]);  // the producer: the copy must wait for it
+  spin(100, s0);
+  fill(src.p, words, s_new, s0);  // the producer: the copy must wait for it
   auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
   CHECK(b.size() == words);
   CHECK_FALSE(b.resident());
@@ -981,37 +903,35 @@ TEST_CASE("swap: pageout_from copies caller memory after its producer; pagein_to
   // for the copy: the paged-out data stays s_new. (Without wait_pageout the fill would run right
   // after the spin, while the 5 ms copy reads.)
   b.wait_pageout(s0);
-  fill(src.p, words, rng(), st.s[0]);
+  fill(src.p, words, rng(), s0);
   // dst was in use on s1 until now: the page-in copy goes after that (else the junk fill, held
   // back by the spin, would land on the data after the copy).
-  spin(50, st.s[1]);
-  fill(dst.p, words, rng(), st.s[1]);
+  spin(50, s1);
+  fill(dst.p, words, rng(), s1);
   b.pagein_to(dst.p, s1);
   b.wait_pagein(s1);
-  chk.check(dst.p, words, s_new, st.s[1]);
-  CHECK(wrong_on_host(dst.p, words, s_new, st.s[1]) == 0);
+  chk.check(dst.p, words, s_new, s1);
+  CHECK(wrong_on_host(dst.p, words, s_new, s1) == 0);
   CHECK_FALSE(b.resident());  // pagein_to gives the buffer no device memory
   // A second copy into other memory, read on another stream; then a page-in into the pool.
   WM_CUDA_TRY(cudaMemsetAsync(dst.p, 0, words * 4, st.s[0]));
   b.pagein_to(dst.p, s0);
   b.wait_pagein(s1);
-  chk.check(dst.p, words, s_new, st.s[1]);
+  chk.check(dst.p, words, s_new, s1);
   std::uint32_t* const p = b.data(s1);  // a passive page-in into the pool
-  chk.check(p, words, s_new, st.s[1]);
-  CHECK(wrong_on_host(p, words, s_new, st.s[1]) == 0);
+  chk.check(p, words, s_new, s1);
+  CHECK(wrong_on_host(p, words, s_new, s1) == 0);
   // Resident now: pagein_to is a device copy on s1, which wait_pagein makes s0 wait for.
   WM_CUDA_TRY(cudaMemsetAsync(dst.p, 0, words * 4, st.s[1]));
-  spin(50, st.s[1]);
+  spin(50, s1);
   b.pagein_to(dst.p, s1);
   b.wait_pagein(s0);
-  chk.check(dst.p, words, s_new, st.s[0]);
+  chk.check(dst.p, words, s_new, s0);
   CHECK(b.resident());
   CHECK(chk.wrong_checks() == 0);
   // The worker books the passive page-in a moment after the GPU finished it.
-  auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-  while (scope.statistics().bytes_in < 3 * words * 4 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds{1});
-  }
+  wait_until([&] { return scope.statistics().bytes_in >= 3 * words * 4; },
+             std::chrono::milliseconds{1});
   auto const stats = scope.statistics();
   CHECK(stats.pageins_to == 2);
   CHECK(stats.bytes_in == 3 * words * 4);
@@ -1021,26 +941,23 @@ TEST_CASE("swap: pageout_from copies caller memory after its producer; pagein_to
   CHECK(stats.pinned_allocations == 1);
 }
 
-TEST_CASE("swap: pagein_to right after pageout_from waits for the page-out copy", "[gpu][swap]") {
+TEST_CASE_METHOD(swap_fixture,
+                 "swap: pagein_to right after pageout_from waits for the page-out copy",
+                 "[gpu][swap]") {
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{8};
   std::size_t const words = 16 * mib;
   wm::swap_options o      = small_scope(0);  // no pool: caller memory only
   wm::swap_scope scope{o};
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
   device_words src{words};
   device_words dst{words};
   std::uint64_t const sd = rng();
-  fill(src.p, words, sd, st.s[0]);
-  spin(100, st.s[0]);  // holds the page-out copy back
+  fill(src.p, words, sd, s0);
+  spin(100, s0);  // holds the page-out copy back
   auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
   b.pagein_to(dst.p, s1);  // s1 is idle: without the wait on the page-out it reads the slab now
   b.wait_pagein(s1);
-  chk.check(dst.p, words, sd, st.s[1]);
-  CHECK(wrong_on_host(dst.p, words, sd, st.s[1]) == 0);
+  chk.check(dst.p, words, sd, s1);
+  CHECK(wrong_on_host(dst.p, words, sd, s1) == 0);
   CHECK(chk.wrong_checks() == 0);
   // A scope without a pool cannot page into it: an error, not a wait until the timeout.
   CHECK_THROWS_AS((void)b.data(s0), wm::logic_error);
@@ -1049,26 +966,19 @@ TEST_CASE("swap: pagein_to right after pageout_from waits for the page-out copy"
   CHECK(scope.statistics().device_allocations == 1);  // one pool of one alignment unit
 }
 
-TEST_CASE("swap: pageout_from steps reuse the slab without allocations or host syncs",
-          "[gpu][swap]") {
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{2};
-  checker chk{64};
+TEST_CASE_METHOD(swap_fixture,
+                 "swap: pageout_from steps reuse the slab without allocations or host syncs",
+                 "[gpu][swap]") {
   std::size_t const words = mib;  // 4 MiB each
   std::size_t const n     = 6;
   wm::swap_options o      = small_scope(0);
   o.host_bytes            = 7 * words * 4;  // room for one step's buffers and one more
   wm::swap_scope scope{o};
-  cuda::stream_ref const s0{st.s[0]};
-  cuda::stream_ref const s1{st.s[1]};
   device_words src{words * n};
   device_words dst{words * n};
   // The workers book page-outs a moment after the GPU finished them.
   auto const booked = [&](std::uint64_t bytes) {
-    auto const until = std::chrono::steady_clock::now() + std::chrono::seconds{5};
-    while (scope.statistics().bytes_out < bytes && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds{1});
-    }
+    wait_until([&] { return scope.statistics().bytes_out >= bytes; }, std::chrono::milliseconds{1});
   };
   for (int step = 0; step < 4; ++step) {
     if (step == 1) {
@@ -1080,14 +990,14 @@ TEST_CASE("swap: pageout_from steps reuse the slab without allocations or host s
     std::vector<wm::swappable<std::uint32_t>> bufs;
     for (std::size_t i = 0; i < n; ++i) {
       seeds[i] = rng();
-      fill(src.p + i * words, words, seeds[i], st.s[0]);
+      fill(src.p + i * words, words, seeds[i], s0);
       bufs.push_back(scope.pageout_from<std::uint32_t>(src.p + i * words, words, s0));
       bufs.back().wait_pageout(s0);  // the next step's fill overwrites the source on s0
     }
     for (std::size_t i = n; i-- > 0;) {  // backward order, as a backward pass
       bufs[i].pagein_to(dst.p + i * words, s1);
       bufs[i].wait_pagein(s1);
-      chk.check(dst.p + i * words, words, seeds[i], st.s[1]);
+      chk.check(dst.p + i * words, words, seeds[i], s1);
     }
     // Slab ranges go back while their copies may still run: the next step's page-outs take them
     // stream-ordered (the host is ahead of the GPU; no wait for it).
@@ -1141,31 +1051,28 @@ TEST_CASE("swap: pageout_from edges: zero bytes; misaligned or null pointers; ov
   CHECK(stats.host_bytes_in_use == 2 * 256 + 4096);  // 0, 0 and 4000 bytes, in 256-byte units
 }
 
-TEST_CASE("swap: copy streams given in swap_options are used and outlive the scope",
-          "[gpu][swap]") {
+TEST_CASE_METHOD(swap_fixture,
+                 "swap: copy streams given in swap_options are used and outlive the scope",
+                 "[gpu][swap]") {
   load_kernels();
-  std::mt19937_64 rng{std::random_device{}()};
-  streams st{3};  // st.s[1], st.s[2]: the scope's copy streams
-  checker chk{8};
   std::size_t const words = 4 * mib;
   device_words src{words};
   device_words dst{words};
   std::uint64_t const sd = rng();
   {
     wm::swap_options o = small_scope(0);
-    o.pageout_stream   = st.s[1];
+    o.pageout_stream   = st.s[1];  // st.s[1], st.s[2]: the scope's copy streams
     o.pagein_stream    = st.s[2];
     wm::swap_scope scope{o};
     CHECK(scope.pageout_stream() == st.s[1]);
     CHECK(scope.pagein_stream() == st.s[2]);
-    cuda::stream_ref const s0{st.s[0]};
-    fill(src.p, words, sd, st.s[0]);
-    spin(50, st.s[0]);  // the page-out on st.s[1] must wait for this, not run at once
+    fill(src.p, words, sd, s0);
+    spin(50, s0);  // the page-out on st.s[1] must wait for this, not run at once
     auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
     b.pagein_to(dst.p, s0);
     b.wait_pagein(s0);
-    chk.check(dst.p, words, sd, st.s[0]);
-    CHECK(wrong_on_host(dst.p, words, sd, st.s[0]) == 0);
+    chk.check(dst.p, words, sd, s0);
+    CHECK(wrong_on_host(dst.p, words, sd, s0) == 0);
     CHECK(chk.wrong_checks() == 0);
   }
   // Not destroyed with the scope: work can still be queued on them.
@@ -1196,26 +1103,20 @@ static_assert(wm::zero_codec<std::uint32_t>::encoded_bytes(0, 0) == 0);
 
 namespace {
 
-// Device memory of @p bytes (at least 1), freed at scope exit.
-struct device_bytes {
+// Memory of @p bytes (at least 1) from @p Alloc, given back by @p Free at scope exit.
+template <cudaError_t (*Alloc)(void**, std::size_t), cudaError_t (*Free)(void*)>
+struct cuda_bytes {
   std::byte* p{nullptr};
-  explicit device_bytes(std::size_t bytes) {
-    WM_CUDA_TRY(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)));
+  explicit cuda_bytes(std::size_t bytes) {
+    WM_CUDA_TRY(Alloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(bytes, 1)));
   }
-  device_bytes(device_bytes const&)            = delete;
-  device_bytes& operator=(device_bytes const&) = delete;
-  ~device_bytes() { (void)cudaFree(p); }
+  cuda_bytes(cuda_bytes const&)            = delete;
+  cuda_bytes& operator=(cuda_bytes const&) = delete;
+  ~cuda_bytes() { (void)Free(p); }
 };
 
-struct pinned_bytes {
-  std::byte* p{nullptr};
-  explicit pinned_bytes(std::size_t bytes) {
-    WM_CUDA_TRY(cudaMallocHost(&p, std::max<std::size_t>(bytes, 1)));
-  }
-  pinned_bytes(pinned_bytes const&)            = delete;
-  pinned_bytes& operator=(pinned_bytes const&) = delete;
-  ~pinned_bytes() { (void)cudaFreeHost(p); }
-};
+using device_bytes = cuda_bytes<cudaMalloc, cudaFree>;
+using pinned_bytes = cuda_bytes<cudaMallocHost, cudaFreeHost>;
 
 constexpr std::uint64_t poison64 = 0xdeadbeefcafef00dull;
 
