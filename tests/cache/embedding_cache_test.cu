@@ -186,6 +186,25 @@ bool flushed_equal(C& cached, P& plain, cudaStream_t s) {
 }
 
 /**
+ * The CUDA graph tests' tables, both initialized from normal(0, 1, seed): a float Adam table in
+ * host memory behind a read-write LRU device cache (ratio 0.1), and the uncached device table.
+ */
+struct lru_adam_tables {
+  wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached;
+  wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain;
+
+  lru_adam_tables(wm::communicator& comm, std::size_t rows, std::size_t dim, std::uint64_t seed)
+      : cached{comm, rows, dim, {}, wm::embedding_init::normal(0.0f, 1.0f, seed), ratio_tenth()},
+        plain{comm, rows, dim, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)} {}
+
+  static wm::cache_options ratio_tenth() {
+    wm::cache_options co;
+    co.ratio = 0.1;
+    return co;
+  }
+};
+
+/**
  * Captures cached.gather of @p n keys in a CUDA graph, after an eager gather of a first batch
  * (it sizes the workspace) that must equal the uncached one, and replays the graph on @p replays
  * fresh batches: each replay reads its keys from the captured key buffer, writes a poisoned
@@ -502,16 +521,11 @@ TEST_CASE("device cache: the one-rank gather is captured in a CUDA graph and rep
   on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::size_t const rows = 5000, dim = 32, n = 3000;
-    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
-    wm::cache_options co;
-    co.ratio = 0.1;
-    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
-        comm, rows, dim, {}, init, co};
-    wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
+    std::size_t const n = 3000;
+    lru_adam_tables t{comm, 5000, 32, seed};
     std::mt19937_64 rng{seed};
-    replay_captured_gather(cached, plain, rng, n, 3, s, [](int, batch<float> const&) {});
-    auto const st = cached.cache_stats();
+    replay_captured_gather(t.cached, t.plain, rng, n, 3, s, [](int, batch<float> const&) {});
+    auto const st = t.cached.cache_stats();
     RANK_REQUIRE(st.requests == 4 * n && st.hits + st.misses == st.requests);
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
@@ -723,17 +737,13 @@ TEST_CASE("device cache: every replay of a captured gather is a batch of its own
   on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::size_t const rows = 300, dim = 32, n = 120;
-    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
-    wm::cache_options co;
-    co.ratio = 0.1;  // one set: a batch of D > 32 distinct keys bypasses D - 32
-    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
-        comm, rows, dim, {}, init, co};
-    wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
+    std::size_t const n = 120;
+    lru_adam_tables t{comm, 300, 32, seed};  // one set: D > 32 distinct keys bypass D - 32
+    auto& cached = t.cached;
     RANK_REQUIRE(cached.cache_lines() == 32);
     std::mt19937_64 rng{seed};
     std::uint64_t bypasses = 0;
-    replay_captured_gather(cached, plain, rng, n, 4, s, [&](int k, batch<float> const& b) {
+    replay_captured_gather(cached, t.plain, rng, n, 4, s, [&](int k, batch<float> const& b) {
       // With one epoch for every replay the batch masks would stay full: all misses would bypass.
       bypasses += b.distinct > 32 ? b.distinct - 32 : 0;
       auto const st = cached.cache_stats();
