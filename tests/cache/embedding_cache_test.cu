@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "device_array.cuh"
 #include "rank_check.hpp"
 
 namespace {
@@ -36,23 +37,15 @@ T from_float(float x) {
   }
 }
 
-template <class T>
-struct device_array {
-  T* ptr{};
-  std::size_t n{};
-  explicit device_array(std::vector<T> const& h) : n{h.size()} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
-  }
-  ~device_array() { (void)cudaFree(ptr); }
-  device_array(device_array const&)            = delete;
-  device_array& operator=(device_array const&) = delete;
-  [[nodiscard]] std::vector<T> to_host() const {
-    std::vector<T> h(n);
-    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost)); }
-    return h;
-  }
-};
+using wm_test::device_array;
+
+/// A value of V whose every byte is @p byte (a poison that is the same for every T).
+template <class V>
+V filled_with(unsigned char byte) {
+  V v{};
+  std::memset(static_cast<void*>(&v), byte, sizeof(V));
+  return v;
+}
 
 /// The bytes of @p v (bitwise comparisons, whatever T is).
 template <class T>
@@ -65,15 +58,7 @@ std::vector<unsigned char> bytes_of(std::vector<T> const& v) {
 /// Every row of a tensor (gathered through the tensor itself, not the cache), as bytes.
 template <class V, class Tensor>
 std::vector<unsigned char> all_rows(Tensor& t, std::size_t rows, std::size_t cols, cudaStream_t s) {
-  std::vector<std::int64_t> idx(rows);
-  for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
-  device_array<std::int64_t> di{idx};
-  std::vector<V> poison(rows * cols);
-  std::memset(static_cast<void*>(poison.data()), 0x5a, poison.size() * sizeof(V));
-  device_array<V> out{poison};
-  t.gather(std::span<std::int64_t const>{di.ptr, rows}, out.ptr, cuda::stream_ref{s});
-  WM_CUDA_TRY(cudaStreamSynchronize(s));
-  return bytes_of(out.to_host());
+  return bytes_of(wm_test::gather_every_row<V>(t, rows, cols, filled_with<V>(0x5a), s));
 }
 
 /// Weights, states, per-row steps and global step of a table, as bytes.
@@ -123,9 +108,7 @@ batch<T> draw(std::mt19937_64& rng, std::size_t rows, std::size_t dim, std::size
 template <class E, class T>
 std::vector<unsigned char> gather(E& e, batch<T> const& b, cudaStream_t s) {
   device_array<std::int64_t> dk{b.keys};
-  std::vector<T> poison(b.keys.size() * e.dim());
-  std::memset(static_cast<void*>(poison.data()), 0xa5, poison.size() * sizeof(T));
-  device_array<T> out{poison};
+  device_array<T> out{std::vector<T>(b.keys.size() * e.dim(), filled_with<T>(0xa5))};
   e.gather(std::span<std::int64_t const>{dk.ptr, b.keys.size()}, out.ptr, cuda::stream_ref{s});
   WM_CUDA_TRY(cudaStreamSynchronize(s));
   return bytes_of(out.to_host());
@@ -154,6 +137,111 @@ std::filesystem::path fresh_dir(char const* what) {
   return dir;
 }
 
+/// Runs f(comm, seed) on one rank; the seed is fresh from std::random_device and logged.
+template <class F>
+void on_one_rank(F&& f) {
+  std::uint64_t const seed = std::random_device{}();
+  INFO("seed " << seed);
+  wm::launch(1, [&](wm::communicator& comm) { f(comm, seed); });
+}
+
+/// Bytes one cache line moves to or from the host: the weight row, its states, its step.
+template <class T, class Opt>
+std::size_t line_payload(Opt const& opt, std::size_t dim) {
+  return dim * sizeof(T) + dim * Opt::states * sizeof(float) +
+         (opt.needs_steps() ? sizeof(std::int64_t) : 0);
+}
+
+/**
+ * A table in host memory behind a read-write device cache and the uncached device table it must
+ * equal, both initialized alike; draws the init seed from @p rng, then the cache's hash seed.
+ */
+template <class T, class R, class Opt>
+struct cached_and_plain {
+  wm::embedding_init init;
+  wm::cache_options co;
+  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached;
+  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain;
+
+  cached_and_plain(wm::communicator& comm, std::size_t rows, std::size_t dim, Opt opt, double ratio,
+                   std::mt19937_64& rng)
+      : init{wm::embedding_init::uniform(-0.5f, 0.5f, rng())},
+        co{options(ratio, rng)},
+        cached{comm, rows, dim, opt, init, co},
+        plain{comm, rows, dim, opt, init} {}
+
+  static wm::cache_options options(double ratio, std::mt19937_64& rng) {
+    wm::cache_options o;
+    o.ratio     = ratio;
+    o.hash_seed = static_cast<std::uint32_t>(rng());
+    return o;
+  }
+};
+
+/// cached.flush(), then whether the cached table holds what the plain one does, bit for bit.
+template <class C, class P>
+bool flushed_equal(C& cached, P& plain, cudaStream_t s) {
+  cached.flush(cuda::stream_ref{s});
+  return snapshot(cached, s) == snapshot(plain, s);
+}
+
+/**
+ * The CUDA graph tests' tables, both initialized from normal(0, 1, seed): a float Adam table in
+ * host memory behind a read-write LRU device cache (ratio 0.1), and the uncached device table.
+ */
+struct lru_adam_tables {
+  wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached;
+  wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain;
+
+  lru_adam_tables(wm::communicator& comm, std::size_t rows, std::size_t dim, std::uint64_t seed)
+      : cached{comm, rows, dim, {}, wm::embedding_init::normal(0.0f, 1.0f, seed), ratio_tenth()},
+        plain{comm, rows, dim, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)} {}
+
+  static wm::cache_options ratio_tenth() {
+    wm::cache_options co;
+    co.ratio = 0.1;
+    return co;
+  }
+};
+
+/**
+ * Captures cached.gather of @p n keys in a CUDA graph, after an eager gather of a first batch
+ * (it sizes the workspace) that must equal the uncached one, and replays the graph on @p replays
+ * fresh batches: each replay reads its keys from the captured key buffer, writes a poisoned
+ * output and must equal the uncached gather. on_batch(k, batch) runs after the eager gather
+ * (k = 0) and after replay k.
+ */
+template <class C, class P, class F>
+void replay_captured_gather(C& cached, P& plain, std::mt19937_64& rng, std::size_t n, int replays,
+                            cudaStream_t s, F&& on_batch) {
+  std::size_t const rows = cached.rows(), dim = cached.dim();
+  auto const warm = draw<float>(rng, rows, dim, n, 0);
+  RANK_REQUIRE(gather(cached, warm, s) == gather(plain, warm, s));  // sizes the workspace
+  on_batch(0, warm);
+  // The captured gather reads its keys from `dk` and writes `out`: new keys, same count.
+  device_array<std::int64_t> dk{warm.keys};
+  device_array<float> out{std::vector<float>(n * dim, -7.0f)};
+  cudaGraph_t graph{};
+  WM_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  cached.gather(std::span<std::int64_t const>{dk.ptr, n}, out.ptr, cuda::stream_ref{s});
+  WM_CUDA_TRY(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec{};
+  WM_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
+  for (int k = 1; k <= replays; ++k) {
+    auto const b = draw<float>(rng, rows, dim, n, k);
+    WM_CUDA_TRY(
+        cudaMemcpy(dk.ptr, b.keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaMemset(out.ptr, 0xa5, n * dim * sizeof(float)));  // poison
+    WM_CUDA_TRY(cudaGraphLaunch(exec, s));
+    WM_CUDA_TRY(cudaStreamSynchronize(s));
+    RANK_REQUIRE_MSG(bytes_of(out.to_host()) == gather(plain, b, s),
+                     "replay " << k << " of the captured gather differs");
+    on_batch(k, b);
+  }
+  WM_CUDA_TRY(cudaGraphExecDestroy(exec));
+  WM_CUDA_TRY(cudaGraphDestroy(graph));
+}
+
 /**
  * Trains a host table behind a read-write device cache and an uncached device table side by
  * side on the same batches; gathers, tables (after flush), statistics and a checkpoint reloaded
@@ -167,14 +255,9 @@ void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t se
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
-  auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
-  wm::cache_options co;
-  co.ratio     = g.ratio;
-  co.hash_seed = static_cast<std::uint32_t>(rng());
-  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
-      comm, g.rows, g.dim, opt, init, co};
-  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, g.rows, g.dim, opt,
-                                                                     init};
+  cached_and_plain<T, R, Opt> tables{comm, g.rows, g.dim, opt, g.ratio, rng};
+  auto& cached = tables.cached;
+  auto& plain  = tables.plain;
   RANK_REQUIRE_MSG(cached.cache_lines() >= 32 && cached.cache_lines() % 32 == 0, what);
   double const wanted = g.ratio * static_cast<double>(g.rows);
   RANK_REQUIRE_MSG(static_cast<double>(cached.cache_lines()) >= wanted &&
@@ -192,8 +275,7 @@ void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t se
     RANK_REQUIRE_MSG(st.bytes_from_peers == 0, what);
     // A gather loads each distinct missing row once (distinct misses <= misses); a prefetch
     // loads at most its distinct keys.
-    std::size_t const payload = g.dim * sizeof(T) + g.dim * Opt::states * sizeof(float) +
-                                (opt.needs_steps() ? sizeof(std::int64_t) : 0);
+    std::size_t const payload = line_payload<T>(opt, g.dim);
     // Bypassed keys (more than 32 of one set in a batch) read their weight rows only.
     RANK_REQUIRE_MSG(st.bypasses <= st.misses, what << " " << when);
     // A hit-first gather reads a bypassed key's row once per occurrence, other gathers once.
@@ -237,8 +319,7 @@ void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t se
     apply(cached, b, s);
     apply(plain, b, s);
     if (k == 1 || k == 4) {
-      cached.flush(cuda::stream_ref{s});
-      RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s),
+      RANK_REQUIRE_MSG(flushed_equal(cached, plain, s),
                        what << ": the flushed table differs after step " << k);
       // Flushed lines are clean: a second flush writes nothing back.
       auto const w0 = cached.cache_stats().write_backs;
@@ -270,8 +351,7 @@ void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t se
                    what << ": gather after load()");
   apply(cached, again, s);
   apply(plain, again, s);
-  cached.flush(cuda::stream_ref{s});
-  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": training after load()");
+  RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), what << ": training after load()");
   std::filesystem::remove_all(dir);
   WM_CUDA_TRY(cudaStreamDestroy(s));
 }
@@ -290,9 +370,7 @@ constexpr geometry geometries[] = {
 
 template <class T, class R, class Opt>
 void every_geometry(Opt opt) {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     std::uint64_t sd = seed;
     for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++); }
   });
@@ -329,20 +407,15 @@ namespace {
  */
 template <class T, class R, class Opt>
 void hit_first_bitwise(Opt opt, char const* what) {
-  std::uint64_t const seed = std::random_device{}();
-  INFO(what << ", seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  INFO(what);
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreate(&s));
     std::mt19937_64 rng{seed};
     std::size_t const rows = 20000, dim = 16, n = 4000, hot_rows = 600;
-    auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
-    wm::cache_options co;
-    co.ratio     = 0.1;
-    co.hash_seed = static_cast<std::uint32_t>(rng());
-    wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
-        comm, rows, dim, opt, init, co};
-    wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
+    cached_and_plain<T, R, Opt> tables{comm, rows, dim, opt, 0.1, rng};
+    auto& cached = tables.cached;
+    auto& plain  = tables.plain;
     std::vector<std::int64_t> hot(hot_rows);
     for (auto& h : hot) { h = static_cast<std::int64_t>(rng() % rows); }
     std::uint64_t requests = 0, distinct = 0;
@@ -387,8 +460,7 @@ void hit_first_bitwise(Opt opt, char const* what) {
     RANK_REQUIRE_MSG(st.hit_first_gathers >= static_cast<std::uint64_t>(steps) / 2,
                      what << ": the hit-first path was not taken");
     RANK_REQUIRE_MSG(st.write_backs > 0, what << ": no dirty victim was written back");
-    cached.flush(cuda::stream_ref{s});
-    RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": the flushed table");
+    RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), what << ": the flushed table");
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }
@@ -404,9 +476,7 @@ TEST_CASE("device cache: hit-first gathers, half, LRU, SGD", "[gpu]") {
 
 TEST_CASE("read-only caches (group cache of one rank, read-only device cache) gather the table",
           "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreate(&s));
     auto check = [&](auto& cached, auto& plain, char const* what, std::uint64_t sd) {
@@ -448,44 +518,15 @@ TEST_CASE("read-only caches (group cache of one rank, read-only device cache) ga
 
 TEST_CASE("device cache: the one-rank gather is captured in a CUDA graph and replayed on new keys",
           "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::size_t const rows = 5000, dim = 32, n = 3000;
-    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
-    wm::cache_options co;
-    co.ratio = 0.1;
-    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
-        comm, rows, dim, {}, init, co};
-    wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
+    std::size_t const n = 3000;
+    lru_adam_tables t{comm, 5000, 32, seed};
     std::mt19937_64 rng{seed};
-    auto const warm = draw<float>(rng, rows, dim, n, 0);
-    RANK_REQUIRE(gather(cached, warm, s) == gather(plain, warm, s));  // sizes the workspace
-    // The captured gather reads its keys from `dk` and writes `out`: new keys, same count.
-    device_array<std::int64_t> dk{warm.keys};
-    device_array<float> out{std::vector<float>(n * dim, -7.0f)};
-    cudaGraph_t graph{};
-    WM_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-    cached.gather(std::span<std::int64_t const>{dk.ptr, n}, out.ptr, cuda::stream_ref{s});
-    WM_CUDA_TRY(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec{};
-    WM_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
-    for (int k = 1; k <= 3; ++k) {
-      auto const b = draw<float>(rng, rows, dim, n, k);
-      WM_CUDA_TRY(
-          cudaMemcpy(dk.ptr, b.keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
-      WM_CUDA_TRY(cudaMemset(out.ptr, 0xa5, n * dim * sizeof(float)));  // poison
-      WM_CUDA_TRY(cudaGraphLaunch(exec, s));
-      WM_CUDA_TRY(cudaStreamSynchronize(s));
-      RANK_REQUIRE_MSG(bytes_of(out.to_host()) == gather(plain, b, s),
-                       "replay " << k << " of the captured gather differs");
-    }
-    auto const st = cached.cache_stats();
+    replay_captured_gather(t.cached, t.plain, rng, n, 3, s, [](int, batch<float> const&) {});
+    auto const st = t.cached.cache_stats();
     RANK_REQUIRE(st.requests == 4 * n && st.hits + st.misses == st.requests);
-    WM_CUDA_TRY(cudaGraphExecDestroy(exec));
-    WM_CUDA_TRY(cudaGraphDestroy(graph));
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }
@@ -641,16 +682,11 @@ void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed) {
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
-  auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
-  wm::cache_options co;
-  co.ratio     = 0.1;  // 30 lines wanted: one set of 32
-  co.hash_seed = static_cast<std::uint32_t>(rng());
-  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
-      comm, rows, dim, opt, init, co};
-  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
+  cached_and_plain<T, R, Opt> tables{comm, rows, dim, opt, 0.1, rng};  // 30 lines: one set of 32
+  auto& cached = tables.cached;
+  auto& plain  = tables.plain;
   RANK_REQUIRE_MSG(cached.cache_lines() == 32, what << ": " << cached.cache_lines() << " lines");
-  std::size_t const payload = dim * sizeof(T) + dim * Opt::states * sizeof(float) +
-                              (opt.needs_steps() ? sizeof(std::int64_t) : 0);
+  std::size_t const payload = line_payload<T>(opt, dim);
   std::uint64_t bypasses = 0, requests = 0;
   std::size_t const sizes[] = {20, 60, 100, 150, 33, 250, 400, 40, 500, 120};
   for (int k = 0; k < 10; ++k) {
@@ -674,14 +710,12 @@ void train_with_bypasses(wm::communicator& comm, Opt opt, std::uint64_t seed) {
     apply(cached, b, s);
     apply(plain, b, s);
     if (k % 3 == 2) {
-      cached.flush(cuda::stream_ref{s});
-      RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s),
+      RANK_REQUIRE_MSG(flushed_equal(cached, plain, s),
                        what << ": the flushed table differs after batch " << k);
     }
   }
   RANK_REQUIRE_MSG(bypasses > 0, what << ": no batch had more than 32 distinct keys");
-  cached.flush(cuda::stream_ref{s});
-  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": the final table");
+  RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), what << ": the final table");
   WM_CUDA_TRY(cudaStreamDestroy(s));
 }
 
@@ -691,9 +725,7 @@ TEST_CASE(
     "device cache: more than 32 keys of one set in a batch bypass; training still equals "
     "no cache bit for bit",
     "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed);
     train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed + 1);
     train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2);
@@ -702,50 +734,24 @@ TEST_CASE(
 
 TEST_CASE("device cache: every replay of a captured gather is a batch of its own (bypass counts)",
           "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    std::size_t const rows = 300, dim = 32, n = 120;
-    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
-    wm::cache_options co;
-    co.ratio = 0.1;  // one set: a batch of D > 32 distinct keys bypasses D - 32
-    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::adam, wm::host> cached{
-        comm, rows, dim, {}, init, co};
-    wm::embedding<float, wm::no_cache, wm::adam, wm::device> plain{comm, rows, dim, {}, init};
+    std::size_t const n = 120;
+    lru_adam_tables t{comm, 300, 32, seed};  // one set: D > 32 distinct keys bypass D - 32
+    auto& cached = t.cached;
     RANK_REQUIRE(cached.cache_lines() == 32);
     std::mt19937_64 rng{seed};
-    auto const warm = draw<float>(rng, rows, dim, n, 0);
-    RANK_REQUIRE(gather(cached, warm, s) == gather(plain, warm, s));  // sizes the workspace
-    std::uint64_t bypasses = warm.distinct > 32 ? warm.distinct - 32 : 0;
-    device_array<std::int64_t> dk{warm.keys};
-    device_array<float> out{std::vector<float>(n * dim, -7.0f)};
-    cudaGraph_t graph{};
-    WM_CUDA_TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-    cached.gather(std::span<std::int64_t const>{dk.ptr, n}, out.ptr, cuda::stream_ref{s});
-    WM_CUDA_TRY(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec{};
-    WM_CUDA_TRY(cudaGraphInstantiate(&exec, graph, 0));
-    for (int k = 1; k <= 4; ++k) {
-      auto const b = draw<float>(rng, rows, dim, n, k);
-      WM_CUDA_TRY(
-          cudaMemcpy(dk.ptr, b.keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
-      WM_CUDA_TRY(cudaMemset(out.ptr, 0xa5, n * dim * sizeof(float)));  // poison
-      WM_CUDA_TRY(cudaGraphLaunch(exec, s));
-      WM_CUDA_TRY(cudaStreamSynchronize(s));
-      RANK_REQUIRE_MSG(bytes_of(out.to_host()) == gather(plain, b, s),
-                       "replay " << k << " of the captured gather differs");
+    std::uint64_t bypasses = 0;
+    replay_captured_gather(cached, t.plain, rng, n, 4, s, [&](int k, batch<float> const& b) {
       // With one epoch for every replay the batch masks would stay full: all misses would bypass.
       bypasses += b.distinct > 32 ? b.distinct - 32 : 0;
       auto const st = cached.cache_stats();
-      RANK_REQUIRE_MSG(st.bypasses == bypasses, "replay " << k << ": " << st.bypasses
-                                                          << " bypasses, " << bypasses
-                                                          << " expected");
-    }
+      RANK_REQUIRE_MSG(st.bypasses == bypasses,
+                       "batch " << k << " (0: the eager gather): " << st.bypasses << " bypasses, "
+                                << bypasses << " expected");
+    });
     RANK_REQUIRE(bypasses > 0);
-    WM_CUDA_TRY(cudaGraphExecDestroy(exec));
-    WM_CUDA_TRY(cudaGraphDestroy(graph));
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }
@@ -772,17 +778,13 @@ void many_victims(wm::communicator& comm, Opt opt, std::uint64_t seed) {
   cudaStream_t s{};
   WM_CUDA_TRY(cudaStreamCreate(&s));
   std::mt19937_64 rng{seed};
-  auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, rng());
-  wm::cache_options co;
-  co.ratio     = 0.05;
-  co.hash_seed = static_cast<std::uint32_t>(rng());
-  wm::embedding<T, wm::device_cache<wm::read_write, R>, Opt, wm::host, wm::chunked> cached{
-      comm, rows, dim, opt, init, co};
-  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::chunked> plain{comm, rows, dim, opt, init};
+  cached_and_plain<T, R, Opt> tables{comm, rows, dim, opt, 0.05, rng};
+  auto& cached    = tables.cached;
+  auto& plain     = tables.plain;
+  auto const co   = tables.co;
   auto const sets = static_cast<std::uint32_t>(cached.cache_lines() / 32);
   RANK_REQUIRE_MSG(cached.cache_lines() == 10016, what << ": " << cached.cache_lines() << " lines");
-  std::size_t const payload = dim * sizeof(T) + dim * Opt::states * sizeof(float) +
-                              (opt.needs_steps() ? sizeof(std::int64_t) : 0);
+  std::size_t const payload = line_payload<T>(opt, dim);
   std::uint64_t requests = 0, distinct = 0, bypasses = 0;
   for (int k = 0; k < steps; ++k) {
     auto const b = draw<T>(rng, rows, dim, n, k);
@@ -835,9 +837,7 @@ TEST_CASE(
     "device cache: many dirty victims per gather; exact write-backs, the flushed table equals "
     "no cache bit for bit",
     "[gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  INFO("seed " << seed);
-  wm::launch(1, [&](wm::communicator& comm) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     many_victims<float, wm::lfu>(comm, wm::adam{}, seed);
     many_victims<__half, wm::lru>(comm, wm::sgd{0.01f}, seed + 1);
     many_victims<float, wm::lru>(comm, wm::sgd{}, seed + 2);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "device_array.cuh"
 #include "rank_check.hpp"
 #include "ranks.hpp"
 
@@ -55,28 +56,12 @@ double tolerance()  // relative, for weights stored as T
   }
 }
 
-template <class T>
-struct device_array {
-  T* ptr{};
-  std::size_t n{};
-  explicit device_array(std::vector<T> const& h) : n{h.size()} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
-  }
-  ~device_array() { (void)cudaFree(ptr); }
-  device_array(device_array const&) = delete;
-};
+using wm_test::device_array;
 
 // All rows of a tensor-like (gather with every index), as doubles.
 template <class T, class Table>
 std::vector<double> read_all(Table& t, std::size_t rows, std::size_t cols, cudaStream_t s) {
-  std::vector<std::int64_t> idx(rows);
-  for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
-  device_array<std::int64_t> di{idx};
-  device_array<T> out{std::vector<T>(rows * cols, from_double<T>(-12345.0))};  // poisoned
-  t.gather(std::span<std::int64_t const>{di.ptr, rows}, out.ptr, cuda::stream_ref{s});
-  std::vector<T> h(rows * cols);
-  WM_CUDA_TRY(cudaMemcpy(h.data(), out.ptr, h.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  auto const h = wm_test::gather_every_row<T>(t, rows, cols, from_double<T>(-12345.0), s);
   std::vector<double> d(h.size());
   for (std::size_t i = 0; i < h.size(); ++i) { d[i] = to_double(h[i]); }
   return d;
@@ -407,19 +392,6 @@ struct user_momentum {
 };
 static_assert(wm::sparse_optimizer<user_momentum>);
 
-// Every row of a table-like's tensor, as stored (output poisoned first).
-template <class T, class Table>
-std::vector<T> all_rows(Table& t, std::size_t rows, std::size_t cols, cudaStream_t s, T poison) {
-  std::vector<std::int64_t> idx(rows);
-  for (std::size_t k = 0; k < rows; ++k) { idx[k] = static_cast<std::int64_t>(k); }
-  device_array<std::int64_t> di{idx};
-  device_array<T> out{std::vector<T>(rows * cols, poison)};
-  t.gather(std::span<std::int64_t const>{di.ptr, rows}, out.ptr, cuda::stream_ref{s});
-  std::vector<T> h(rows * cols);
-  WM_CUDA_TRY(cudaMemcpy(h.data(), out.ptr, h.size() * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
 // A batch of half the table's size: duplicates, and rows that are absent.
 struct user_batch {
   std::vector<std::int64_t> keys;
@@ -457,12 +429,14 @@ struct table_state {
 template <class E>
 table_state snapshot(E& e, cudaStream_t s) {
   table_state t;
-  t.w = all_rows<float>(e.weights(), e.rows(), e.dim(), s, -12345.0f);
+  t.w = wm_test::gather_every_row<float>(e.weights(), e.rows(), e.dim(), -12345.0f, s);
   if (e.states() != nullptr) {
-    t.st =
-        all_rows<float>(*e.states(), e.rows(), e.dim() * E::optimizer_type::states, s, -12345.0f);
+    t.st = wm_test::gather_every_row<float>(*e.states(), e.rows(),
+                                            e.dim() * E::optimizer_type::states, -12345.0f, s);
   }
-  if (e.steps() != nullptr) { t.steps = all_rows<std::int64_t>(*e.steps(), e.rows(), 1, s, -7); }
+  if (e.steps() != nullptr) {
+    t.steps = wm_test::gather_every_row<std::int64_t>(*e.steps(), e.rows(), 1, -7, s);
+  }
   t.global = e.global_step();
   return t;
 }
