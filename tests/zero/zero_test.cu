@@ -274,6 +274,14 @@ double grad_value(std::uint64_t seed, int t, int r, std::size_t p, std::size_t i
   return k / 64.0 * scale;
 }
 
+// The gradients rank r computes for the @p n elements of parameter p at step t (grad_value).
+std::vector<double> grad_values(std::uint64_t seed, int t, int r, std::size_t p, std::size_t n,
+                                double scale) {
+  std::vector<double> g(n);
+  for (std::size_t i = 0; i < n; ++i) { g[i] = grad_value(seed, t, r, p, i, scale); }
+  return g;
+}
+
 // Writes @p values (converted to the parameter's type) to device memory @p dst, on @p s after
 // the work on it (a copy from pageable memory has returned once the values are staged).
 void write_typed(zero_element_type type, void* dst, std::vector<double> const& values,
@@ -464,10 +472,7 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
     // reduced as soon as it is written.
     for (std::size_t b = 0; b < opt.buckets(); ++b) {
       for (auto p : plan.buckets[b].params) {
-        std::vector<double> g(ref[p].size());
-        for (std::size_t i = 0; i < g.size(); ++i) {
-          g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
-        }
+        auto g = grad_values(seed, t, comm.rank(), p, ref[p].size(), loss_scale);
         if (t == inf_step && comm.rank() == world - 1 && p == plan.buckets[b].params.front()) {
           g[g.size() / 2] = std::numeric_limits<double>::infinity();
         }
@@ -514,10 +519,7 @@ void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, 
   auto const& plan = opt.layout();
   for (std::size_t b = 0; b < opt.buckets(); ++b) {
     for (auto p : plan.buckets[b].params) {
-      std::vector<double> g(elements_of(mp[p]));
-      for (std::size_t i = 0; i < g.size(); ++i) {
-        g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
-      }
+      auto const g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), loss_scale);
       write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
     }
     opt.reduce_gradients(b, s);
@@ -892,10 +894,7 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     auto const& plan = a.layout();
     for (std::size_t bk = 0; bk < a.buckets(); ++bk) {
       for (auto p : plan.buckets[bk].params) {
-        std::vector<double> g(elements_of(mp[p]));
-        for (std::size_t i = 0; i < g.size(); ++i) {
-          g[i] = grad_value(seed, t, comm.rank(), p, i, scale);
-        }
+        auto g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), scale);
         if (st.inf && comm.rank() == world - 1 && p == plan.buckets[bk].params.front()) {
           g[g.size() / 2] = std::numeric_limits<double>::infinity();
         }
