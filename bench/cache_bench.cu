@@ -75,52 +75,24 @@
 
 namespace {
 
-namespace fs = std::filesystem;
-using wm_bench::fmt;
-using wm_bench::json_number;
-using wm_bench::median;
-using wm_bench::peer_result;
-using clock_type = std::chrono::steady_clock;
+using namespace wm_bench::table_bench;  // the table, batch, dist, grad_kernel, buffer, fmt, ...
 
-constexpr std::size_t gib          = std::size_t{1} << 30;
-constexpr std::size_t table_rows   = 10'000'000;
-constexpr std::size_t dim          = 128;
-constexpr std::size_t row_bytes    = dim * sizeof(float);
-constexpr std::size_t line_bytes   = row_bytes * (1 + wm::adam::states) + sizeof(std::int64_t);
-constexpr std::size_t batch        = 1'000'000;
-constexpr int ring                 = 16;
-constexpr int warm_steps           = ring;  // one pass over the ring
-constexpr int timed_steps          = 2 * ring;
-constexpr std::size_t hot_rows     = 100'000;  // distinct keys of the 100%-hits batch
-constexpr int hot_warm             = 3;
-constexpr int hot_reps             = 16;
-constexpr double zipf_alpha        = 1.05;
-constexpr std::uint64_t scatter    = 7'368'787;  // coprime with 10M: a bijection
-constexpr float lr                 = 0.01f;
-constexpr int threads              = 256;
-constexpr double link_share        = 0.8;  // the limit's share of the measured link
-constexpr int n_ratios             = 3;
-constexpr double ratios[n_ratios]  = {0.05, 0.1, 0.25};
-constexpr int hot_ratio            = 2;  // the 100%-hits case runs on ratios[2]
-constexpr double nan               = std::numeric_limits<double>::quiet_NaN();
-constexpr char const* dist_names[] = {"uniform", "zipf"};
-enum dist { uniform = 0, zipf = 1 };
+constexpr std::size_t line_bytes  = row_bytes * (1 + wm::adam::states) + sizeof(std::int64_t);
+constexpr int ring                = 16;
+constexpr int warm_steps          = ring;  // one pass over the ring
+constexpr int timed_steps         = 2 * ring;
+constexpr std::size_t hot_rows    = 100'000;  // distinct keys of the 100%-hits batch
+constexpr int hot_warm            = 3;
+constexpr int hot_reps            = 16;
+constexpr double link_share       = 0.8;  // the limit's share of the measured link
+constexpr int n_ratios            = 3;
+constexpr double ratios[n_ratios] = {0.05, 0.1, 0.25};
+constexpr int hot_ratio           = 2;  // the 100%-hits case runs on ratios[2]
+constexpr double nan              = std::numeric_limits<double>::quiet_NaN();
 
 using cached_table = wm::embedding<float, wm::device_cache<>, wm::adam, wm::host, wm::chunked>;
 using host_table   = wm::embedding<float, wm::no_cache, wm::adam, wm::host, wm::chunked>;
 using device_table = wm::embedding<float, wm::no_cache, wm::adam, wm::device, wm::chunked>;
-
-__host__ __device__ constexpr std::uint64_t mix(std::uint64_t x) {
-  return wm_bench::splitmix(x);
-}
-
-/// Gradients: uniform in [-1, 1), a hash of the element and the seed.
-__global__ void grad_kernel(float* g, std::size_t n, std::uint64_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
-       i += std::size_t{gridDim.x} * blockDim.x) {
-    g[i] = static_cast<float>(mix(seed ^ mix(i)) >> 40) * (2.0f / 16777216.0f) - 1.0f;
-  }
-}
 
 /// Counts in @p bad the 32-bit words where @p a and @p b differ.
 __global__ void compare_kernel(std::uint32_t const* a, std::uint32_t const* b, std::size_t n,
@@ -133,21 +105,9 @@ __global__ void compare_kernel(std::uint32_t const* a, std::uint32_t const* b, s
   if (wrong != 0) { atomicAdd(bad, wrong); }
 }
 
-struct cuda_free {
-  void operator()(void* p) const noexcept { (void)cudaFree(p); }
-};
 struct host_free {
   void operator()(void* p) const noexcept { (void)cudaFreeHost(p); }
 };
-template <class T>
-using buffer = std::unique_ptr<T[], cuda_free>;
-
-template <class T>
-buffer<T> allocate(std::size_t n) {
-  void* p = nullptr;
-  WM_CUDA_TRY(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
-  return buffer<T>{static_cast<T*>(p)};
-}
 
 std::unique_ptr<std::byte[], host_free> allocate_pinned(std::size_t n) {
   void* p = nullptr;
@@ -234,18 +194,14 @@ class bench {
  public:
   bench(wm::communicator& comm, results& out, key_rings const& keys)
       : comm_{comm}, res_{out}, keys_{keys} {
-    int sms = 0;
-    WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()));
-    blocks_ = 8 * sms;
+    blocks_ = grid_blocks(comm.device());
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream2_, cudaStreamNonBlocking));
     for (auto& e : events_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
     for (auto& e : mid_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
     WM_CUDA_TRY(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     WM_CUDA_TRY(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
-    cudaDeviceProp prop{};
-    WM_CUDA_TRY(cudaGetDeviceProperties(&prop, comm.device()));
-    std::snprintf(res_.gpu, sizeof res_.gpu, "%s", prop.name);
+    std::snprintf(res_.gpu, sizeof res_.gpu, "%s", device_name(comm.device()).c_str());
     for (int d = 0; d < 2; ++d) {
       ring_[d] = allocate<std::int64_t>(ring * batch);
       WM_CUDA_TRY(cudaMemcpyAsync(ring_[d].get(), keys_.keys[d].data(),
@@ -259,9 +215,7 @@ class bench {
     out_   = allocate<float>(batch * dim);
     out2_  = allocate<float>(batch * dim);
     bad_   = allocate<unsigned long long>(1);
-    grad_kernel<<<blocks_, threads, 0, stream_>>>(grads_.get(), batch * dim, 77);
-    WM_CHECK_LAUNCH();
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    fill_gradients(grads_.get(), batch * dim, 77, blocks_, stream_);
   }
   bench(bench const&)            = delete;
   bench& operator=(bench const&) = delete;
@@ -353,9 +307,8 @@ class bench {
   /// Median ms of @p enqueue with CUDA events (2 warm-ups, @p reps timed runs).
   template <class F>
   double events_median_ms(int reps, F const& enqueue) {
-    auto const ms = wm_bench::event_times_ms(
+    return wm_bench::event_median_ms(
         enqueue, 2, std::span<cudaEvent_t const>{events_, std::size_t(2 * reps)}, stream_, comm_);
-    return median(std::vector<double>(ms.begin(), ms.end()));
   }
 
   /// Steady-state steps of @p e on ring @p d: a warm-up pass, then timed_steps steps.
@@ -499,27 +452,14 @@ peer_result run_wg_peer(key_rings const& keys) {
         "LD_LIBRARY_PATH: shared/peers/wholegraph/README.md)";
     return p;
   }
-  std::string dir_template = (fs::temp_directory_path() / "wm_cache_bench.XXXXXX").string();
-  if (::mkdtemp(dir_template.data()) == nullptr) {
-    p.failed = true;
-    p.note   = "WG peer FAILED: cannot create a temporary directory";
-    return p;
-  }
-  fs::path const dir{dir_template};
   std::string cmd = "timeout 300 python3 '" + script.string() + "' --json --steps " +
                     std::to_string(timed_steps) + " --ratios";
   for (double const r : ratios) { cmd += fmt(" %g", r); }
-  for (int d = 0; d < 2; ++d) {
-    fs::path const f = dir / (std::string{dist_names[d]} + ".int64");
-    std::ofstream out{f, std::ios::binary};
-    out.write(reinterpret_cast<char const*>(keys.keys[d].data()),
-              static_cast<std::streamsize>(keys.keys[d].size() * sizeof(std::int64_t)));
-    cmd += " --" + std::string{dist_names[d]} + " '" + f.string() + "'";
+  if (run_peer_on_keys(cmd, {keys.keys[uniform], keys.keys[zipf]}, "wm_cache_bench", "WG peer",
+                       p) &&
+      p.failed) {
+    p.note = "WG peer FAILED: " + p.note;
   }
-  wm_bench::run_peer(cmd, p);
-  if (p.failed) { p.note = "WG peer FAILED: " + p.note; }
-  std::error_code ec;
-  fs::remove_all(dir, ec);
   return p;
 }
 

@@ -2,8 +2,10 @@
  * What the benchmark programs in bench/ share: printf into a string, the `--ranks N` argument,
  * the environment set at the start of main, memory shared with the forked ranks, timing with CUDA
  * events and the median, running the PyTorch peer script beside a benchmark (bench/peers/) and
- * reading numbers from the JSON line it prints, and the address of a memory entry as a view
- * computes it in device code.
+ * reading numbers from the JSON line it prints, the address of a memory entry as a view
+ * computes it in device code, device buffers, and what the two embedding-table benchmarks
+ * (embedding_bench, cache_bench) share: the table, the key batches (keys.hpp), the gradients and
+ * the peer run on key files.
  *
  * Each benchmark is one translation unit that includes this file once (`#include "common.cuh"`):
  * everything here is inline or a template.
@@ -13,13 +15,18 @@
 #include <wm/wm.cuh>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdarg>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <memory>
 #include <new>
 #include <span>
 #include <string>
@@ -27,6 +34,8 @@
 #include <sys/wait.h>
 #include <system_error>
 #include <vector>
+
+#include "keys.hpp"
 
 namespace wm_bench {
 
@@ -116,6 +125,14 @@ std::vector<float> event_times_ms(F const& enqueue, int warmups,
   return ms;
 }
 
+/// The median of event_times_ms(@p enqueue, ...), the middle two added in double.
+template <class F>
+double event_median_ms(F const& enqueue, int warmups, std::span<cudaEvent_t const> events,
+                       cudaStream_t stream, wm::communicator& comm) {
+  auto const ms = event_times_ms(enqueue, warmups, events, stream, comm);
+  return median(std::vector<double>(ms.begin(), ms.end()));
+}
+
 // ---- the PyTorch peer ------------------------------------------------------------------------
 
 /// What a run of a peer script gave.
@@ -191,6 +208,23 @@ inline double json_number(std::string const& line, std::string const& key) {
 
 // ---- memory ----------------------------------------------------------------------------------
 
+/// Frees device memory (a unique_ptr deleter).
+struct cuda_free {
+  void operator()(void* p) const noexcept { (void)cudaFree(p); }
+};
+
+/// Device memory for an array of T.
+template <class T>
+using buffer = std::unique_ptr<T[], cuda_free>;
+
+/// Device memory for @p n T (one if @p n is 0), by cudaMalloc.
+template <class T>
+buffer<T> allocate(std::size_t n) {
+  void* p = nullptr;
+  WM_CUDA_TRY(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
+  return buffer<T>{static_cast<T*>(p)};
+}
+
 template <class View>
 __global__ void entry_address_kernel(View view, std::size_t e, std::byte** out) {
   *out = view.entry(e);
@@ -208,5 +242,95 @@ std::byte const* entry_address(View view, std::size_t e, void* scratch, cudaStre
   WM_CUDA_TRY(cudaStreamSynchronize(stream));
   return host;
 }
+
+// ---- the embedding-table benchmarks (embedding_bench, cache_bench) -----------------------------
+
+/// What embedding_bench and cache_bench share; each opens it in its anonymous namespace with
+/// `using namespace wm_bench::table_bench;`.
+namespace table_bench {
+
+namespace fs = std::filesystem;
+using wm_bench::allocate;
+using wm_bench::buffer;
+using wm_bench::fmt;
+using wm_bench::json_number;
+using wm_bench::median;
+using wm_bench::peer_result;
+using clock_type = std::chrono::steady_clock;
+
+inline constexpr std::size_t gib        = std::size_t{1} << 30;
+inline constexpr std::size_t table_rows = 10'000'000;
+inline constexpr std::size_t dim        = 128;
+inline constexpr std::size_t row_bytes  = dim * sizeof(float);
+inline constexpr std::size_t batch      = 1'000'000;  // keys per rank per step
+inline constexpr double zipf_alpha      = 1.05;
+inline constexpr std::uint64_t scatter  = 7'368'787;  // coprime with 10M: a bijection
+inline constexpr float lr               = 0.01f;
+inline constexpr int threads            = 256;
+
+enum dist { uniform = 0, zipf = 1 };
+inline constexpr char const* dist_names[] = {"uniform", "zipf"};
+
+/// Gradients: uniform in [-1, 1) (computed in float), a hash of the element and the seed.
+template <class T>
+__global__ void grad_kernel(T* g, std::size_t n, std::uint64_t seed) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    g[i] = static_cast<T>(
+        static_cast<float>(splitmix(seed ^ splitmix(i)) >> 40) * (2.0f / 16777216.0f) - 1.0f);
+  }
+}
+
+/// Blocks of a grid-stride kernel on @p device: 8 per multiprocessor.
+inline int grid_blocks(int device) {
+  int sms = 0;
+  WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return 8 * sms;
+}
+
+/// The name of @p device (cudaGetDeviceProperties).
+inline std::string device_name(int device) {
+  cudaDeviceProp prop{};
+  WM_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
+/// Fills @p g (@p n floats) with the gradients of grad_kernel for @p seed, in @p blocks blocks on
+/// @p stream, and waits for them.
+inline void fill_gradients(float* g, std::size_t n, std::uint64_t seed, int blocks,
+                           cudaStream_t stream) {
+  grad_kernel<<<blocks, threads, 0, stream>>>(g, n, seed);
+  WM_CHECK_LAUNCH();
+  WM_CUDA_TRY(cudaStreamSynchronize(stream));
+}
+
+/// Runs the peer command @p cmd (run_peer) on key files: @p keys[d] is written to
+/// `<dist_names[d]>.int64` in a fresh temporary directory `@p dir_name.XXXXXX`, and
+/// ` --<dist_names[d]> '<file>'` appended to @p cmd; the directory is removed afterwards. False,
+/// with @p p.failed set and @p p.note "@p who FAILED: cannot create a temporary directory", if
+/// the directory cannot be made (the peer is not run).
+inline bool run_peer_on_keys(std::string cmd, std::array<std::span<std::int64_t const>, 2> keys,
+                             char const* dir_name, char const* who, peer_result& p) {
+  std::string dir_template = (fs::temp_directory_path() / dir_name).string() + ".XXXXXX";
+  if (::mkdtemp(dir_template.data()) == nullptr) {
+    p.failed = true;
+    p.note   = std::string{who} + " FAILED: cannot create a temporary directory";
+    return false;
+  }
+  fs::path const dir{dir_template};
+  for (int d = 0; d < 2; ++d) {
+    fs::path const f = dir / (std::string{dist_names[d]} + ".int64");
+    std::ofstream out{f, std::ios::binary};
+    out.write(reinterpret_cast<char const*>(keys[d].data()),
+              static_cast<std::streamsize>(keys[d].size() * sizeof(std::int64_t)));
+    cmd += " --" + std::string{dist_names[d]} + " '" + f.string() + "'";
+  }
+  run_peer(cmd, p);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  return true;
+}
+
+}  // namespace table_bench
 
 }  // namespace wm_bench

@@ -66,58 +66,13 @@
 
 namespace {
 
-namespace fs = std::filesystem;
-using wm_bench::fmt;
-using wm_bench::json_number;
-using wm_bench::median;
-using wm_bench::peer_result;
-using clock_type = std::chrono::steady_clock;
+using namespace wm_bench::table_bench;  // the table, batch, dist, grad_kernel, buffer, fmt, ...
+using wm_bench::splitmix;
 
-constexpr std::size_t gib        = std::size_t{1} << 30;
-constexpr std::size_t table_rows = 10'000'000;
-constexpr std::size_t dim        = 128;
-constexpr std::size_t row_bytes  = dim * sizeof(float);
-constexpr std::size_t batch      = 1'000'000;  // keys per rank per step
-constexpr double zipf_alpha      = 1.05;
-constexpr std::uint64_t scatter  = 7'368'787;  // odd, not a multiple of 5: a bijection mod 10M
-constexpr float lr               = 0.01f;
-constexpr int warmups            = 2;
-constexpr int reps               = 10;
-constexpr int threads            = 256;
-constexpr int max_cases          = 64;
-constexpr double nan             = std::numeric_limits<double>::quiet_NaN();
-
-enum dist { uniform = 0, zipf = 1 };
-constexpr char const* dist_names[] = {"uniform", "zipf"};
-
-__host__ __device__ constexpr std::uint64_t mix(std::uint64_t x)  // splitmix64 finalizer
-{
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-/// Gradients: uniform in [-1, 1), a hash of the element and the seed.
-__global__ void grad_kernel(float* g, std::size_t n, std::uint64_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
-       i += std::size_t{gridDim.x} * blockDim.x) {
-    g[i] = static_cast<float>(mix(seed ^ mix(i)) >> 40) * (2.0f / 16777216.0f) - 1.0f;
-  }
-}
-
-struct cuda_free {
-  void operator()(void* p) const noexcept { (void)cudaFree(p); }
-};
-template <class T>
-using buffer = std::unique_ptr<T[], cuda_free>;
-
-template <class T>
-buffer<T> allocate(std::size_t n) {
-  void* p = nullptr;
-  WM_CUDA_TRY(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
-  return buffer<T>{static_cast<T*>(p)};
-}
+constexpr int warmups   = 2;
+constexpr int reps      = 10;
+constexpr int max_cases = 64;
+constexpr double nan    = std::numeric_limits<double>::quiet_NaN();
 
 // ---- keys (host, before any rank starts) ---------------------------------------------------
 
@@ -189,20 +144,15 @@ class bench {
  public:
   bench(wm::communicator& comm, results& out, key_sets const& keys)
       : comm_{comm}, res_{out}, keys_{keys} {
-    int sms = 0;
-    WM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()));
-    blocks_ = 8 * sms;
+    blocks_ = grid_blocks(comm.device());
     WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     for (auto& e : events_) { WM_CUDA_TRY(cudaEventCreate(&e)); }
-    cudaDeviceProp prop{};
-    WM_CUDA_TRY(cudaGetDeviceProperties(&prop, comm.device()));
-    if (comm.rank() == 0) { std::snprintf(res_.gpu, sizeof res_.gpu, "%s", prop.name); }
+    std::string const gpu = device_name(comm.device());
+    if (comm.rank() == 0) { std::snprintf(res_.gpu, sizeof res_.gpu, "%s", gpu.c_str()); }
     idx_   = allocate<std::int64_t>(batch);
     grads_ = allocate<float>(batch * dim);
     out_   = allocate<float>(batch * dim);
-    grad_kernel<<<blocks_, threads, 0, stream_>>>(grads_.get(), batch * dim, 77 + comm.rank());
-    WM_CHECK_LAUNCH();
-    WM_CUDA_TRY(cudaStreamSynchronize(stream_));
+    fill_gradients(grads_.get(), batch * dim, 77 + comm.rank(), blocks_, stream_);
   }
   bench(bench const&)            = delete;
   bench& operator=(bench const&) = delete;
@@ -216,12 +166,14 @@ class bench {
   void copy_limit() {
     auto const src = allocate<std::byte>(2 * gib), dst = allocate<std::byte>(2 * gib);
     WM_CUDA_TRY(cudaMemsetAsync(src.get(), 0x5A, 2 * gib, stream_));
-    double const ms = events_median_ms([&] {
-      WM_CUDA_TRY(
-          cudaMemcpyAsync(dst.get(), src.get(), 2 * gib, cudaMemcpyDeviceToDevice, stream_));
-    });
-    auto const all  = comm_.all_gather(2.0 * double(2 * gib) / ms / 1e6);
-    copy_gbps_      = *std::min_element(all.begin(), all.end());
+    double const ms = wm_bench::event_median_ms(
+        [&] {
+          WM_CUDA_TRY(
+              cudaMemcpyAsync(dst.get(), src.get(), 2 * gib, cudaMemcpyDeviceToDevice, stream_));
+        },
+        warmups, events_, stream_, comm_);
+    auto const all = comm_.all_gather(2.0 * double(2 * gib) / ms / 1e6);
+    copy_gbps_     = *std::min_element(all.begin(), all.end());
   }
 
   /// One table with optimizer @p opt: the sanity step, then each key distribution in @p dists.
@@ -269,13 +221,6 @@ class bench {
   }
 
  private:
-  /// Median ms of @p enqueue with CUDA events: warm-ups, a barrier, then the timed runs.
-  template <class F>
-  double events_median_ms(F const& enqueue) {
-    auto const ms = wm_bench::event_times_ms(enqueue, warmups, events_, stream_, comm_);
-    return median(std::vector<double>(ms.begin(), ms.end()));  // the middle two added in double
-  }
-
   /// Rows {0, 5, 1} of @p e, gathered to the host.
   template <class E>
   std::vector<float> probe(E& e, std::int64_t const* d_rows) {
@@ -295,10 +240,10 @@ class bench {
     std::vector<float> hg(3 * dim);
     auto const sign = [](std::uint64_t h) { return (h & 1) != 0 ? 1.0f : -1.0f; };
     for (std::size_t j = 0; j < dim; ++j) {  // the same on every rank: sums keep the sign
-      float const mag = 0.25f + static_cast<float>(mix(j + 99) >> 40) * (1.0f / 16777216.0f);
-      hg[j]           = sign(mix(j)) * mag;
-      hg[dim + j]     = sign(mix(j)) * 0.5f * mag;
-      hg[2 * dim + j] = sign(mix(j + 1000)) * mag;
+      float const mag = 0.25f + static_cast<float>(splitmix(j + 99) >> 40) * (1.0f / 16777216.0f);
+      hg[j]           = sign(splitmix(j)) * mag;
+      hg[dim + j]     = sign(splitmix(j)) * 0.5f * mag;
+      hg[2 * dim + j] = sign(splitmix(j + 1000)) * mag;
     }
     auto const d_keys = allocate<std::int64_t>(6);
     auto const d_g    = allocate<float>(hg.size());
@@ -345,24 +290,10 @@ peer_result run_torch_peer(key_sets const& keys) {
   peer_result p;
   fs::path const script = wm_bench::find_peer("torch_embedding.py", p);
   if (script.empty()) { return p; }
-  std::string dir_template = (fs::temp_directory_path() / "wm_embedding_bench.XXXXXX").string();
-  if (::mkdtemp(dir_template.data()) == nullptr) {
-    p.failed = true;
-    p.note   = "torch peer FAILED: cannot create a temporary directory";
-    return p;
-  }
-  fs::path const dir{dir_template};
-  std::string cmd = "timeout 80 python3 '" + script.string() + "' --json";
-  for (int d = 0; d < 2; ++d) {
-    fs::path const f = dir / (std::string{dist_names[d]} + ".int64");
-    std::ofstream out{f, std::ios::binary};
-    out.write(reinterpret_cast<char const*>(keys.keys[d][0].data()),
-              static_cast<std::streamsize>(batch * sizeof(std::int64_t)));
-    cmd += " --" + std::string{dist_names[d]} + " '" + f.string() + "'";
-  }
-  wm_bench::run_peer(cmd, p);
-  std::error_code ec;
-  fs::remove_all(dir, ec);
+  run_peer_on_keys("timeout 80 python3 '" + script.string() + "' --json",
+                   {std::span<std::int64_t const>{keys.keys[uniform][0].data(), batch},
+                    std::span<std::int64_t const>{keys.keys[zipf][0].data(), batch}},
+                   "wm_embedding_bench", "torch peer", p);
   return p;
 }
 

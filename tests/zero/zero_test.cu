@@ -218,6 +218,13 @@ std::size_t elements_of(model_param const& p) {
   return n;
 }
 
+// The optimizer's description of the parameters of @p mp.
+std::vector<wm::zero_parameter> zero_params(std::vector<model_param> const& mp) {
+  std::vector<wm::zero_parameter> params;
+  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  return params;
+}
+
 struct ref_adamw {  // torch.optim.AdamW's documented algorithm (amsgrad off, maximize off)
   double b1{0.9}, b2{0.999}, eps{1e-8}, wd{0.01};
   void update(double& w, double g, double& m, double& v, double, std::int64_t t, double lr) const {
@@ -265,6 +272,14 @@ double grad_value(std::uint64_t seed, int t, int r, std::size_t p, std::size_t i
                                   63) -
                  31;
   return k / 64.0 * scale;
+}
+
+// The gradients rank r computes for the @p n elements of parameter p at step t (grad_value).
+std::vector<double> grad_values(std::uint64_t seed, int t, int r, std::size_t p, std::size_t n,
+                                double scale) {
+  std::vector<double> g(n);
+  for (std::size_t i = 0; i < n; ++i) { g[i] = grad_value(seed, t, r, p, i, scale); }
+  return g;
 }
 
 // Writes @p values (converted to the parameter's type) to device memory @p dst, on @p s after
@@ -318,6 +333,20 @@ void* gradients_ptr(O& opt, std::size_t p, zero_element_type type) {
              : static_cast<void*>(opt.template gradients<bf16>(p).data());
 }
 
+// Sets the compute weights of parameter @p p of @p opt to @p w rounded to @p type, on @p s.
+template <class O>
+void set_weights_from(O& opt, std::size_t p, zero_element_type type, std::vector<double> const& w,
+                      stream_holder const& s) {
+  if (type == zero_element_type::f32) {
+    std::vector<float> h(w.begin(), w.end());
+    opt.set_weights(p, h.data(), s);
+  } else {
+    std::vector<bf16> h(w.size());
+    for (std::size_t i = 0; i < w.size(); ++i) { h[i] = __double2bfloat16(w[i]); }
+    opt.set_weights(p, h.data(), s);
+  }
+}
+
 // The compute weights of every parameter must be the reference rounded to the compute type
 // (within one unit in the last place: the fp32 master differs from float64 by ~1e-7).
 void check_weights(std::vector<double> const& got, std::vector<double> const& want,
@@ -351,9 +380,8 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
   bool const clip          = GENERATE(false, true);
   bool const with_inf      = GENERATE(false, true);
   INFO("model " << which << " clip " << clip << " inf " << with_inf << " world " << world);
-  auto const mp = model(which);
-  std::vector<wm::zero_parameter> params;
-  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  auto const mp           = model(which);
+  auto const params       = zero_params(mp);
   double const loss_scale = 8;
   wm::zero_options options;
   options.loss_scale    = static_cast<float>(loss_scale);
@@ -380,14 +408,7 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
       x = mp[p].type == zero_element_type::f32 ? static_cast<double>(static_cast<float>(u(rng)))
                                                : to_double(__double2bfloat16(u(rng)));
     }
-    if (mp[p].type == zero_element_type::f32) {
-      std::vector<float> h(ref[p].begin(), ref[p].end());
-      opt.set_weights(p, h.data(), s);
-    } else {
-      std::vector<bf16> h(n);
-      for (std::size_t i = 0; i < n; ++i) { h[i] = __double2bfloat16(ref[p][i]); }
-      opt.set_weights(p, h.data(), s);
-    }
+    set_weights_from(opt, p, mp[p].type, ref[p], s);
     comm.synchronize(s);
   }
   auto const reference = make_reference<opt_t>();
@@ -451,10 +472,7 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
     // reduced as soon as it is written.
     for (std::size_t b = 0; b < opt.buckets(); ++b) {
       for (auto p : plan.buckets[b].params) {
-        std::vector<double> g(ref[p].size());
-        for (std::size_t i = 0; i < g.size(); ++i) {
-          g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
-        }
+        auto g = grad_values(seed, t, comm.rank(), p, ref[p].size(), loss_scale);
         if (t == inf_step && comm.rank() == world - 1 && p == plan.buckets[b].params.front()) {
           g[g.size() / 2] = std::numeric_limits<double>::infinity();
         }
@@ -501,10 +519,7 @@ void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, 
   auto const& plan = opt.layout();
   for (std::size_t b = 0; b < opt.buckets(); ++b) {
     for (auto p : plan.buckets[b].params) {
-      std::vector<double> g(elements_of(mp[p]));
-      for (std::size_t i = 0; i < g.size(); ++i) {
-        g[i] = grad_value(seed, t, comm.rank(), p, i, loss_scale);
-      }
+      auto const g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), loss_scale);
       write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
     }
     opt.reduce_gradients(b, s);
@@ -526,6 +541,75 @@ std::vector<double> read_param(O& opt, std::size_t p, model_param const& mp, wm:
   }
 }
 
+// The same weights, uniform in [-1, 1) from @p seed, into the nonempty parameters of @p a and @p b.
+template <class O>
+void set_same_random_weights(O& a, O& b, std::vector<model_param> const& mp, std::uint64_t seed,
+                             wm::communicator& comm, stream_holder const& s) {
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::vector<double> w(elements_of(mp[p]));
+    if (w.empty()) { continue; }
+    for (auto& x : w) { x = u(rng); }
+    set_weights_from(a, p, mp[p].type, w, s);
+    set_weights_from(b, p, mp[p].type, w, s);
+    comm.synchronize(s);
+  }
+}
+
+// Poisons (NaN) every compute weight of @p a and @p b: a step that applies must rewrite them.
+template <class O>
+void poison_weights(O& a, O& b, std::vector<model_param> const& mp, wm::communicator& comm,
+                    stream_holder const& s) {
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::vector<double> const nan(elements_of(mp[p]), std::numeric_limits<double>::quiet_NaN());
+    write_typed(mp[p].type, weights_ptr(a, p, mp[p].type), nan, comm, s.s);
+    write_typed(mp[p].type, weights_ptr(b, p, mp[p].type), nan, comm, s.s);
+  }
+}
+
+// The compute weights of @p a and @p b: the same bits, none left NaN (poisoned).
+template <class O>
+void require_same_weights(O& a, O& b, std::vector<model_param> const& mp, wm::communicator& comm,
+                          stream_holder const& s) {
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    auto const wa = read_param(a, p, mp[p], comm, s);
+    auto const wb = read_param(b, p, mp[p], comm, s);
+    REQUIRE(wa.size() == wb.size());
+    for (std::size_t i = 0; i < wa.size(); ++i) {
+      INFO("weight " << mp[p].name << "[" << i << "]");
+      REQUIRE(!std::isnan(wa[i]));
+      REQUIRE(std::memcmp(&wa[i], &wb[i], sizeof(double)) == 0);
+    }
+  }
+}
+
+// The master weights and the optimizer states of this rank's shard in @p a and @p b: the same
+// bits. They are read into buffers filled with @p poison_a and @p poison_b, by std::memcpy from
+// host memory (@p host) or else by cudaMemcpy.
+template <class O>
+void require_same_shards(O& a, O& b, wm::communicator& comm, stream_holder const& s, bool host,
+                         std::uint32_t poison_a, std::uint32_t poison_b) {
+  std::size_t const n = a.layout().state_elements;
+  comm.synchronize(s);
+  for (int k = -1; k < wm::adam::states; ++k) {
+    INFO("state " << k << " (-1: master weights)");
+    std::vector<std::uint32_t> ga(n, poison_a), gb(n, poison_b);
+    void const* const sa = k < 0 ? a.master_shard() : a.state_shard(k);
+    void const* const sb = k < 0 ? b.master_shard() : b.state_shard(k);
+    if (host) {
+      std::memcpy(ga.data(), sa, n * 4);
+      std::memcpy(gb.data(), sb, n * 4);
+    } else {
+      WM_CUDA_TRY(cudaMemcpy(ga.data(), sa, n * 4, cudaMemcpyDefault));
+      WM_CUDA_TRY(cudaMemcpy(gb.data(), sb, n * 4, cudaMemcpyDefault));
+    }
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < n; ++i) { differ += ga[i] != gb[i]; }
+    REQUIRE(differ == 0);
+  }
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE(
@@ -536,9 +620,8 @@ TEMPLATE_TEST_CASE(
   stream_holder s;
   std::uint64_t const seed = shared_seed(comm);
   auto const mp            = model(0);
-  std::vector<wm::zero_parameter> params;
-  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
-  double const loss_scale = 8;
+  auto const params        = zero_params(mp);
+  double const loss_scale  = 8;
   wm::zero_options options;
   options.loss_scale = static_cast<float>(loss_scale);
   auto const dir     = std::filesystem::temp_directory_path() /
@@ -550,14 +633,7 @@ TEMPLATE_TEST_CASE(
   for (std::size_t p = 0; p < mp.size(); ++p) {
     std::vector<double> w(elements_of(mp[p]));
     for (auto& x : w) { x = u(rng); }
-    if (mp[p].type == zero_element_type::f32) {
-      std::vector<float> h(w.begin(), w.end());
-      a.set_weights(p, h.data(), s);
-    } else {
-      std::vector<bf16> h(w.size());
-      for (std::size_t i = 0; i < w.size(); ++i) { h[i] = __double2bfloat16(w[i]); }
-      a.set_weights(p, h.data(), s);
-    }
+    set_weights_from(a, p, mp[p].type, w, s);
     comm.synchronize(s);
   }
   train_step(a, mp, seed, 0, loss_scale, comm, s);
@@ -737,9 +813,8 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   int const mode           = GENERATE(0, 1, 2, 3);
   int const pool           = GENERATE(0, 1, 2, 3);  // default, every chunk, one region, none
   INFO("mode " << mode << " pool " << pool << " world " << world);
-  auto const mp = model(0);
-  std::vector<wm::zero_parameter> params;
-  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  auto const mp     = model(0);
+  auto const params = zero_params(mp);
   wm::zero_options options;
   options.loss_scale    = 8.0f;
   options.max_grad_norm = mode == 1 ? 1e6f : mode == 2 ? 0.05f : 0.0f;
@@ -785,28 +860,7 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
                       wm::logic_error);
   }
 
-  std::mt19937_64 rng{seed};
-  std::uniform_real_distribution<double> u(-1, 1);
-  auto write_both = [&](auto&& ptr_of, std::size_t p, std::vector<double> const& v) {
-    write_typed(mp[p].type, ptr_of(a, p), v, comm, s.s);
-    write_typed(mp[p].type, ptr_of(b, p), v, comm, s.s);
-  };
-  for (std::size_t p = 0; p < mp.size(); ++p) {
-    std::size_t const n = elements_of(mp[p]);
-    if (n == 0) { continue; }
-    if (mp[p].type == zero_element_type::f32) {
-      std::vector<float> h(n);
-      for (auto& x : h) { x = static_cast<float>(u(rng)); }
-      a.set_weights(p, h.data(), s);
-      b.set_weights(p, h.data(), s);
-    } else {
-      std::vector<bf16> h(n);
-      for (auto& x : h) { x = __double2bfloat16(u(rng)); }
-      a.set_weights(p, h.data(), s);
-      b.set_weights(p, h.data(), s);
-    }
-    comm.synchronize(s);
-  }
+  set_same_random_weights(a, b, mp, seed, comm, s);
 
   struct planned {
     float lr;
@@ -840,16 +894,12 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     auto const& plan = a.layout();
     for (std::size_t bk = 0; bk < a.buckets(); ++bk) {
       for (auto p : plan.buckets[bk].params) {
-        std::vector<double> g(elements_of(mp[p]));
-        for (std::size_t i = 0; i < g.size(); ++i) {
-          g[i] = grad_value(seed, t, comm.rank(), p, i, scale);
-        }
+        auto g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), scale);
         if (st.inf && comm.rank() == world - 1 && p == plan.buckets[bk].params.front()) {
           g[g.size() / 2] = std::numeric_limits<double>::infinity();
         }
-        write_both(
-            [](opt_t& o, std::size_t q) { return gradients_ptr(o, q, o.layout().params[q].type); },
-            p, g);
+        write_typed(mp[p].type, gradients_ptr(a, p, mp[p].type), g, comm, s.s);
+        write_typed(mp[p].type, gradients_ptr(b, p, mp[p].type), g, comm, s.s);
       }
       a.reduce_gradients(bk, s);
       b.reduce_gradients(bk, s);
@@ -859,15 +909,7 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     if constexpr (stage_t::value < 3) {
       // Poison: a step that applies rewrites every compute weight. Not before the first step:
       // after set_weights the masters are taken from the compute weights at the next step.
-      if (!st.inf && t > 0) {
-        for (std::size_t p = 0; p < mp.size(); ++p) {
-          std::vector<double> const nan(elements_of(mp[p]),
-                                        std::numeric_limits<double>::quiet_NaN());
-          write_both(
-              [](opt_t& o, std::size_t q) { return weights_ptr(o, q, o.layout().params[q].type); },
-              p, nan);
-        }
-      }
+      if (!st.inf && t > 0) { poison_weights(a, b, mp, comm, s); }
     }
     a.step(st.lr, s);
     b.step(st.lr, s);
@@ -903,31 +945,12 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     REQUIRE(a.applied_steps(s) == applied);
     REQUIRE(b.applied_steps(s) == applied);
     // Compute weights: the same bits, none left poisoned.
-    for (std::size_t p = 0; p < mp.size(); ++p) {
-      auto const wa = read_param(a, p, mp[p], comm, s);
-      auto const wb = read_param(b, p, mp[p], comm, s);
-      REQUIRE(wa.size() == wb.size());
-      for (std::size_t i = 0; i < wa.size(); ++i) {
-        INFO("weight " << mp[p].name << "[" << i << "]");
-        REQUIRE(!std::isnan(wa[i]));
-        REQUIRE(std::memcmp(&wa[i], &wb[i], sizeof(double)) == 0);
-      }
-    }
+    require_same_weights(a, b, mp, comm, s);
     // Master weights and moments of this rank's shard (pinned host memory), read into buffers
     // poisoned differently. Not after every step: reading them brings every chunk's values back
     // to its place, and the steps in between must work from wherever they are.
     if (t != 1 && t != 3 && t + 1 != static_cast<int>(std::size(steps))) { continue; }
-    std::size_t const n = plan.state_elements;
-    comm.synchronize(s);
-    for (int k = -1; k < wm::adam::states; ++k) {
-      INFO("state " << k << " (-1: master weights)");
-      std::vector<std::uint32_t> ga(n, 0x7fc00001u), gb(n, 0x7fc00002u);
-      std::memcpy(ga.data(), k < 0 ? a.master_shard() : a.state_shard(k), n * 4);
-      std::memcpy(gb.data(), k < 0 ? b.master_shard() : b.state_shard(k), n * 4);
-      std::size_t differ = 0;
-      for (std::size_t i = 0; i < n; ++i) { differ += ga[i] != gb[i]; }
-      REQUIRE(differ == 0);
-    }
+    require_same_shards(a, b, comm, s, true, 0x7fc00001u, 0x7fc00002u);
   }
   // The steps that slept let the worker go ahead as far as the pool allows (timing: 20 ms for a
   // few chunks of 64 elements): with regions it went ahead; one region or none, it waited.
@@ -966,9 +989,8 @@ TEMPLATE_PRODUCT_TEST_CASE(
   stream_holder s;
   std::uint64_t const seed = shared_seed(comm);
   INFO("world " << comm.size());
-  auto const mp = model(0);
-  std::vector<wm::zero_parameter> params;
-  for (auto const& p : mp) { params.push_back({p.name, p.shape, p.type}); }
+  auto const mp           = model(0);
+  auto const params       = zero_params(mp);
   double const loss_scale = 8;
   wm::zero_options options;
   options.loss_scale            = static_cast<float>(loss_scale);
@@ -983,24 +1005,7 @@ TEMPLATE_PRODUCT_TEST_CASE(
   if constexpr (stage_t::value == 1) {
     REQUIRE(a.memory().buffers == a.layout().arena_bytes / static_cast<std::size_t>(comm.size()));
   }
-  std::mt19937_64 rng{seed};
-  std::uniform_real_distribution<double> u(-1, 1);
-  for (std::size_t p = 0; p < mp.size(); ++p) {
-    std::size_t const n = elements_of(mp[p]);
-    if (n == 0) { continue; }
-    if (mp[p].type == zero_element_type::f32) {
-      std::vector<float> h(n);
-      for (auto& x : h) { x = static_cast<float>(u(rng)); }
-      a.set_weights(p, h.data(), s);
-      b.set_weights(p, h.data(), s);
-    } else {
-      std::vector<bf16> h(n);
-      for (auto& x : h) { x = __double2bfloat16(u(rng)); }
-      a.set_weights(p, h.data(), s);
-      b.set_weights(p, h.data(), s);
-    }
-    comm.synchronize(s);
-  }
+  set_same_random_weights(a, b, mp, seed, comm, s);
   // Gradient of micro-batch mb: k in [-10, 10].
   auto grad = [&](int t, int mb, std::size_t p, std::size_t i) {
     auto const k = static_cast<int>(mix(seed ^
@@ -1045,38 +1050,13 @@ TEMPLATE_PRODUCT_TEST_CASE(
     // Poison: the step rewrites every compute weight. Not before the first step: after
     // set_weights the masters are taken from the compute weights at the next step (documented),
     // so that step would start from the poison.
-    if (stage_t::value < 3 && t > 0) {
-      for (std::size_t p = 0; p < mp.size(); ++p) {
-        std::vector<double> const nan(elements_of(mp[p]), std::numeric_limits<double>::quiet_NaN());
-        write_typed(mp[p].type, weights_ptr(a, p, mp[p].type), nan, comm, s.s);
-        write_typed(mp[p].type, weights_ptr(b, p, mp[p].type), nan, comm, s.s);
-      }
-    }
+    if (stage_t::value < 3 && t > 0) { poison_weights(a, b, mp, comm, s); }
     a.step(0.05f, s);
     b.step(0.05f, s);
     REQUIRE_FALSE(a.last_step_skipped(s));
     REQUIRE(a.applied_steps(s) == t + 1);
-    for (std::size_t p = 0; p < mp.size(); ++p) {
-      auto const wa = read_param(a, p, mp[p], comm, s);
-      auto const wb = read_param(b, p, mp[p], comm, s);
-      REQUIRE(wa.size() == wb.size());
-      for (std::size_t i = 0; i < wa.size(); ++i) {
-        INFO("weight " << mp[p].name << "[" << i << "]");
-        REQUIRE(!std::isnan(wa[i]));
-        REQUIRE(std::memcmp(&wa[i], &wb[i], sizeof(double)) == 0);
-      }
-    }
-    std::size_t const n = plan.state_elements;
-    comm.synchronize(s);
-    for (int k = -1; k < wm::adam::states; ++k) {
-      INFO("state " << k << " (-1: master weights)");
-      std::vector<float> ga(n), gb(n);
-      WM_CUDA_TRY(cudaMemcpy(ga.data(), k < 0 ? a.master_shard() : a.state_shard(k), n * 4,
-                             cudaMemcpyDefault));
-      WM_CUDA_TRY(cudaMemcpy(gb.data(), k < 0 ? b.master_shard() : b.state_shard(k), n * 4,
-                             cudaMemcpyDefault));
-      REQUIRE(std::memcmp(ga.data(), gb.data(), n * 4) == 0);
-    }
+    require_same_weights(a, b, mp, comm, s);
+    require_same_shards(a, b, comm, s, false, 0u, 0u);  // read by cudaMemcpy, buffers zeroed
   }
 }
 
