@@ -1,9 +1,12 @@
-// Standalone (not in CMake): nvcc -std=c++20 -O3 -arch=sm_90 bench/probes/host_rows_tma_probe.cu -o
-// probe Results and what they mean: bench/NOTES.md, "Host rows by TMA bulk copies". Probe:
-// scattered 512 B rows read from pinned host memory into device memory, by (a) the copy engine on
-// one contiguous range (the floor's rate), (b) SM loads (a warp per row, 16 B per lane, U rows in
-// flight per warp), (c) TMA bulk copies (cp.async.bulk global->shared, mbarrier complete_tx), S
-// stages per warp, then shared->device stores.
+// Probe: scattered 512 B rows read from pinned host memory into device memory, by (a) the copy
+// engine on one contiguous range (the floor's rate), (b) SM loads (a warp per row, 16 B per lane,
+// U rows in flight per warp), (c) TMA bulk copies (cp.async.bulk global->shared, mbarrier
+// complete_tx), S stages per warp, then shared->device stores.
+//
+// Standalone, not in CMake:
+//   nvcc -std=c++20 -O3 -arch=sm_90 bench/probes/host_rows_tma_probe.cu -o probe
+//
+// Results and what they mean: bench/NOTES.md, "Host rows by TMA bulk copies".
 #include <cuda_runtime.h>
 
 #include <algorithm>
