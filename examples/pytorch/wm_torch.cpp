@@ -442,7 +442,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     py::gil_scoped_release nogil;
     std::lock_guard lk{mutex_};
     issue_pending(0, current_stream(device_));
-    if (host_pacing_) { wait_host_outstanding(0); }
+    while (host_pacing_ && !host_out_.empty()) { wait_host_oldest(); }
   }
 
   /// Storages (by data pointer) that pack never copies: parameters, buffers.
@@ -833,22 +833,18 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     }
   }
 
-  /// Host pacing: waits for the oldest page-outs while more than @p limit bytes may still be
-  /// copying (0 with @p all: every one).
-  void wait_host_outstanding(std::size_t limit, bool all = true) {
-    while (!host_out_.empty() && (host_out_bytes_ > limit || all) &&
-           (all || host_out_.size() > 1)) {
-      auto [e, n] = host_out_.front();
-      host_out_.pop_front();
-      host_out_bytes_ -= n;
-      try {
-        wait_host(e, "a page-out (host pacing)");
-      } catch (...) {
-        give_event(e);
-        throw;
-      }
+  /// Host pacing: the host waits for the oldest page-out still listed and drops it.
+  void wait_host_oldest() {
+    auto [e, n] = host_out_.front();
+    host_out_.pop_front();
+    host_out_bytes_ -= n;
+    try {
+      wait_host(e, "a page-out (host pacing)");
+    } catch (...) {
       give_event(e);
+      throw;
     }
+    give_event(e);
   }
 
   [[nodiscard]] cudaEvent_t take_event() {
@@ -891,7 +887,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       }
       host_out_.emplace_back(e, bytes);
       host_out_bytes_ += bytes;
-      wait_host_outstanding(max_out_bytes_, false);
+      while (host_out_bytes_ > max_out_bytes_ && host_out_.size() > 1) { wait_host_oldest(); }
       return;
     }
     if (max_out_bytes_ == 0) { return; }

@@ -407,6 +407,13 @@ def test_swap_hooks_compress():
               f"({st['hooks_host_wait_seconds']:.4f} s; scope: {st['host_blocking_syncs']} syncs, "
               f"{st['host_wait_seconds']:.4f} s), {st['live_buffers']} alive after")
 
+    for kw in ({"compress": True}, {"host_pacing": True}):
+        try:
+            wm_torch.SwapHooks(wm_torch.SwapScope(act, 16 * act), mode="pool", **kw)
+            check(f"swap hooks: mode='pool' with {kw} raises ValueError", False, "no exception")
+        except ValueError as e:
+            check(f"swap hooks: mode='pool' with {kw} raises ValueError", True, str(e))
+
     g = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     n = (1 << 20) + 37  # over min_bytes for 1-byte elements, not a multiple of 32
     cases = [(dt, z) for dt in (torch.bool, torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.float32,
