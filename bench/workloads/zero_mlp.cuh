@@ -107,6 +107,11 @@ class zero_mlp {
     fill_uniform_kernel<<<1024, 256, 0, s>>>(x_[0], n, mix(seed), 1.0f);
     WM_CHECK_LAUNCH();
     for (int i = 1; i <= layers_; ++i) {
+      // Offload with zero_options::offload_overlap_forward: the layer's weights may still be on
+      // their way from the CPU Adam of the last step (a no-op otherwise; stage 3: gather).
+      if constexpr (!stage3) {
+        opt_.weights_ready(opt_.bucket_of(static_cast<std::size_t>(i - 1)), sr);
+      }
       acquire(i - 1, sr);
       forward_.run(handle_, weight(i - 1), x_[i - 1], x_[i], workspace_, mlp::workspace_bytes, s);
       drop(i - 1);

@@ -50,7 +50,10 @@
  * finds no free region waits for the decision and is then updated in place. Results are the same
  * bits either way, for any pool size. Without the pipeline `step` waits for the norm, runs the CPU
  * Adam bucket by bucket and sends each bucket's weights back (and all-gathers them) while the CPU
- * updates the next.
+ * updates the next. With `zero_options::offload_overlap_forward` a step that adopts the pipeline's
+ * update does not wait for it: the CPU goes on with the buckets left in forward order while the
+ * next forward runs, which calls `weights_ready(b, stream)` before it reads bucket b (going down
+ * from the last bucket, the first layers'); stage 3's `gather` calls it for its groups.
  *
  * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
  * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
@@ -232,7 +235,9 @@ class zero_optimizer {
    * waiting on the host (`wm::offload_host`: it waits for the norm and the CPU Adam): the norm
    * partials, one scalar all-reduce, the fused update of every bucket shard, then (stages 1-2) the
    * in-place all-gather of the weights. Stage 3: no group may be gathered (the gathered copies
-   * would be stale); the next `gather` brings the new weights.
+   * would be stale); the next `gather` brings the new weights. With
+   * `zero_options::offload_overlap_forward`, a step whose pipelined update applies returns while
+   * the CPU Adam finishes the last buckets: `weights_ready` brings each bucket's weights.
    */
   void step(float lr, cuda::stream_ref stream);
 
@@ -244,6 +249,20 @@ class zero_optimizer {
    * backward) but not overlapped. Does nothing for the other policies.
    */
   void prepare_step(float lr) noexcept { next_lr_ = lr; }
+
+  /**
+   * @brief `wm::offload_host` with `zero_options::offload_overlap_forward`: makes the new
+   * weights of bucket @p b, and of every bucket above it, available on @p stream after a `step`
+   * that returned before the CPU Adam had finished (collective: stages 1-2 all-gather them; call
+   * it in the same order on every rank). Waits on the host, with the communicator's deadline,
+   * until the CPU Adam has sent those buckets back; @p stream waits for their copies. The forward
+   * calls it before it first reads a bucket's weights, going down from the last bucket (its
+   * first layers). Does nothing when nothing is pending (another policy, the option off, or the
+   * buckets ready already).
+   * @throw wm::logic_error on a bucket index out of range
+   * @throw wm::comm_error at the deadline, or what the CPU Adam threw
+   */
+  void weights_ready(std::size_t b, cuda::stream_ref stream);
 
   /**
    * @brief Stage 3: makes group @p g's weights available on @p stream (collective): its buckets
@@ -346,16 +365,29 @@ class zero_optimizer {
   // On the worker, no free spare region: waits for the decision (cancellable, with the deadline).
   void wait_decision(detail::zero::serial_worker const& worker);
   // Pipeline, the worker idle: the work done ahead becomes current (@p adopt) or is dropped.
-  void end_speculation(bool adopt);
+  void end_speculation(bool adopt) const;
   // The worker idle: away_ and peak_regions_ from spares_.
-  void sync_spares() noexcept {
+  void sync_spares() const noexcept {
     away_         = spares_.away();
     peak_regions_ = spares_.peak_in_use();
   }
   // On the worker: wait for the gradients, update, send the weights back.
-  void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor,
+  void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor, std::uint64_t epoch,
                     detail::zero::serial_worker const& worker);
   void finish_pipeline(cuda::stream_ref stream);  // waits for the worker (deadline)
+  // offload_overlap_forward: the worker's end of a step that `step` adopted without waiting for
+  // it (host only: the pending buckets' copies are left to weights_ready).
+  void settle_tail() const;
+  // Every pending bucket's weights on @p stream, then the tail settled.
+  void complete_tail(cuda::stream_ref stream) {
+    if (pending_ > 0) { weights_ready(0, stream); }
+    settle_tail();
+  }
+  // On the worker: the bucket the job posted for @p b works on (forward order once decided).
+  [[nodiscard]] std::size_t claim_bucket(std::size_t b);
+  // Bucket b's new weights, sent back by the pipeline into its gradient shard, into place on
+  // @p stream (stages 1-2: all-gathered into the arena; 3: copied into the shard weights).
+  void adopt_bucket(std::size_t b, cuda::stream_ref stream);
   // Host poll of @p e with the communicator's deadline (stops early once @p worker is cancelled).
   void wait_event(cudaEvent_t e, char const* what,
                   detail::zero::serial_worker const* worker = nullptr) const;
@@ -423,8 +455,8 @@ class zero_optimizer {
   // and what the worker wrote ahead. The worker uses it during a step (between the first
   // reduce_gradients and finish_pipeline), the caller's thread otherwise.
   mutable detail::zero::spare_regions spares_;
-  mutable std::size_t away_{0};  // spares_.away() when the worker was last idle
-  std::size_t peak_regions_{0};  // spares_.peak_in_use() then
+  mutable std::size_t away_{0};          // spares_.away() when the worker was last idle
+  mutable std::size_t peak_regions_{0};  // spares_.peak_in_use() then
   // What the worker does with a chunk it starts: 0 not decided (update it ahead, into a spare
   // region, if one is free; else wait), 1 the step applies as assumed (update in place), 2
   // dropped (stop).
@@ -437,6 +469,18 @@ class zero_optimizer {
   std::atomic<std::int64_t> cpu_ns_{0};  // wall time of cpu_update calls (offload_stats)
   mutable std::int64_t chunks_dropped_{0};
   std::int64_t chunks_redone_{0};
+  // Per step of the pipeline (its first reduce_gradients): the epoch its jobs publish.
+  std::uint64_t epoch_{0};
+  // Per bucket: the last H2D of its weights (h2d_stream_), and the epoch whose job recorded it.
+  std::vector<cudaEvent_t> bucket_sent_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> bucket_epoch_;
+  // The worker's claims of the step's buckets (reset by the caller while the worker is idle).
+  std::vector<std::uint8_t> claimed_;
+  std::size_t claim_top_{0};
+  // offload_overlap_forward: `step` adopted the update without waiting for the worker
+  // (tail_worker_), and buckets [0, pending_) still need their weights brought into place.
+  mutable bool tail_worker_{false};
+  mutable std::size_t pending_{0};
   float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last
   int device_{0};
   std::unique_ptr<detail::zero::serial_worker> worker_;  // last: stops before the buffers go

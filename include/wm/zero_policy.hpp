@@ -117,6 +117,15 @@ struct zero_options {
   /// starts when its first chunk has landed and only its last chunk's weights are copied after
   /// the update ends.
   std::size_t offload_chunk_elements{std::size_t{1} << 24};
+  /// With `offload_pipeline`: a step whose update the pipeline applies returns before the CPU
+  /// Adam has updated every bucket, so that the next forward pass overlaps the end of the update
+  /// (the CPU, which sets the pace of an offloaded step, otherwise idles through the forward).
+  /// Once backward's gradients have all landed, the CPU updates the buckets left in forward order
+  /// (the last bucket first). The forward must then call `zero_optimizer::weights_ready(b,
+  /// stream)` before it reads bucket b's weights (stage 3: `gather` does); any other call that
+  /// needs the step's results (`reduce_gradients`, `step`, `set_weights`, `save`, `load`,
+  /// `master_shard`) first completes what is left. false: `step` waits for the whole update.
+  bool offload_overlap_forward{false};
   /// Stage 1: allocate a gradient shard (counted in `zero_memory::buffers`) that keeps the sum of
   /// a step's micro-batches, for `zero_optimizer::accumulate_gradients`. Stages 2-3 keep the sum
   /// in their gradient shard and need nothing more.
@@ -148,7 +157,8 @@ struct zero_memory {
 
 /**
  * @brief What the offload pipeline did (`wm::offload_host` with `zero_options::offload_pipeline`),
- * counted since construction; `zero_optimizer::offload_stats()` reads it between steps. A chunk
+ * counted since construction; `zero_optimizer::offload_stats()` reads it between steps (with
+ * `zero_options::offload_overlap_forward`: once every bucket's weights are ready). A chunk
  * is `zero_options::offload_chunk_elements` elements of a bucket's shard (the last one of a
  * bucket may be shorter).
  */

@@ -93,6 +93,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   h = detail::mix64(h, options_.offload_pipeline ? 1 : 0);
   h = detail::mix64(h, options_.offload_chunk_elements);
   h = detail::mix64(h, std::bit_cast<std::uint32_t>(options_.offload_spare_fraction));
+  h = detail::mix64(h, options_.offload_overlap_forward ? 1 : 0);
   h = detail::mix64(h, options_.gradient_accumulation ? 1 : 0);
   for (auto const& g : options_.groups) {
     for (auto p : g) { h = detail::mix64(h, p); }
@@ -233,6 +234,12 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
         for (auto& e : landed_) {
           WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
         }
+        bucket_sent_.assign(plan_.buckets.size(), nullptr);
+        for (auto& e : bucket_sent_) {
+          WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        }
+        bucket_epoch_ = std::make_unique<std::atomic<std::uint64_t>[]>(plan_.buckets.size());
+        claimed_.assign(plan_.buckets.size(), 0);
       }
     } else {
       master_ = z::device_alloc<float>(plan_.state_elements);
@@ -293,6 +300,10 @@ void zero_optimizer<Stage, Optimizer, Offload>::free_all() noexcept {
   }
   for (cudaEvent_t e : landed_) { (void)cudaEventDestroy(e); }
   landed_.clear();
+  for (cudaEvent_t e : bucket_sent_) {
+    if (e != nullptr) { (void)cudaEventDestroy(e); }
+  }
+  bucket_sent_.clear();
   for (cudaEvent_t* e : {&reduced_, &d2h_done_, &h2d_done_}) {
     if (*e != nullptr) { (void)cudaEventDestroy(*e); }
     *e = nullptr;
@@ -412,6 +423,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::set_weights(std::size_t p, T con
   auto const& pl = plan_.places[p];
   if (pl.bucket == detail::zero::no_bucket) { return; }
   WM_EXPECTS(values != nullptr, "zero_optimizer::set_weights: values");
+  complete_tail(stream);  // the last step's weights land first (they would overwrite these)
   masters_stale_ = true;
   spec_.invalid  = true;
   if constexpr (Stage::value == 3) {
@@ -468,7 +480,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::accumulate_gradients(std::size_t
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
                                                               cuda::stream_ref stream, bool last) {
-  namespace z          = detail::zero;
+  namespace z = detail::zero;
+  complete_tail(stream);  // the last step's weights are in place before backward's next ones
   cudaStream_t const s = stream.get();
   auto const& bk       = plan_.buckets[b];
   bool const summed    = accumulated_[b] != 0;  // earlier micro-batches of this step
@@ -519,6 +532,9 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
         step_open_ = true;
         spec_      = {};
         decision_.store(0, std::memory_order_relaxed);  // the worker is idle between steps
+        ++epoch_;
+        std::fill(claimed_.begin(), claimed_.end(), std::uint8_t{0});
+        claim_top_ = claimed_.size();
         if (!masters_stale_ && std::isfinite(next_lr_)) {
           float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
           spec_.active      = true;
@@ -542,8 +558,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
       if (spec_.active) {
         ++spec_.posted;
         detail::zero::serial_worker const* w = worker_.get();
-        worker_->post([this, b, lr = spec_.lr, t = spec_.t, f = spec_.factor, w] {
-          pipeline_job(b, lr, t, f, *w);
+        worker_->post([this, b, lr = spec_.lr, t = spec_.t, f = spec_.factor, e = epoch_, w] {
+          pipeline_job(b, lr, t, f, e, *w);
         });
       }
     }
@@ -596,6 +612,7 @@ std::size_t zero_optimizer<Stage, Optimizer, Offload>::chunk_elements(
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
+  settle_tail();
   if (away_ == 0) { return; }  // (a step begun only writes ahead into regions: not current yet)
   if (step_open_ && spec_.active) {
     // Mid-step: the worker may be writing the place of a chunk whose values are in a region. It
@@ -697,7 +714,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::wait_decision(
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-void zero_optimizer<Stage, Optimizer, Offload>::end_speculation(bool adopt) {
+void zero_optimizer<Stage, Optimizer, Offload>::end_speculation(bool adopt) const {
   if (adopt) {
     spares_.commit();
   } else {
@@ -724,11 +741,25 @@ zero_offload_stats zero_optimizer<Stage, Optimizer, Offload>::offload_stats() co
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+std::size_t zero_optimizer<Stage, Optimizer, Offload>::claim_bucket(std::size_t b) {
+  // Before the decision the jobs take their buckets as backward reduced them (0, 1, ...); once
+  // the step applies as assumed, the buckets left in forward order (the highest first), the order
+  // in which the next forward needs their weights. Each of the step's jobs claims one bucket.
+  if (decision_.load(std::memory_order_acquire) == 1) {
+    while (claim_top_ > 0 && claimed_[claim_top_ - 1] != 0) { --claim_top_; }
+    if (claim_top_ > 0) { b = claim_top_ - 1; }
+  }
+  claimed_[b] = 1;
+  return b;
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
-    std::size_t b, float lr, std::int64_t t, float factor,
+    std::size_t posted, float lr, std::int64_t t, float factor, std::uint64_t epoch,
     detail::zero::serial_worker const& worker) {
   namespace z = detail::zero;
   WM_CUDA_TRY(cudaSetDevice(device_));
+  std::size_t const b     = claim_bucket(posted);
   auto const& bk          = plan_.buckets[b];
   std::size_t const esize = z::size_of(bk.type);
   std::size_t c           = first_chunk_[b];
@@ -764,6 +795,99 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
                                 host_weights_ + shard_bytes_offset_[b] + first * esize,
                                 count * esize, cudaMemcpyHostToDevice, h2d_stream_));
   }
+  // The bucket's weights are on their way (weights_ready waits for the event once it sees the
+  // epoch).
+  WM_CUDA_TRY(cudaEventRecord(bucket_sent_[b], h2d_stream_));
+  bucket_epoch_[b].store(epoch, std::memory_order_release);
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::settle_tail() const {
+  if (!tail_worker_) { return; }
+  bool idle = false;
+  try {
+    idle = worker_->wait_idle(detail::deadline_after(comm_->timeout()));
+  } catch (...) {  // a job failed: the step is incomplete, its weights are not coming
+    tail_worker_ = false;
+    pending_     = 0;
+    end_speculation(false);
+    throw;
+  }
+  if (!idle) {
+    throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
+                     ": the offload pipeline's CPU Adam did not end within the communicator's "
+                     "timeout"};
+  }
+  tail_worker_ = false;
+  end_speculation(true);  // the step applied: what was computed ahead is current
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::adopt_bucket(std::size_t b,
+                                                             cuda::stream_ref stream) {
+  namespace z    = detail::zero;
+  auto const& bk = plan_.buckets[b];
+  if constexpr (Stage::value < 3) {
+    z::with_element_type(bk.type, [&](auto tag) {
+      using T = decltype(tag);
+      comm_->all_gather(static_cast<T const*>(shard_gradients(b)),
+                        reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements, stream);
+    });
+  } else {
+    WM_CUDA_TRY(cudaMemcpyAsync(shard_weights(b), shard_gradients(b),
+                                bk.shard_elements * z::size_of(bk.type), cudaMemcpyDeviceToDevice,
+                                stream.get()));
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::weights_ready(std::size_t b,
+                                                              cuda::stream_ref stream) {
+  WM_EXPECTS(b < plan_.buckets.size(),
+             "zero_optimizer::weights_ready: a bucket index below the count (" +
+                 std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
+  if constexpr (Offload::host) {
+    auto const deadline = detail::deadline_after(comm_->timeout());
+    while (pending_ > b) {  // the buckets above b first: every rank all-gathers in that order
+      std::size_t const x = pending_ - 1;
+      detail::backoff wait{std::chrono::microseconds{20}};
+      while (bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
+        // The step is incomplete if the worker failed or ended without the bucket: its work
+        // ahead is dropped and no weights come.
+        auto abandon = [&] {
+          tail_worker_ = false;
+          pending_     = 0;
+          end_speculation(false);
+        };
+        bool idle = false;
+        try {
+          idle = worker_->wait_idle(detail::clock_type::now());  // rethrows a job's failure
+        } catch (...) {
+          abandon();
+          throw;
+        }
+        if (idle && bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
+          abandon();
+          throw logic_error{
+              "wm: zero_optimizer::weights_ready: the offload pipeline ended "
+              "without bucket " +
+              std::to_string(x) + "'s weights"};
+        }
+        if (detail::clock_type::now() >= deadline) {
+          throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
+                           ": weights_ready waited for the CPU Adam of bucket " +
+                           std::to_string(x) + " longer than the communicator's timeout"};
+        }
+        wait.pause();
+      }
+      WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), bucket_sent_[x], 0));
+      adopt_bucket(x, stream);
+      pending_ = x;
+    }
+    if (pending_ == 0) { settle_tail(); }
+  } else {
+    (void)stream;
+  }
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -793,6 +917,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
       std::find(accumulated_.begin(), accumulated_.end(), std::uint8_t{1}) == accumulated_.end(),
       "zero_optimizer::step: every bucket that accumulate_gradients took needs its "
       "reduce_gradients (the step's last micro-batch) first");
+  complete_tail(stream);  // a step without backward: the last step's update ends first
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::step (stage 3): release every gathered group first");
@@ -913,10 +1038,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
         std::bit_cast<std::uint32_t>(spec.factor) == std::bit_cast<std::uint32_t>(factor);
     if (spec.active) {
       // The chunks the worker has not begun are done in place now (or not at all); then it ends
-      // the last buckets. What it did ahead becomes current, or is dropped.
+      // the last buckets. What it did ahead becomes current, or is dropped. With
+      // offload_overlap_forward an adopted update ends while the caller goes on (settle_tail).
       decision_.store(adopt ? 1 : 2, std::memory_order_release);
-      finish_pipeline(stream);
-      end_speculation(adopt);
+      if (adopt && options_.offload_overlap_forward) {
+        tail_worker_ = true;
+      } else {
+        finish_pipeline(stream);
+        end_speculation(adopt);
+      }
     }
     if (options_.dynamic_loss_scale) {  // the next step's scale, on the host and the device
       z::update_scale(skip, host_scale_, host_counters_[3], options_.scale_growth,
@@ -932,22 +1062,12 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
     std::int64_t const t = ++host_counters_[0];
     if (adopt) {
       pipelined_ = true;
-      // The new weights wait in the gradient shards (the caller's stream waited for their H2D).
-      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-        auto const& bk = plan_.buckets[b];
-        if constexpr (Stage::value < 3) {
-          z::with_element_type(bk.type, [&](auto tag) {
-            using T = decltype(tag);
-            comm_->all_gather(static_cast<T const*>(shard_gradients(b)),
-                              reinterpret_cast<T*>(weights_ + bk.byte_offset), bk.shard_elements,
-                              stream);
-          });
-        } else {
-          WM_CUDA_TRY(cudaMemcpyAsync(shard_weights(b), shard_gradients(b),
-                                      bk.shard_elements * z::size_of(bk.type),
-                                      cudaMemcpyDeviceToDevice, s));
-        }
+      if (tail_worker_) {  // weights_ready brings each bucket's weights as the worker sends them
+        pending_ = plan_.buckets.size();
+        return;
       }
+      // The new weights wait in the gradient shards (the caller's stream waited for their H2D).
+      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) { adopt_bucket(b, stream); }
       return;
     }
     // Redone after backward, in place (the pipeline's work is dropped; its H2D copies read the
@@ -1002,6 +1122,14 @@ void zero_optimizer<Stage, Optimizer, Offload>::gather(
   auto const gi = static_cast<std::ptrdiff_t>(g);
   if (last_group_ >= 0 && gi != last_group_) { direction_ = gi > last_group_ ? 1 : -1; }
   last_group_ = gi;
+  if (pending_ > 0) {  // offload_overlap_forward: this group's and the next one's shard weights
+    std::size_t low = pending_;
+    for (std::ptrdiff_t k : {gi, gi + direction_}) {
+      if (k < 0 || k >= static_cast<std::ptrdiff_t>(group_buckets_.size())) { continue; }
+      for (std::size_t b : group_buckets_[static_cast<std::size_t>(k)]) { low = std::min(low, b); }
+    }
+    if (low < pending_) { weights_ready(low, stream); }
+  }
   gather_buckets(residency_.acquire(g), stream.get());
   // This group's buckets (gathered now or by the last prefetch) are complete for the caller.
   WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), gather_done_, 0));
@@ -1066,6 +1194,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
   namespace z                   = detail::zero;
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  complete_tail(stream);
   gather_host_copies();
   if (masters_stale_) { widen_masters(stream.get()); }
   read_counters(stream);  // waits for the stream (with the communicator's deadline)
@@ -1104,6 +1233,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
   if constexpr (Offload::host) {  // the pipeline's jobs of a step begun before the load end
+    complete_tail(stream);
     if (spec_.active) {
       decision_.store(2, std::memory_order_release);
       finish_pipeline(stream);
