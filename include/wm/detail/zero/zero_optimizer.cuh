@@ -850,7 +850,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::weights_ready(std::size_t b,
     auto const deadline = detail::deadline_after(comm_->timeout());
     while (pending_ > b) {  // the buckets above b first: every rank all-gathers in that order
       std::size_t const x = pending_ - 1;
-      detail::backoff wait{std::chrono::microseconds{20}};
+      // A bucket takes the CPU milliseconds: naps of 0.1 ms keep this thread off its cores.
+      detail::backoff wait{std::chrono::microseconds{100}};
       while (bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
         // The step is incomplete if the worker failed or ended without the bucket: its work
         // ahead is dropped and no weights come.
