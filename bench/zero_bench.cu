@@ -22,6 +22,9 @@
  * <= 1.2, the pipeline's row); for the pipeline rows, the chunks updated per timed step ahead of
  * the decision, after it, redone, the waits for a free region and the regions used.
  *
+ * --pin: zero_options::pin_cpu_threads in every offload row, and the CPU Adam alone on a pool
+ * pinned the same way (each worker on one CPU).
+ *
  * --offload-only: only the offload rows without the pipeline and with it (the pool of
  * --spare-fraction, else the default; with and without the overlap), for a model whose fp32 states
  * do not fit on the GPU; a row that cannot allocate is reported and skipped; the CPU Adam alone is
@@ -34,7 +37,7 @@
  * and ZeRO-3, and their peak allocated memory per GPU. `--no-peer` skips it.
  *
  * Usage: zero_bench [--ranks N] [--layers L] [--width W] [--batch B] [--steps S] [--no-peer]
- *                   [--offload-only] [--spare-fraction F]
+ *                   [--offload-only] [--spare-fraction F] [--pin]
  *        (defaults: every GPU, 16 8192 8192 5, the option's default fraction)
  */
 #include <wm/wm.cuh>
@@ -66,6 +69,8 @@ struct config {
   std::size_t cpu_adam_elements{~std::size_t{0}};
   /// The offload pipeline's pool of spare regions (zero_options::offload_spare_fraction).
   float spare_fraction{wm::zero_options{}.offload_spare_fraction};
+  /// zero_options::pin_cpu_threads in the offload rows and the CPU Adam alone.
+  bool pin{false};
 };
 
 std::size_t device_used() {
@@ -239,7 +244,7 @@ row run_zero(wm::communicator& comm, config const& c, cudaStream_t stream, char 
     std::vector<float> master(n, 0.5f), mo(n, 0.0f), v(n, 0.0f);
     std::vector<float> master2(n, 0.5f), mo2(n, 0.0f), v2(n, 0.0f);
     std::vector<z::bf16_bits> g(n, 0x3c00), out(n);
-    z::thread_pool pool;
+    z::thread_pool pool{0, c.pin};
     for (int sep = 0; sep < 2; ++sep) {
       std::vector<double> ms;
       for (int i = 0; i < 2 + c.steps; ++i) {
@@ -312,6 +317,10 @@ int main(int argc, char** argv) {
       c.spare_fraction = std::strtof(argv[++i], nullptr);
       continue;
     }
+    if (std::strcmp(argv[i], "--pin") == 0) {
+      c.pin = true;
+      continue;
+    }
     if (std::strcmp(argv[i], "--offload-only") == 0) {
       offload_only        = true;
       peer                = false;
@@ -365,12 +374,13 @@ int main(int argc, char** argv) {
         }
       };
       wm::zero_options piped;  // the pool of spare regions of --spare-fraction
-      piped.offload_spare_fraction = c.spare_fraction;
-      wm::zero_options clipped     = piped;
-      clipped.max_grad_norm        = 1e-6f;
-      wm::zero_options full;  // a region for every chunk: the full second copy
-      full.offload_spare_fraction = 1.0f;
-      wm::zero_options unpiped;
+      piped.offload_spare_fraction    = c.spare_fraction;
+      piped.pin_cpu_threads           = c.pin;
+      wm::zero_options clipped        = piped;
+      clipped.max_grad_norm           = 1e-6f;
+      wm::zero_options full           = piped;  // a region for every chunk: the full second copy
+      full.offload_spare_fraction     = 1.0f;
+      wm::zero_options unpiped        = piped;
       unpiped.offload_pipeline        = false;
       wm::zero_options overlap        = piped;  // the next forward beside the end of the CPU Adam
       overlap.offload_overlap_forward = true;
@@ -418,8 +428,9 @@ int main(int argc, char** argv) {
       double const params = static_cast<double>(c.layers) * c.width * c.width;
       std::printf(
           "zero_bench: %d x Linear(%d, %d) + ReLU, bf16, batch %d, %.3g B parameters, "
-          "%d rank(s), Adam, 256 MiB buckets\n",
-          c.layers, c.width, c.width, c.batch, params / 1e9, comm.size());
+          "%d rank(s), Adam, 256 MiB buckets; CPU Adam threads %s\n",
+          c.layers, c.width, c.width, c.batch, params / 1e9, comm.size(),
+          c.pin ? "pinned (--pin)" : "not pinned");
       std::size_t free_b = 0, total_b = 0;
       WM_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
       double const states_gib = params * 16.0 / gib;  // fp32 masters + Adam's two moments

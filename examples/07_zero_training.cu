@@ -55,6 +55,9 @@ std::vector<double> train(wm::communicator& comm, cudaStream_t stream) {
   // 2. The optimizer: plan, arena, shards, all allocated now (collective).
   wm::zero_options options;
   options.max_grad_norm = 1.0f;
+  // With offload, a step returns while the CPU Adam finishes the buckets in forward order; the
+  // model's forward calls opt.weights_ready(b, stream) before it reads bucket b's weights.
+  options.offload_overlap_forward = Offload::host;
   optimizer_type opt{comm, params, bucket_size, wm::adam{}, options};
   auto const mem = opt.memory();
   if (comm.rank() == 0) {

@@ -126,6 +126,18 @@ struct zero_options {
   /// needs the step's results (`reduce_gradients`, `step`, `set_weights`, `save`, `load`,
   /// `master_shard`) first completes what is left. false: `step` waits for the whole update.
   bool offload_overlap_forward{false};
+  /// `wm::offload_host`: threads of the CPU Adam, the thread that runs it included. 0: one per
+  /// CPU the constructing thread may run on (its affinity mask: a launcher that binds each rank's
+  /// process to its own cores gives each rank's CPU Adam those cores). Several ranks on one host
+  /// without such a binding should divide the cores between them here.
+  unsigned cpu_threads{0};
+  /// `wm::offload_host`: pin each CPU Adam worker thread to one of those CPUs (worker k on the
+  /// k-th, cyclically; the thread that calls the update, the library's own with
+  /// `offload_pipeline`, the caller's of `step` without it, stays unpinned). On some hosts this
+  /// makes the CPU Adam 10-15% faster (bench/NOTES.md); off by default because pinned threads
+  /// take those cores from the user's own threads (data loaders). Linux only: elsewhere the
+  /// constructor throws std::system_error.
+  bool pin_cpu_threads{false};
   /// Stage 1: allocate a gradient shard (counted in `zero_memory::buffers`) that keeps the sum of
   /// a step's micro-batches, for `zero_optimizer::accumulate_gradients`. Stages 2-3 keep the sum
   /// in their gradient shard and need nothing more.

@@ -6,6 +6,7 @@
 // is that of one step; the bf16 copy must be the fp32 result rounded to nearest even.
 #include <wm/detail/zero/cpu_adam.hpp>
 #include <wm/detail/zero/serial_worker.hpp>
+#include <wm/detail/zero/thread_pool.hpp>
 
 #include <array>
 #include <atomic>
@@ -368,6 +369,93 @@ TEST_CASE("thread pool runs every task once and passes exceptions on", "[host]")
   pool.run(1, [&](std::size_t) { ++after; });  // still usable
   CHECK(after == 1);
 }
+
+#if defined(__linux__)
+namespace {
+// The calling thread's affinity mask, CPUs in increasing order.
+std::vector<int> thread_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  REQUIRE(pthread_getaffinity_np(pthread_self(), sizeof set, &set) == 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) { cpus.push_back(c); }
+  }
+  return cpus;
+}
+}  // namespace
+
+TEST_CASE("thread pool: default size, pinned workers on one CPU each, the caller unpinned",
+          "[host]") {
+  auto const cpus = z::allowed_cpus();
+  REQUIRE(!cpus.empty());
+  CHECK(cpus == thread_cpus());
+  CHECK(z::thread_pool{}.size() == cpus.size());
+  for (bool pin : {false, true}) {
+    DYNAMIC_SECTION((pin ? "pinned" : "not pinned")) {
+      unsigned const threads = 5;  // more threads than CI's 2 CPUs: workers wrap around
+      z::thread_pool pool{threads, pin};
+      REQUIRE(pool.size() == threads);
+      std::vector<std::vector<int>> seen(threads);
+      // Task k runs on thread k: each records the mask of the thread it ran on (no Catch
+      // assertions off the main thread).
+      pool.run(threads, [&](std::size_t t) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (pthread_getaffinity_np(pthread_self(), sizeof set, &set) != 0) { return; }
+        for (int c = 0; c < CPU_SETSIZE; ++c) {
+          if (CPU_ISSET(c, &set)) { seen[t].push_back(c); }
+        }
+      });
+      CHECK(seen[0] == cpus);  // the caller's share: never pinned
+      for (unsigned k = 1; k < threads; ++k) {
+        INFO("worker " << k);
+        if (pin) {
+          CHECK(seen[k] == std::vector<int>{cpus[k % cpus.size()]});
+        } else {
+          CHECK(seen[k] == cpus);
+        }
+      }
+      CHECK(thread_cpus() == cpus);  // the caller's mask is untouched
+    }
+  }
+}
+
+TEST_CASE("thread pool: a narrowed affinity mask sets the default size and the pinned CPUs",
+          "[host]") {
+  auto const cpus = z::allowed_cpus();
+  int const only  = cpus.back();
+  // On a thread of its own, so the test runner's mask stays as it was.
+  std::vector<int> allowed, worker;
+  unsigned size = 0;
+  bool narrowed = false;
+  std::thread t{[&] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(only, &set);
+    narrowed = pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
+    if (!narrowed) { return; }
+    allowed = z::allowed_cpus();
+    z::thread_pool pool{0, true};
+    size = pool.size();
+    z::thread_pool two{2, true};
+    two.run(2, [&](std::size_t k) {
+      if (k != 1) { return; }
+      cpu_set_t s;
+      CPU_ZERO(&s);
+      if (pthread_getaffinity_np(pthread_self(), sizeof s, &s) != 0) { return; }
+      for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (CPU_ISSET(c, &s)) { worker.push_back(c); }
+      }
+    });
+  }};
+  t.join();
+  REQUIRE(narrowed);
+  CHECK(allowed == std::vector<int>{only});
+  CHECK(size == 1);
+  CHECK(worker == std::vector<int>{only});  // worker 1 of 2 on the one allowed CPU
+}
+#endif
 
 TEST_CASE("serial worker runs jobs in order, waits with a deadline, drops a failed step's rest",
           "[host]") {

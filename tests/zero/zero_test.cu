@@ -826,8 +826,12 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     options.dynamic_loss_scale    = true;
     options.scale_growth_interval = 2;
   }
-  wm::zero_options plain          = options;
-  plain.offload_pipeline          = false;
+  wm::zero_options plain = options;
+  plain.offload_pipeline = false;
+  // The reference's CPU Adam on 3 pinned threads, the pipeline's on the default pool (one per
+  // CPU, unpinned): the bits may not depend on either.
+  plain.cpu_threads               = 3;
+  plain.pin_cpu_threads           = true;
   options.offload_pipeline        = true;
   options.offload_overlap_forward = overlap;
   // Chunks of 64 elements: a bucket (up to 2112 elements) moves and is updated in up to 34 parts.

@@ -3,7 +3,8 @@
 // thread and returns when all are done. Task k always runs on thread k mod size(), so memory a
 // caller first touches with the same split stays on the thread (and NUMA node) that uses it.
 // One caller at a time: `run` is not reentrant and two threads must not call it at once.
-// Host-only, no dependency beyond the standard library.
+// Optionally each worker is pinned to one CPU of those the constructing thread may run on.
+// Host-only, no dependency beyond the standard library (and the OS's affinity calls on Linux).
 #pragma once
 
 #include <algorithm>
@@ -12,22 +13,56 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 namespace wm::detail::zero {
+
+/// The CPUs the calling thread may run on (its affinity mask, which a launcher's binding or
+/// `taskset` narrows), in increasing order; where the platform does not say, 0 to
+/// hardware_concurrency() - 1.
+inline std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) { cpus.push_back(c); }
+    }
+  }
+#endif
+  if (cpus.empty()) {
+    unsigned const n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned c = 0; c < n; ++c) { cpus.push_back(static_cast<int>(c)); }
+  }
+  return cpus;
+}
 
 class thread_pool {
  public:
-  /// A pool of @p threads threads in all, the caller's included (0: one per hardware thread).
-  explicit thread_pool(unsigned threads = 0) {
-    if (threads == 0) { threads = std::max(1u, std::thread::hardware_concurrency()); }
+  /// A pool of @p threads threads in all, the caller's included (0: one per CPU the constructing
+  /// thread may run on, allowed_cpus()). With @p pin, worker k (1 <= k < size()) runs only on
+  /// allowed_cpus()[k mod their count]; the calling thread, which runs task share 0, is never
+  /// pinned (it may be the user's). Throws std::system_error if a worker cannot be pinned, or
+  /// where pinning is not supported.
+  explicit thread_pool(unsigned threads = 0, bool pin = false) {
+    auto const cpus = allowed_cpus();
+    if (threads == 0) { threads = static_cast<unsigned>(cpus.size()); }
     workers_.reserve(threads - 1);
     try {
       for (unsigned i = 1; i < threads; ++i) {
         workers_.emplace_back([this, i] { work_(i); });
+        if (pin) { pin_(workers_.back(), cpus[i % cpus.size()]); }
       }
     } catch (...) {
       stop_all_();
@@ -68,6 +103,24 @@ class thread_pool {
   }
 
  private:
+  static void pin_(std::thread& t, int cpu) {
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    int const rc = pthread_setaffinity_np(t.native_handle(), sizeof set, &set);
+    if (rc != 0) {
+      throw std::system_error{rc, std::generic_category(),
+                              "wm: cannot pin a CPU Adam thread to CPU " + std::to_string(cpu)};
+    }
+#else
+    (void)t;
+    throw std::system_error{
+        std::make_error_code(std::errc::function_not_supported),
+        "wm: pinning CPU threads (cpu " + std::to_string(cpu) + ") is supported on Linux only"};
+#endif
+  }
+
   void stop_all_() noexcept {
     {
       std::lock_guard lock{mu_};

@@ -219,7 +219,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
       host_weights_ = pinned(shard_arena);
       host_sumsq_   = reinterpret_cast<double*>(pinned(sizeof(double)));
       std::fill_n(states_, plan_.state_elements * Optimizer::states, initial_state(opt_));
-      cpu_pool_ = std::make_unique<z::thread_pool>();
+      cpu_pool_ = std::make_unique<z::thread_pool>(options_.cpu_threads, options_.pin_cpu_threads);
       if (pipeline) {
         // Written before they are read (a chunk's update ahead fills its region).
         spare_  = reinterpret_cast<float*>(pinned(regions * region_floats * sizeof(float)));
