@@ -352,22 +352,63 @@ TEST_CASE("cpu adam: separate outputs equal the in-place update bit for bit", "[
 
 TEST_CASE("thread pool runs every task once and passes exceptions on", "[host]") {
   z::thread_pool pool{3};
-  for (std::size_t tasks :
-       {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{100}}) {
-    std::vector<std::atomic<int>> hits(tasks);
-    for (int round = 0; round < 50; ++round) {
-      pool.run(tasks, [&](std::size_t t) { hits[t].fetch_add(1); });
+  for (bool claimed : {false, true}) {
+    DYNAMIC_SECTION((claimed ? "run_claimed" : "run")) {
+      auto const run = [&](std::size_t tasks, auto&& fn) {
+        if (claimed) {
+          pool.run_claimed(tasks, fn);
+        } else {
+          pool.run(tasks, fn);
+        }
+      };
+      for (std::size_t tasks :
+           {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{100}}) {
+        std::vector<std::atomic<int>> hits(tasks);
+        std::vector<std::thread::id> by(tasks);
+        for (int round = 0; round < 50; ++round) {
+          run(tasks, [&](std::size_t t) {
+            hits[t].fetch_add(1);
+            by[t] = std::this_thread::get_id();
+          });
+          if (!claimed) {  // task k on thread k mod 3: tasks 0, 3, 6, ... on the caller's
+            for (std::size_t t = 0; t < tasks; t += 3) {
+              CHECK(by[t] == std::this_thread::get_id());
+            }
+          }
+        }
+        for (auto const& h : hits) { CHECK(h.load() == 50); }
+      }
+      // A task that blocks its thread: with run_claimed the other threads take the rest.
+      if (claimed) {
+        std::atomic<int> done{0};
+        bool timed_out = false;
+        run(40, [&](std::size_t t) {
+          if (t != 0) {
+            done.fetch_add(1);
+            return;
+          }
+          auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds{10};
+          while (done.load() < 39) {  // a static split would leave tasks 3, 6, ... to this thread
+            if (std::chrono::steady_clock::now() > deadline) {
+              timed_out = true;
+              return;
+            }
+            std::this_thread::yield();
+          }
+        });
+        CHECK_FALSE(timed_out);
+        CHECK(done.load() == 39);
+      }
+      CHECK_THROWS_AS(run(5,
+                          [](std::size_t t) {
+                            if (t == 3) { throw std::runtime_error{"task 3"}; }
+                          }),
+                      std::runtime_error);
+      int after = 0;
+      run(1, [&](std::size_t) { ++after; });  // still usable
+      CHECK(after == 1);
     }
-    for (auto const& h : hits) { CHECK(h.load() == 50); }
   }
-  CHECK_THROWS_AS(pool.run(5,
-                           [](std::size_t t) {
-                             if (t == 3) { throw std::runtime_error{"task 3"}; }
-                           }),
-                  std::runtime_error);
-  int after = 0;
-  pool.run(1, [&](std::size_t) { ++after; });  // still usable
-  CHECK(after == 1);
 }
 
 #if defined(__linux__)

@@ -380,8 +380,9 @@ void range(cpu_isa isa, constants const& c, cpu_adam_arrays<Grad> const& a, std:
 #endif
 
 /**
- * @brief One Adam/AdamW step over @p a's n elements, split in size() contiguous ranges (one per
- * pool thread, boundaries on 64 elements) and run with @p isa's body.
+ * @brief One Adam/AdamW step over @p a's n elements, split in up to 8 × size() contiguous ranges
+ * (boundaries on 64 elements) that the pool's threads claim as they are free, run with @p isa's
+ * body.
  * @throw wm::logic_error @p isa is not supported by this CPU, a required array is null, or
  * step < 1.
  */
@@ -398,10 +399,14 @@ void cpu_adam_update(cpu_adam_options const& opt, cpu_adam_step s, cpu_adam_arra
   WM_EXPECTS((a.master_out == nullptr) == (a.m_out == nullptr) &&
                  (a.m_out == nullptr) == (a.v_out == nullptr),
              "all three outputs (master, m, v) or none");
-  auto const c             = cpu_adam_detail::make_constants(opt, s);
-  std::size_t const tasks  = std::min<std::size_t>(pool.size(), (a.n + 4095) / 4096);
+  auto const c = cpu_adam_detail::make_constants(opt, s);
+  // Eight tasks per thread of at least 64 Ki elements (1.75 MiB of traffic), claimed by free
+  // threads: one that shares its core (with the caller's forward pass, the driver's threads)
+  // takes fewer instead of holding up the update (bench/NOTES.md, pinned threads).
+  std::size_t const tasks =
+      std::min<std::size_t>(std::size_t{8} * pool.size(), (a.n + 65535) / 65536);
   std::size_t const blocks = (a.n + 63) / 64;
-  pool.run(tasks, [&](std::size_t t) {
+  pool.run_claimed(tasks, [&](std::size_t t) {
     std::size_t const first = std::min(a.n, blocks * t / tasks * 64);
     std::size_t const last  = std::min(a.n, blocks * (t + 1) / tasks * 64);
     if (opt.decoupled) {

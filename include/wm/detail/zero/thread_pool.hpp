@@ -1,13 +1,15 @@
 // A small persistent thread pool for host work of wm::zero_optimizer (the CPU Adam of the
 // offload path): `run(tasks, fn)` calls fn(task) for every task over the workers and the calling
 // thread and returns when all are done. Task k always runs on thread k mod size(), so memory a
-// caller first touches with the same split stays on the thread (and NUMA node) that uses it.
+// caller first touches with the same split stays on the thread (and NUMA node) that uses it;
+// `run_claimed` instead lets each free thread take the next task (load balance).
 // One caller at a time: `run` is not reentrant and two threads must not call it at once.
 // Optionally each worker is pinned to one CPU of those the constructing thread may run on.
 // Host-only, no dependency beyond the standard library (and the OS's affinity calls on Linux).
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -82,6 +84,20 @@ class thread_pool {
   /// exception a task threw, after every task has ended.
   template <class F>
   void run(std::size_t tasks, F&& fn) {
+    run_(tasks, std::forward<F>(fn), false);
+  }
+
+  /// As run(), but each thread claims the next task not yet taken when it is free (in increasing
+  /// order), so a thread that shares its core with others (the caller's, the CUDA driver's) does
+  /// fewer tasks instead of holding up the rest. For work with no tie between a task and a thread.
+  template <class F>
+  void run_claimed(std::size_t tasks, F&& fn) {
+    run_(tasks, std::forward<F>(fn), true);
+  }
+
+ private:
+  template <class F>
+  void run_(std::size_t tasks, F&& fn, bool claimed) {
     if (tasks == 0) { return; }
     auto call = [](void* ctx, std::size_t task) {
       (*static_cast<std::remove_reference_t<F>*>(ctx))(task);
@@ -91,6 +107,8 @@ class thread_pool {
       call_    = call;
       ctx_     = static_cast<void*>(&fn);
       tasks_   = tasks;
+      claimed_ = claimed;
+      next_.store(0, std::memory_order_relaxed);
       pending_ = workers_.size();
       error_   = nullptr;
       ++generation_;
@@ -102,7 +120,6 @@ class thread_pool {
     if (error_) { std::rethrow_exception(std::exchange(error_, nullptr)); }
   }
 
- private:
   static void pin_(std::thread& t, int cpu) {
 #if defined(__linux__)
     cpu_set_t set;
@@ -131,15 +148,22 @@ class thread_pool {
   }
 
   void run_share_(std::size_t thread) noexcept {
-    std::size_t const stride = workers_.size() + 1;
-    for (std::size_t t = thread; t < tasks_; t += stride) {
+    auto const call = [this](std::size_t t) noexcept {
       try {
         call_(ctx_, t);
       } catch (...) {
         std::lock_guard lock{mu_};
         if (!error_) { error_ = std::current_exception(); }
       }
+    };
+    if (claimed_) {
+      for (std::size_t t; (t = next_.fetch_add(1, std::memory_order_relaxed)) < tasks_;) {
+        call(t);
+      }
+      return;
     }
+    std::size_t const stride = workers_.size() + 1;
+    for (std::size_t t = thread; t < tasks_; t += stride) { call(t); }
   }
 
   void work_(std::size_t thread) {
@@ -164,6 +188,8 @@ class thread_pool {
   void (*call_)(void*, std::size_t){};
   void* ctx_{};
   std::size_t tasks_{};
+  bool claimed_{};                   // run_claimed: tasks taken from next_
+  std::atomic<std::size_t> next_{};  // the next task not yet claimed
   std::size_t pending_{};
   std::uint64_t generation_{};
   bool stop_{};
