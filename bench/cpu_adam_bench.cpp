@@ -12,11 +12,14 @@
  *   prod-sep   the production update into a second copy of master, m, v (the offload pipeline's
  *              form: streaming stores for all outputs), alternating between the two copies
  *   u1-store   one vector per iteration, plain stores everywhere (the production body before)
- *   u1-nt      one vector, streaming stores for the bf16 copy (= prod's body)
+ *   u1-nt      one vector, streaming stores for the bf16 copy (prod's body before the prefetch)
  *   u2-nt, u4-nt            2 or 4 vectors per iteration (more loads in flight per core)
- *   u1-nt-pf1k, u1-nt-pf4k  software prefetch 1 or 4 KiB ahead in every input stream
+ *   u1-nt-pf1k, u1-nt-pf4k  software prefetch 1 or 4 KiB ahead in every input stream (pf1k
+ *                           = prod's AVX-512 body since 2026-11-24)
  *   u1-allnt   streaming stores for master, m and v too (in place)
- *   u1-nt-chunk  8 chunks per thread, interleaved over the threads (instead of one range each)
+ *   u1-nt-fixed  u1-nt with one fixed range per thread (the split before the claimed ranges)
+ * Every variant but u1-nt-fixed splits the work as prod does: up to 8 ranges per thread, claimed
+ * by free threads.
  * Each variant is first checked bit for bit against prod on a small array (a variant that
  * computes something else prints MISMATCH and is not timed). Cases: fp32 gradients (torch's
  * case, 28 B/param), bf16 gradients with the bf16 weight copy (the offload's, 28 B), bf16
@@ -193,45 +196,56 @@ struct variant {
   char const* name;
   range_fn<float> f32;  // null: prod, prod-sep
   range_fn<z::bf16_bits> b16;
-  int chunks_per_thread;
-  bool separate{false};  // writes master, m, v to a second copy
+  int chunks_per_thread;  // 0: the production split (claimed); k: k fixed ranges per thread
+  bool separate{false};   // writes master, m, v to a second copy
 };
 
 std::vector<variant> all_variants() {
-  std::vector<variant> v{{"prod", nullptr, nullptr, 1}, {"prod-sep", nullptr, nullptr, 1}};
+  std::vector<variant> v{{"prod", nullptr, nullptr, 0}, {"prod-sep", nullptr, nullptr, 0}};
 #if WM_ZERO_X86
   if (z::cpu_supports(z::cpu_isa::avx512)) {
     v.push_back({"u1-store", variant_range<1, 0, false, false, false, float>,
-                 variant_range<1, 0, false, false, false, z::bf16_bits>, 1});
+                 variant_range<1, 0, false, false, false, z::bf16_bits>, 0});
     v.push_back({"u1-nt", variant_range<1, 0, true, false, false, float>,
-                 variant_range<1, 0, true, false, false, z::bf16_bits>, 1});
+                 variant_range<1, 0, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u2-nt", variant_range<2, 0, true, false, false, float>,
-                 variant_range<2, 0, true, false, false, z::bf16_bits>, 1});
+                 variant_range<2, 0, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u4-nt", variant_range<4, 0, true, false, false, float>,
-                 variant_range<4, 0, true, false, false, z::bf16_bits>, 1});
+                 variant_range<4, 0, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u1-nt-pf1k", variant_range<1, 1024, true, false, false, float>,
-                 variant_range<1, 1024, true, false, false, z::bf16_bits>, 1});
+                 variant_range<1, 1024, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u1-nt-pf4k", variant_range<1, 4096, true, false, false, float>,
-                 variant_range<1, 4096, true, false, false, z::bf16_bits>, 1});
+                 variant_range<1, 4096, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u1-allnt", variant_range<1, 0, true, true, false, float>,
-                 variant_range<1, 0, true, true, false, z::bf16_bits>, 1});
+                 variant_range<1, 0, true, true, false, z::bf16_bits>, 0});
     v.push_back({"sep-store", variant_range<1, 0, true, false, true, float>,
-                 variant_range<1, 0, true, false, true, z::bf16_bits>, 1, true});
+                 variant_range<1, 0, true, false, true, z::bf16_bits>, 0, true});
     v.push_back({"u2-sep-nt", variant_range<2, 0, true, true, true, float>,
-                 variant_range<2, 0, true, true, true, z::bf16_bits>, 1, true});
-    v.push_back({"u1-nt-chunk", variant_range<1, 0, true, false, false, float>,
-                 variant_range<1, 0, true, false, false, z::bf16_bits>, 8});
+                 variant_range<2, 0, true, true, true, z::bf16_bits>, 0, true});
+    // The split before the claimed ranges: one fixed range per thread.
+    v.push_back({"u1-nt-fixed", variant_range<1, 0, true, false, false, float>,
+                 variant_range<1, 0, true, false, false, z::bf16_bits>, 1});
   }
 #endif
   return v;
 }
 
-/// One variant's update of @p a over the pool: `chunks` contiguous ranges per thread, range k
-/// on thread k mod size (1: the production split).
+/// One variant's update of @p a over the pool. chunks 0: the production split (up to 8 ranges
+/// per thread of at least 64 Ki elements, claimed by free threads, as cpu_adam_update); k > 0:
+/// k fixed contiguous ranges per thread, range t on thread t mod size.
 template <class Grad>
 void run_variant(range_fn<Grad> f, int chunks, z::cpu_adam_options const& o, z::cpu_adam_step s,
                  z::cpu_adam_arrays<Grad> const& a, z::thread_pool& pool) {
-  auto const c            = zd::make_constants(o, s);
+  auto const c = zd::make_constants(o, s);
+  if (chunks == 0) {
+    std::size_t const tasks =
+        std::max<std::size_t>(1, std::min<std::size_t>(8 * pool.size(), (a.n + 65535) / 65536));
+    pool.run_claimed(tasks, [&](std::size_t t) {
+      auto const [first, last] = part(a.n, tasks, t);
+      f(c, a, first, last);
+    });
+    return;
+  }
   std::size_t const tasks = pool.size() * static_cast<std::size_t>(chunks);
   pool.run(tasks, [&](std::size_t t) {
     auto const [first, last] = part(a.n, tasks, t);
