@@ -133,10 +133,10 @@ struct zero_options {
   unsigned cpu_threads{0};
   /// `wm::offload_host`: pin each CPU Adam worker thread to one of those CPUs (worker k on the
   /// k-th, cyclically; the thread that calls the update, the library's own with
-  /// `offload_pipeline`, the caller's of `step` without it, stays unpinned). On some hosts this
-  /// makes the CPU Adam 10-15% faster (bench/NOTES.md); off by default because pinned threads
-  /// take those cores from the user's own threads (data loaders). Linux only: elsewhere the
-  /// constructor throws std::system_error.
+  /// `offload_pipeline`, the caller's of `step` without it, stays unpinned). Measured on one
+  /// 16-core host: 0-6% faster, within that host's spread between runs (bench/NOTES.md); off
+  /// by default because pinned threads take those cores from the user's own threads (data
+  /// loaders). Linux only: elsewhere the constructor throws std::system_error.
   bool pin_cpu_threads{false};
   /// Stage 1: allocate a gradient shard (counted in `zero_memory::buffers`) that keeps the sum of
   /// a step's micro-batches, for `zero_optimizer::accumulate_gradients`. Stages 2-3 keep the sum
