@@ -14,8 +14,10 @@
  *   u1-store   one vector per iteration, plain stores everywhere (the production body before)
  *   u1-nt      one vector, streaming stores for the bf16 copy (prod's body before the prefetch)
  *   u2-nt, u4-nt            2 or 4 vectors per iteration (more loads in flight per core)
- *   u1-nt-pf1k, u1-nt-pf4k  software prefetch 1 or 4 KiB ahead in every input stream (pf1k
- *                           = prod's AVX-512 body since 2026-11-24)
+ *   u1-nt-pf1k, u1-nt-pf2k, u1-nt-pf4k  software prefetch 1, 2 or 4 KiB ahead in every input
+ *                           stream (pf1k = prod's AVX-512 body since 2026-11-24)
+ *   u2-nt-pf1k     2 vectors per iteration with the prefetch
+ *   u1-nt-pf1k-nta the prefetch with the non-temporal hint (less cache displaced)
  *   u1-allnt   streaming stores for master, m and v too (in place)
  *   u1-nt-fixed  u1-nt with one fixed range per thread (the split before the claimed ranges)
  * Every variant but u1-nt-fixed splits the work as prod does: up to 8 ranges per thread, claimed
@@ -132,15 +134,16 @@ __attribute__((target("avx512f"), always_inline)) inline void variant_body(
   __m512 const eps = _mm512_set1_ps(c.eps), scale = _mm512_set1_ps(c.scale);
   __m512 const step = _mm512_set1_ps(c.step_size), ibc2 = _mm512_set1_ps(c.inv_bc2_sqrt);
   __m512 const decay = _mm512_set1_ps(c.decay);
-  if constexpr (Prefetch > 0) {
-    constexpr std::size_t ahead = Prefetch / 4;  // floats
+  if constexpr (Prefetch != 0) {  // < 0: |Prefetch| bytes ahead with the non-temporal hint
+    constexpr std::size_t ahead = (Prefetch > 0 ? Prefetch : -Prefetch) / 4;  // floats
+    constexpr auto hint         = Prefetch > 0 ? _MM_HINT_T0 : _MM_HINT_NTA;
     for (int u = 0; u < U; ++u) {
       std::size_t const j = i + ahead + 16 * static_cast<std::size_t>(u);
-      _mm_prefetch(reinterpret_cast<char const*>(a.master + j), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<char const*>(a.m + j), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<char const*>(a.v + j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<char const*>(a.master + j), hint);
+      _mm_prefetch(reinterpret_cast<char const*>(a.m + j), hint);
+      _mm_prefetch(reinterpret_cast<char const*>(a.v + j), hint);
       if (sizeof(Grad) == 4 || u % 2 == 0) {
-        _mm_prefetch(reinterpret_cast<char const*>(a.grad + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<char const*>(a.grad + j), hint);
       }
     }
   }
@@ -216,6 +219,12 @@ std::vector<variant> all_variants() {
                  variant_range<1, 1024, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u1-nt-pf4k", variant_range<1, 4096, true, false, false, float>,
                  variant_range<1, 4096, true, false, false, z::bf16_bits>, 0});
+    v.push_back({"u1-nt-pf2k", variant_range<1, 2048, true, false, false, float>,
+                 variant_range<1, 2048, true, false, false, z::bf16_bits>, 0});
+    v.push_back({"u2-nt-pf1k", variant_range<2, 1024, true, false, false, float>,
+                 variant_range<2, 1024, true, false, false, z::bf16_bits>, 0});
+    v.push_back({"u1-nt-pf1k-nta", variant_range<1, -1024, true, false, false, float>,
+                 variant_range<1, -1024, true, false, false, z::bf16_bits>, 0});
     v.push_back({"u1-allnt", variant_range<1, 0, true, true, false, float>,
                  variant_range<1, 0, true, true, false, z::bf16_bits>, 0});
     v.push_back({"sep-store", variant_range<1, 0, true, false, true, float>,
