@@ -114,7 +114,9 @@ namespace wm {
  * the gradients of bucket b live in staging buffer b % 2, which bucket b + 2 reuses: its
  * `reduce_gradients(b)` must be enqueued before backward writes bucket b + 2's gradients; the
  * staging buffer is zeroed after the reduce-scatter. In stage 1 the gradients stay in the arena
- * until backward overwrites them.
+ * until backward overwrites them, except with `wm::offload_host` and
+ * `zero_options::offload_pipeline`: this rank's shard of bucket b's gradients then carries the
+ * step's new weights back to the GPU from `reduce_gradients(b)` on (read gradients before it).
  *
  * @tparam Stage     `wm::zero_stage<1|2|3>`
  * @tparam Optimizer an optimizer policy of optimizer.hpp (`wm::adam`, `wm::sgd`, ...); every
@@ -175,8 +177,9 @@ class zero_optimizer {
    * @brief Compute weights of parameter @p p (its elements, contiguous, in the arena).
    * Stage 3: only while a group that holds it is gathered.
    * @tparam T `float`, `__nv_bfloat16` or `__half`, matching the parameter's type
-   * @throw wm::logic_error on a wrong T, an index out of range, or (stage 3) a parameter that is
-   * not gathered
+   * @throw wm::logic_error on a wrong T, an index out of range, (stage 3) a parameter that is
+   * not gathered, or (stages 1-2, `zero_options::offload_overlap_forward`) a parameter whose
+   * weights from the last step have not come yet: `weights_ready(bucket_of(p), stream)` first
    */
   template <class T>
   [[nodiscard]] std::span<T> weights(std::size_t p);
@@ -192,7 +195,9 @@ class zero_optimizer {
   /**
    * @brief Sets parameter @p p's weights from @p values (`elements()` values of its compute
    * type, on the host or the device; the same on every rank), on @p stream. The fp32 master
-   * weights of the rank's shard are taken from the compute weights at the next `step`.
+   * weights of the rank's shard are taken from the compute weights at the next `step`. After a
+   * step whose update is still finishing (`zero_options::offload_overlap_forward`) it first
+   * completes it, which in stages 1-2 all-gathers the buckets left: then every rank must call it.
    */
   template <class T>
   void set_weights(std::size_t p, T const* values, cuda::stream_ref stream);
@@ -349,7 +354,8 @@ class zero_optimizer {
   void step_offload(float lr, cuda::stream_ref stream);
   double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
   void norm_partials(std::size_t b, cudaStream_t s);
-  double* norm_total(cuda::stream_ref stream);  // the partials summed, then all-reduced
+  // The partials summed, then all-reduced with @p veto beside (global[1]: the ranks' sum).
+  double* norm_total(cuda::stream_ref stream, double veto = 0.0);
   // Offload: the CPU Adam of elements [first, first + count) of bucket b's shard (this step's lr,
   // count and gradient factor), reading master weights, m and v at @p in and writing them to
   // @p out (the same pointers: in place), the new compute weights into host_weights_.
@@ -419,7 +425,7 @@ class zero_optimizer {
   float* scale_{nullptr};           // the loss scale of the next step (device)
   mutable float host_scale_{1.0f};  // offload: the scale itself; else the last one read
   std::int64_t* host_counters_{nullptr};
-  double* host_sumsq_{nullptr};       // offload: the global sum of squares of the step
+  double* host_sumsq_{nullptr};       // offload: the step's global Σ g² and the ranks' vetoes
   std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
   std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
   std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads

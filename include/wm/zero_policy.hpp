@@ -120,20 +120,26 @@ struct zero_options {
   /// With `offload_pipeline`: a step whose update the pipeline applies returns before the CPU
   /// Adam has updated every bucket, so that the next forward pass overlaps the end of the update
   /// (the CPU, which sets the pace of an offloaded step, otherwise idles through the forward).
-  /// Once backward's gradients have all landed, the CPU updates the buckets left in forward order
-  /// (the last bucket first). The forward must then call `zero_optimizer::weights_ready(b,
-  /// stream)` before it reads bucket b's weights (stage 3: `gather` does); any other call that
+  /// Once `step` has decided to apply the update, the CPU updates the buckets left in forward
+  /// order (the last bucket first). The forward must then call `zero_optimizer::weights_ready(b,
+  /// stream)` before it reads bucket b's weights (stage 3: `gather` does; stages 1-2:
+  /// `weights(p)` throws for a parameter whose weights have not come yet); any other call that
   /// needs the step's results (`reduce_gradients`, `step`, `set_weights`, `save`, `load`,
-  /// `master_shard`) first completes what is left. false: `step` waits for the whole update.
+  /// `master_shard`) first completes what is left (in stages 1-2 with the all-gathers left:
+  /// every rank makes such a call at the same point). Ranks adopt an update only together (their
+  /// vetoes ride on the norm's all-reduce), so they all-gather in the same order. false: `step`
+  /// waits for the whole update.
   bool offload_overlap_forward{false};
   /// `wm::offload_host`: threads of the CPU Adam, the thread that runs it included. 0: one per
   /// CPU the constructing thread may run on (its affinity mask: a launcher that binds each rank's
   /// process to its own cores gives each rank's CPU Adam those cores). Several ranks on one host
-  /// without such a binding should divide the cores between them here.
+  /// without such a binding should divide the cores between them here (and not pin).
   unsigned cpu_threads{0};
   /// `wm::offload_host`: pin each CPU Adam worker thread to one of those CPUs (worker k on the
   /// k-th, cyclically; the thread that calls the update, the library's own with
-  /// `offload_pipeline`, the caller's of `step` without it, stays unpinned). Measured on one
+  /// `offload_pipeline`, the caller's of `step` without it or for a redone step, stays
+  /// unpinned). Several ranks on one host need each its own CPUs (a launcher's binding):
+  /// without one, every rank pins its workers to the same first CPUs of the host. Measured on one
   /// 16-core host: 0-6% faster, within that host's spread between runs (bench/NOTES.md); off
   /// by default because pinned threads take those cores from the user's own threads (data
   /// loaders). Linux only: elsewhere the constructor throws std::system_error.

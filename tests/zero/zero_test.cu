@@ -996,6 +996,57 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   REQUIRE(b.offload_stats().cpu_adam_seconds > 0.0);  // the unpipelined updates too
 }
 
+TEMPLATE_TEST_CASE("zero_optimizer offload overlap: one rank's veto makes every rank redo",
+                   "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>) {
+  // Rank 0 alone calls reset_master_weights between backward and step 2 (its masters come from
+  // the compute weights again), so it cannot adopt the pipeline's update; then no rank may: with
+  // offload_overlap_forward an adopting rank all-gathers the buckets later and in another order
+  // than a redoing one (a hang or wrong weights). Every rank must redo step 2, and adopt steps 1
+  // and 3 (the last step's rate); weights, masters and moments equal an unpipelined optimizer
+  // given the same calls, bit for bit, after every step.
+  using opt_t = wm::zero_optimizer<TestType, wm::adam, wm::offload_host>;
+  auto& comm  = wm_test::comm();
+  stream_holder s;
+  std::uint64_t const seed = shared_seed(comm);
+  auto const mp            = model(0);
+  auto const params        = zero_params(mp);
+  wm::zero_options options;
+  options.offload_chunk_elements  = 64;
+  options.offload_overlap_forward = true;
+  wm::zero_options plain          = options;
+  plain.offload_pipeline          = false;
+  plain.offload_overlap_forward   = false;
+  opt_t a{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), plain};
+  set_same_random_weights(a, b, mp, seed, comm, s);
+  float const lr   = 0.05f;
+  auto const& plan = a.layout();
+  for (int t = 0; t < 4; ++t) {
+    INFO("step " << t << " world " << comm.size());
+    double const scale = a.loss_scale(s);
+    for (std::size_t bk = 0; bk < a.buckets(); ++bk) {
+      for (auto p : plan.buckets[bk].params) {
+        auto const g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), scale);
+        write_typed(mp[p].type, gradients_ptr(a, p, mp[p].type), g, comm, s.s);
+        write_typed(mp[p].type, gradients_ptr(b, p, mp[p].type), g, comm, s.s);
+      }
+      a.reduce_gradients(bk, s);
+      b.reduce_gradients(bk, s);
+    }
+    if (t == 2 && comm.rank() == 0) {
+      a.reset_master_weights();
+      b.reset_master_weights();
+    }
+    a.step(lr, s);
+    b.step(lr, s);
+    // Step 0 follows set_weights (nothing ahead); 1 and 3 reuse the last step's rate.
+    REQUIRE(a.last_step_pipelined() == (t == 1 || t == 3));
+    for (std::size_t bk = a.buckets(); bk-- > 0;) { a.weights_ready(bk, s); }
+    require_same_weights(a, b, mp, comm, s);
+    require_same_shards(a, b, comm, s, true, 0x7fc00001u, 0x7fc00002u);
+  }
+}
+
 TEMPLATE_PRODUCT_TEST_CASE(
     "zero_optimizer gradient accumulation equals one batch of the summed "
     "gradients bit for bit",

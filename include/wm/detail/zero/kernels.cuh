@@ -55,17 +55,21 @@ __global__ void __launch_bounds__(norm_block)
   if (threadIdx.x == 0) { partials[blockIdx.x] = total; }
 }
 
-/// *out = Σ partials[0..n) in a fixed order (one block of Block threads; a template so that the
-/// header defines no non-template kernel).
+/// out[0] = Σ partials[0..n) in a fixed order, out[1] = @p veto (one block of Block threads; a
+/// template so that the header defines no non-template kernel).
 template <int Block = norm_block>
 __global__ void __launch_bounds__(Block)
-    sum_partials_kernel(double const* __restrict__ partials, std::size_t n, double* out) {
+    sum_partials_kernel(double const* __restrict__ partials, std::size_t n, double* out,
+                        double veto) {
   double acc = 0.0;
   for (std::size_t i = threadIdx.x; i < n; i += Block) { acc += partials[i]; }
   using reduce = cub::BlockReduce<double, Block>;
   __shared__ typename reduce::TempStorage temp;
   double const total = reduce(temp).Sum(acc);
-  if (threadIdx.x == 0) { *out = total; }
+  if (threadIdx.x == 0) {
+    out[0] = total;
+    out[1] = veto;  // summed over the ranks beside the norm (see zero_optimizer::norm_total)
+  }
 }
 
 /// What every shard's update needs besides its pointers.

@@ -162,7 +162,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   std::size_t const accum_bytes =
       Stage::value == 1 && options_.gradient_accumulation ? shard_arena : 0;
   memory_.buffers     = (Stage::value >= 2 ? stagings * max_b : 0) + pool_bytes + accum_bytes;
-  memory_.scratch     = (partials_ + 2) * sizeof(double) + 3 * sizeof(std::int64_t);
+  memory_.scratch     = (partials_ + 4) * sizeof(double) + 3 * sizeof(std::int64_t);
   bool const pipeline = Offload::host && options_.offload_pipeline;
   // The pipeline's chunks (bucket by bucket) and its spare regions, each as large as the largest
   // chunk: ceil(fraction × chunks) of them.
@@ -217,7 +217,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
           pinned(plan_.state_elements * Optimizer::states * sizeof(float)));
       host_grads_   = pinned(shard_arena);
       host_weights_ = pinned(shard_arena);
-      host_sumsq_   = reinterpret_cast<double*>(pinned(sizeof(double)));
+      host_sumsq_   = reinterpret_cast<double*>(pinned(2 * sizeof(double)));
       std::fill_n(states_, plan_.state_elements * Optimizer::states, initial_state(opt_));
       cpu_pool_ = std::make_unique<z::thread_pool>(options_.cpu_threads, options_.pin_cpu_threads);
       if (pipeline) {
@@ -245,7 +245,7 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
       master_ = z::device_alloc<float>(plan_.state_elements);
       states_ = z::device_alloc<float>(plan_.state_elements * Optimizer::states);
     }
-    scratch_  = z::device_alloc<double>(partials_ + 2);
+    scratch_  = z::device_alloc<double>(partials_ + 4);
     counters_ = z::device_alloc<std::int64_t>(counters);
     scale_    = z::device_alloc<float>(1);
     WM_CUDA_TRY(cudaMallocHost(&host_counters_, counters * sizeof(std::int64_t)));
@@ -391,6 +391,10 @@ std::span<T> zero_optimizer<Stage, Optimizer, Offload>::weights(std::size_t p) {
                    "' is not gathered (stage 3: gather a group that holds it first)");
     return {reinterpret_cast<T*>(pool_ + *at) + pl.offset, n};
   } else {
+    WM_EXPECTS(pending_ <= pl.bucket,
+               "zero_optimizer::weights: parameter '" + plan_.params[p].name +
+                   "' still waits for the last step's weights (offload_overlap_forward): call "
+                   "weights_ready(bucket_of(p), stream) first");
     return {reinterpret_cast<T*>(weights_ + plan_.byte_offset(p)), n};
   }
 }
@@ -982,16 +986,19 @@ double* zero_optimizer<Stage, Optimizer, Offload>::norm_async(cuda::stream_ref s
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-double* zero_optimizer<Stage, Optimizer, Offload>::norm_total(cuda::stream_ref stream) {
+double* zero_optimizer<Stage, Optimizer, Offload>::norm_total(cuda::stream_ref stream,
+                                                              double veto) {
   namespace z          = detail::zero;
   cudaStream_t const s = stream.get();
   double* const local  = scratch_ + partials_;
-  double* const global = local + 1;
-  z::sum_partials_kernel<z::norm_block><<<1, z::norm_block, 0, s>>>(scratch_, partials_, local);
+  double* const global = local + 2;
+  z::sum_partials_kernel<z::norm_block>
+      <<<1, z::norm_block, 0, s>>>(scratch_, partials_, local, veto);
   WM_CHECK_LAUNCH();
-  // 2. One scalar all-reduce: the global norm and the inf/NaN check (an inf or NaN anywhere
-  // makes the sum inf or NaN on every rank, so every rank skips the same steps).
-  comm_->all_reduce(static_cast<double const*>(local), global, 1, stream);
+  // 2. One all-reduce of two scalars: the global norm and the inf/NaN check (an inf or NaN
+  // anywhere makes the sum inf or NaN on every rank, so every rank skips the same steps), and
+  // the offload pipeline's vetoes (global[1] > 0: some rank cannot adopt its update).
+  comm_->all_reduce(static_cast<double const*>(local), global, 2, stream);
   return global;
 }
 
@@ -1009,6 +1016,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
       WM_CUDA_TRY(cudaEventRecord(d2h_done_, d2h_stream_));
       WM_CUDA_TRY(cudaStreamWaitEvent(s, d2h_done_, 0));
     }
+    bool const stale = masters_stale_;
     if (masters_stale_) {  // weights were set: the pipeline's work (if any) is dropped
       if (spec.active) {
         decision_.store(2, std::memory_order_release);
@@ -1018,24 +1026,35 @@ void zero_optimizer<Stage, Optimizer, Offload>::step_offload(float lr, cuda::str
       gather_host_copies();  // the moments stay; the masters come from the compute weights
       widen_masters(s);
     }
+    // This rank can adopt the pipeline's update if the update assumed this step's inputs as this
+    // rank knows them: the same learning rate and count, every bucket posted, nothing that
+    // changed its inputs since (weights set, states read while it ran ahead). Some of these are
+    // this rank's own (a reset_master_weights, how far its worker got when the states were
+    // read), so the ranks sum their vetoes in the norm's all-reduce and adopt only together: with
+    // offload_overlap_forward an adopting rank all-gathers in another order than a redoing one.
+    bool const can_adopt =
+        spec.active && !stale && !spec.invalid && spec.posted == plan_.buckets.size() &&
+        spec.t == host_counters_[0] + 1 &&
+        std::bit_cast<std::uint32_t>(spec.lr) == std::bit_cast<std::uint32_t>(lr);
     // The pipeline took the partials as each bucket was reduced (its shards now hold weights).
-    double* const global = pipeline ? norm_total(stream) : norm_async(stream);
-    WM_CUDA_TRY(cudaMemcpyAsync(host_sumsq_, global, sizeof(double), cudaMemcpyDeviceToHost, s));
+    double* const global =
+        pipeline ? norm_total(stream, can_adopt ? 0.0 : 1.0) : norm_async(stream);
+    WM_CUDA_TRY(
+        cudaMemcpyAsync(host_sumsq_, global, 2 * sizeof(double), cudaMemcpyDeviceToHost, s));
     // The norm, and every gradient shard on the host (reduce_gradients sent them).
     comm_->synchronize(stream, "zero_optimizer::step");
-    double const sumsq = *host_sumsq_;
+    double const sumsq = host_sumsq_[0];
+    bool const vetoed  = !(host_sumsq_[1] == 0.0);
     float const scale  = host_scale_;  // this step's
     bool const skip    = !std::isfinite(sumsq);
     float const ranks  = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
     float const factor =
         skip ? 0.0f : z::grad_factor_of(sumsq, 1.0f / (scale * ranks), options_.max_grad_norm);
-    // The pipeline's update is this step's if it assumed this step's inputs: the same learning
-    // rate, count and gradient factor (clipping that scales changes the factor), every bucket,
-    // and no weights set since. Every rank decides the same (the inputs are collective).
+    // The pipeline's update is this step's if every rank can adopt it and it assumed this
+    // step's gradient factor (clipping that scales changes it; the factor, like skip, comes from
+    // the all-reduced norm, so every rank decides the same).
     bool const adopt =
-        spec.active && !skip && !spec.invalid && spec.posted == plan_.buckets.size() &&
-        spec.t == host_counters_[0] + 1 &&
-        std::bit_cast<std::uint32_t>(spec.lr) == std::bit_cast<std::uint32_t>(lr) &&
+        can_adopt && !vetoed && !skip &&
         std::bit_cast<std::uint32_t>(spec.factor) == std::bit_cast<std::uint32_t>(factor);
     if (spec.active) {
       // The chunks the worker has not begun are done in place now (or not at all); then it ends
