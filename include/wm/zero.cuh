@@ -263,7 +263,8 @@ class zero_optimizer {
    * until the CPU Adam has sent those buckets back; @p stream waits for their copies. The forward
    * calls it before it first reads a bucket's weights, going down from the last bucket (its
    * first layers). Does nothing when nothing is pending (another policy, the option off, or the
-   * buckets ready already).
+   * buckets ready already), or for `detail::zero::no_bucket` (`bucket_of` a parameter without
+   * elements).
    * @throw wm::logic_error on a bucket index out of range
    * @throw wm::comm_error at the deadline, or what the CPU Adam threw
    */

@@ -944,6 +944,7 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
     if (overlap) {
       a.weights_ready(0, s);  // the tail settled (stage 3's gathers may have left none)
       REQUIRE_THROWS_AS(a.weights_ready(a.buckets(), s), wm::logic_error);
+      a.weights_ready(wm::detail::zero::no_bucket, s);  // bucket_of an empty parameter: no-op
     }
     {
       auto const after = a.offload_stats();

@@ -847,6 +847,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::adopt_bucket(std::size_t b,
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::weights_ready(std::size_t b,
                                                               cuda::stream_ref stream) {
+  if (b == detail::zero::no_bucket) { return; }  // a parameter without elements
   WM_EXPECTS(b < plan_.buckets.size(),
              "zero_optimizer::weights_ready: a bucket index below the count (" +
                  std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
