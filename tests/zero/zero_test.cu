@@ -1258,6 +1258,9 @@ TEST_CASE("zero_optimizer rejects bad input", "[ranked]") {
   std::vector<wm::zero_parameter> dup{{"a", {10}}, {"a", {20}}};
   REQUIRE_THROWS_AS((wm::zero_optimizer<wm::zero_stage<2>>{comm, dup, 1024}), wm::logic_error);
   wm::zero_optimizer<wm::zero_stage<2>> opt{comm, params, 1024};
+  REQUIRE_THROWS_AS((void)opt.state_shard(-1), wm::logic_error);
+  REQUIRE_THROWS_AS((void)opt.state_shard(wm::adam::states), wm::logic_error);
+  REQUIRE(opt.state_shard(wm::adam::states - 1) != nullptr);
   REQUIRE_THROWS_AS(opt.weights<float>(0), wm::logic_error);  // bf16 parameter
   REQUIRE_THROWS_AS(opt.weights<bf16>(2), wm::logic_error);
   REQUIRE_THROWS_AS(opt.index("c"), wm::logic_error);
