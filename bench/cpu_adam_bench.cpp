@@ -29,7 +29,8 @@
  *
  * Usage: cpu_adam_bench [--params N] [--threads T[,T...]] [--reps R] [--isa all|best]
  *                       [--variants all|name[,name...]] [--pin] [--peer]
- *   --threads: one sweep per count (0: every hardware thread); --pin: pool thread k on CPU k.
+ *   --threads: one sweep per count (0: every CPU of the process); --pin: pool worker k on the
+ *   k-th CPU (thread_pool's pinning; the calling thread, which starts the peer, stays unpinned).
  *   --peer runs bench/peers/torch_cpu_adam.py on the same size and thread count (torch's
  *   AdamW default, foreach and fused on CPU tensors) and prints the ratio to torch fused.
  * Targets (issue 20): ≥ 1.1 × torch fused, ≥ 0.80 of the copy bandwidth at 28 B/param.
@@ -50,11 +51,6 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
-
-#if defined(__linux__)
-#include <pthread.h>
-#include <sched.h>
-#endif
 
 namespace z  = wm::detail::zero;
 namespace zd = wm::detail::zero::cpu_adam_detail;
@@ -247,8 +243,7 @@ void run_variant(range_fn<Grad> f, int chunks, z::cpu_adam_options const& o, z::
                  z::cpu_adam_arrays<Grad> const& a, z::thread_pool& pool) {
   auto const c = zd::make_constants(o, s);
   if (chunks == 0) {
-    std::size_t const tasks =
-        std::max<std::size_t>(1, std::min<std::size_t>(8 * pool.size(), (a.n + 65535) / 65536));
+    std::size_t const tasks = z::cpu_adam_tasks(a.n, pool);
     pool.run_claimed(tasks, [&](std::size_t t) {
       auto const [first, last] = part(a.n, tasks, t);
       f(c, a, first, last);
@@ -260,35 +255,6 @@ void run_variant(range_fn<Grad> f, int chunks, z::cpu_adam_options const& o, z::
     auto const [first, last] = part(a.n, tasks, t);
     f(c, a, first, last);
   });
-}
-
-#if defined(__linux__)
-/// The CPUs this process may run on at start, before --pin narrows each pool thread (the caller
-/// included) to one: the peer's process gets them back (a child inherits its parent thread's mask).
-cpu_set_t const& initial_cpus() {
-  static cpu_set_t const set = [] {
-    cpu_set_t s;
-    CPU_ZERO(&s);
-    (void)sched_getaffinity(0, sizeof s, &s);
-    return s;
-  }();
-  return set;
-}
-#endif
-
-void pin(z::thread_pool& pool) {
-#if defined(__linux__)
-  (void)initial_cpus();
-  unsigned const cpus = std::max(1u, std::thread::hardware_concurrency());
-  pool.run(pool.size(), [&](std::size_t t) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(static_cast<int>(t % cpus), &set);
-    (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-  });
-#else
-  (void)pool;
-#endif
 }
 
 /// Each variant against prod on a small array, bit for bit (master, m, v, bf16 copy).
@@ -374,8 +340,7 @@ struct sweep_result {
 
 sweep_result sweep(std::size_t n, unsigned threads, int reps, bool all_isas, bool pinned,
                    std::vector<std::string> const& wanted) {
-  z::thread_pool pool{threads};
-  if (pinned) { pin(pool); }
+  z::thread_pool pool{threads, pinned};  // pinned: workers, not this thread (nor the peer's)
   std::size_t const parts = pool.size();
 
   // Buffers, first touched by the thread that updates them (the production split).
@@ -543,11 +508,6 @@ void run_peer(std::size_t n, unsigned threads, int reps, sweep_result const& r) 
                           " --threads " + std::to_string(threads) + " --reps " +
                           std::to_string(reps);
   std::fflush(stdout);
-#if defined(__linux__)
-  // Unpinned: popen's child would inherit this thread's single CPU under --pin (torch's threads
-  // on one core: the 2026-11-24 H100 run's "0.67 Gparams/s").
-  (void)pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &initial_cpus());
-#endif
   FILE* p = ::popen(cmd.c_str(), "r");
   std::string last;
   if (p == nullptr) {

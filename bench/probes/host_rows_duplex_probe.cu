@@ -25,14 +25,8 @@
 #include <random>
 #include <string>
 #include <vector>
-#define CK(x)                                                                     \
-  do {                                                                            \
-    auto e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                      \
-      std::printf("FAIL %s: %s line %d\n", #x, cudaGetErrorString(e_), __LINE__); \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (0)
+
+#include "check.cuh"
 
 using u32 = uint32_t;
 using u64 = unsigned long long;

@@ -15,6 +15,7 @@
 #include <wm/zero.cuh>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -859,6 +860,24 @@ TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offlo
   REQUIRE(stats0.peak_regions == 0);
   REQUIRE(stats0.cpu_adam_seconds == 0.0);
   REQUIRE(b.offload_stats().spare_regions == 0);
+  if (mode == 0 && pool == 0 && !overlap) {
+    // The fraction as written: j / chunks as a float a little above it still gives j regions
+    // (as 0.1f of 10 chunks gives 1). Up to three such j, each a fresh optimizer.
+    int checked = 0;
+    for (std::size_t j = 1; j < chunks && checked < 3; ++j) {
+      float const f = static_cast<float>(static_cast<double>(j) / static_cast<double>(chunks));
+      if (static_cast<double>(f) * static_cast<double>(chunks) <= static_cast<double>(j)) {
+        continue;  // rounded down: the ceiling is j either way
+      }
+      wm::zero_options o       = options;
+      o.offload_spare_fraction = f;
+      opt_t c{comm, params, 1024, make_optimizer<wm::adam>(), o};
+      INFO("fraction " << f << " of " << chunks << " chunks");
+      REQUIRE(c.offload_stats().spare_regions == j);
+      ++checked;
+    }
+    REQUIRE((checked > 0 || std::has_single_bit(chunks)));  // 2^k chunks: every j / chunks exact
+  }
   wm::zero_options odd       = options;
   odd.offload_chunk_elements = 100;  // not a multiple of 64
   REQUIRE_THROWS_AS((opt_t{comm, params, 1024, make_optimizer<wm::adam>(), odd}), wm::logic_error);
@@ -1042,6 +1061,10 @@ TEMPLATE_TEST_CASE("zero_optimizer offload overlap: one rank's veto makes every 
     b.step(lr, s);
     // Step 0 follows set_weights (nothing ahead); 1 and 3 reuse the last step's rate.
     REQUIRE(a.last_step_pipelined() == (t == 1 || t == 3));
+    if (a.last_step_pipelined()) {  // bucket 0's weights come last: not before weights_ready
+      std::size_t const p = plan.buckets[0].params.front();
+      REQUIRE_THROWS_AS(weights_ptr(a, p, mp[p].type), wm::logic_error);
+    }
     for (std::size_t bk = a.buckets(); bk-- > 0;) { a.weights_ready(bk, s); }
     require_same_weights(a, b, mp, comm, s);
     require_same_shards(a, b, comm, s, true, 0x7fc00001u, 0x7fc00002u);

@@ -393,6 +393,15 @@ void range(cpu_isa isa, constants const& c, cpu_adam_arrays<Grad> const& a, std:
 #pragma GCC diagnostic pop
 #endif
 
+/// The ranges an update of @p n elements is split in: eight per thread of at least 64 Ki
+/// elements (1.75 MiB of traffic), claimed by free threads, so that one that shares its core
+/// (with the caller's forward pass, the driver's threads) takes fewer instead of holding up the
+/// update (bench/NOTES.md).
+[[nodiscard]] inline std::size_t cpu_adam_tasks(std::size_t n, thread_pool const& pool) noexcept {
+  return std::max<std::size_t>(
+      1, std::min<std::size_t>(std::size_t{8} * pool.size(), (n + 65535) / 65536));
+}
+
 /**
  * @brief One Adam/AdamW step over @p a's n elements, split in up to 8 × size() contiguous ranges
  * (boundaries on 64 elements) that the pool's threads claim as they are free, run with @p isa's
@@ -413,12 +422,8 @@ void cpu_adam_update(cpu_adam_options const& opt, cpu_adam_step s, cpu_adam_arra
   WM_EXPECTS((a.master_out == nullptr) == (a.m_out == nullptr) &&
                  (a.m_out == nullptr) == (a.v_out == nullptr),
              "all three outputs (master, m, v) or none");
-  auto const c = cpu_adam_detail::make_constants(opt, s);
-  // Eight tasks per thread of at least 64 Ki elements (1.75 MiB of traffic), claimed by free
-  // threads: one that shares its core (with the caller's forward pass, the driver's threads)
-  // takes fewer instead of holding up the update (bench/NOTES.md, pinned threads).
-  std::size_t const tasks =
-      std::min<std::size_t>(std::size_t{8} * pool.size(), (a.n + 65535) / 65536);
+  auto const c             = cpu_adam_detail::make_constants(opt, s);
+  std::size_t const tasks  = cpu_adam_tasks(a.n, pool);
   std::size_t const blocks = (a.n + 63) / 64;
   pool.run_claimed(tasks, [&](std::size_t t) {
     std::size_t const first = std::min(a.n, blocks * t / tasks * 64);
