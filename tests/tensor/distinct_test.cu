@@ -111,9 +111,74 @@ std::byte row_byte(std::int64_t k, std::size_t j) {
   return static_cast<std::byte>((static_cast<std::uint64_t>(k) * 2654435761u + j * 40503u) >> 7);
 }
 
+/// Checks a plan @p b of @p idx against @p m (keys as the plan holds them), its list of long runs,
+/// and replicate_runs on it.
+template <class Index, class Key, class Pos>
+void check_plan(std::vector<Index> const& idx, wm::detail::distinct_batch<Key, Pos> const& b,
+                distinct_model<Key> const& m, std::size_t row_bytes, cudaStream_t s) {
+  std::size_t const n = idx.size();
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  std::size_t const runs = copy_to_host(b.runs, 1)[0];
+  REQUIRE(b.n == n);
+  REQUIRE(runs + 1 == m.run_begin.size());
+  CHECK(copy_to_host(b.keys, n) == m.keys);
+  auto const as_size = [](std::vector<Pos> const& v) {
+    return std::vector<std::size_t>(v.begin(), v.end());
+  };
+  CHECK(as_size(copy_to_host(b.positions, n)) == m.positions);
+  CHECK(as_size(copy_to_host(b.run_begin, runs + 1)) == m.run_begin);
+  // The long runs (more than fused_copies keys), listed in any order.
+  std::vector<std::size_t> want_long;
+  for (std::size_t r = 0; r + 1 < m.run_begin.size(); ++r) {
+    if (m.run_begin[r + 1] - m.run_begin[r] > wm::detail::fused_copies) {
+      want_long.push_back(m.run_begin[r]);
+    }
+  }
+  std::size_t const long_count = copy_to_host(b.long_count, 1)[0];
+  REQUIRE(long_count == want_long.size());
+  auto got_long = as_size(copy_to_host(b.long_runs, long_count));
+  std::sort(got_long.begin(), got_long.end());
+  CHECK(got_long == want_long);
+
+  // replicate_runs: the heads' rows are in place, every other row poisoned; afterwards every
+  // row holds its key's row and nothing beyond the rows was written.
+  std::vector<std::byte> rows((n + 1) * row_bytes, poison);
+  for (std::size_t r = 0; r < runs; ++r) {
+    std::size_t const i = m.run_begin[r];
+    for (std::size_t j = 0; j < row_bytes; ++j) {
+      rows[m.positions[i] * row_bytes + j] = row_byte(static_cast<std::int64_t>(m.keys[i]), j);
+    }
+  }
+  device_bytes out{(n + 1) * row_bytes};
+  out.upload(rows.data(), rows.size());
+  wm::detail::replicate_runs(b, out.ptr, row_bytes, s);
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  REQUIRE(cudaGetLastError() == cudaSuccess);
+  auto const got    = out.to_host();
+  std::size_t wrong = 0;
+  // Each position holds the row of its key as the plan holds it.
+  std::vector<std::int64_t> key_at(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    key_at[m.positions[i]] = static_cast<std::int64_t>(m.keys[i]);
+  }
+  for (std::size_t p = 0; p < n; ++p) {
+    for (std::size_t j = 0; j < row_bytes; ++j) {
+      wrong += got[p * row_bytes + j] == row_byte(key_at[p], j) ? 0 : 1;
+    }
+  }
+  CHECK(wrong == 0);
+  bool tail_untouched = true;
+  for (std::size_t j = 0; j < row_bytes; ++j) {
+    tail_untouched = tail_untouched && got[n * row_bytes + j] == poison;
+  }
+  CHECK(tail_untouched);
+}
+
+/// plan_distinct on the low @p bits bits and, when @p rows is not 0, plan_distinct_narrow over
+/// @p rows rows (keys narrowed to 32 bits, invalid ones to rows), each against its host model.
 template <class Index>
 void check_plan_and_replicate(std::vector<Index> const& idx, int bits, std::size_t row_bytes,
-                              std::string const& what) {
+                              std::string const& what, std::size_t rows = 0) {
   INFO(what << ": n=" << idx.size() << " bits=" << bits << " row bytes=" << row_bytes);
   std::size_t const n = idx.size();
   device_bytes d_idx{n * sizeof(Index)};
@@ -121,45 +186,24 @@ void check_plan_and_replicate(std::vector<Index> const& idx, int bits, std::size
   cudaStream_t s{};
   REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
   {
+    INFO("plan_distinct");
     wm::detail::workspace ws;
     auto const b =
         wm::detail::plan_distinct(reinterpret_cast<Index const*>(d_idx.ptr), n, bits, ws, s);
-    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
-    distinct_model<Index> const m{idx, bits};
-    std::size_t const runs = copy_to_host(b.runs, 1)[0];
-    REQUIRE(b.n == n);
-    REQUIRE(runs + 1 == m.run_begin.size());
-    CHECK(copy_to_host(b.keys, n) == m.keys);
-    CHECK(copy_to_host(b.positions, n) == m.positions);
-    CHECK(copy_to_host(b.run_begin, runs + 1) == m.run_begin);
-
-    // replicate_runs: the heads' rows are in place, every other row poisoned; afterwards every
-    // row holds its key's row and nothing beyond the rows was written.
-    std::vector<std::byte> rows((n + 1) * row_bytes, poison);
-    for (std::size_t r = 0; r < runs; ++r) {
-      std::size_t const i = m.run_begin[r];
-      for (std::size_t j = 0; j < row_bytes; ++j) {
-        rows[m.positions[i] * row_bytes + j] = row_byte(static_cast<std::int64_t>(m.keys[i]), j);
-      }
+    check_plan(idx, b, distinct_model<Index>{idx, bits}, row_bytes, s);
+  }
+  if (rows != 0) {
+    INFO("plan_distinct_narrow over " << rows << " rows");
+    REQUIRE(wm::detail::narrow_fits(rows, n));
+    std::vector<std::uint32_t> narrowed(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      bool const valid = idx[i] >= 0 && static_cast<std::size_t>(idx[i]) < rows;
+      narrowed[i] = static_cast<std::uint32_t>(valid ? static_cast<std::size_t>(idx[i]) : rows);
     }
-    device_bytes out{(n + 1) * row_bytes};
-    out.upload(rows.data(), rows.size());
-    wm::detail::replicate_runs(b, out.ptr, row_bytes, s);
-    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
-    REQUIRE(cudaGetLastError() == cudaSuccess);
-    auto const got    = out.to_host();
-    std::size_t wrong = 0;
-    for (std::size_t p = 0; p < n; ++p) {
-      for (std::size_t j = 0; j < row_bytes; ++j) {
-        wrong += got[p * row_bytes + j] == row_byte(static_cast<std::int64_t>(idx[p]), j) ? 0 : 1;
-      }
-    }
-    CHECK(wrong == 0);
-    bool tail_untouched = true;
-    for (std::size_t j = 0; j < row_bytes; ++j) {
-      tail_untouched = tail_untouched && got[n * row_bytes + j] == poison;
-    }
-    CHECK(tail_untouched);
+    wm::detail::workspace ws;
+    auto const b =
+        wm::detail::plan_distinct_narrow(reinterpret_cast<Index const*>(d_idx.ptr), n, rows, ws, s);
+    check_plan(idx, b, distinct_model<std::uint32_t>{narrowed, 32}, row_bytes, s);
   }
   REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
 }
@@ -174,7 +218,7 @@ TEMPLATE_TEST_CASE("plan_distinct and replicate_runs match a host model", "[gpu]
   SECTION("heavy repeats of few keys") {
     std::size_t const rows = 1000;
     auto keys              = zipf_keys<Index>(rng, n, rows);
-    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "zipf over 1000 rows");
+    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "zipf over 1000 rows", rows);
   }
   SECTION("uniform keys over a large range, every bit") {
     std::vector<Index> keys(n);
@@ -183,9 +227,16 @@ TEMPLATE_TEST_CASE("plan_distinct and replicate_runs match a host model", "[gpu]
     }
     check_plan_and_replicate(keys, int{sizeof(Index) * 8}, rb, "uniform, all bits");
   }
+  SECTION("uniform keys up to the largest table of 32-bit keys (2^32 - 2 rows)") {
+    std::size_t const rows = sizeof(Index) == 4 ? (std::size_t{1} << 31) : 0xfffffffeu;
+    std::vector<Index> keys(n);
+    for (auto& k : keys) { k = static_cast<Index>(rng() % rows); }
+    if (n > 0) { keys[0] = static_cast<Index>(rows - 1); }
+    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "uniform up to 2^32 - 2", rows);
+  }
   SECTION("all keys equal") {
     std::vector<Index> keys(n, static_cast<Index>(rng() % 1000));
-    check_plan_and_replicate(keys, 10, rb, "all equal");
+    check_plan_and_replicate(keys, 10, rb, "all equal", 1000);
   }
   SECTION("invalid keys sharing low bits with valid ones split runs, never merge them") {
     std::size_t const rows = 256;  // 8 bits
@@ -198,7 +249,7 @@ TEMPLATE_TEST_CASE("plan_distinct and replicate_runs match a host model", "[gpu]
         default: k = low; break;
       }
     }
-    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "invalid mixed in");
+    check_plan_and_replicate(keys, wm::detail::row_bits(rows), rb, "invalid mixed in", rows);
   }
 }
 

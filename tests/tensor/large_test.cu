@@ -202,6 +202,19 @@ TEST_CASE("a device table of 2^32 + 4,097 byte rows: gather, scatter above 2^32,
       }
       check_gather(h, top, want, s, "host.distributed after load, the top rows");
     }
+    // ... and into a mapped host table: its long gathers read each distinct row once, with 64-bit
+    // keys and positions (2^32 - 1 rows or more do not fit the 32-bit plan); hot rows above 2^32
+    // make long runs.
+    {
+      wm::tensor<std::uint8_t, wm::host, wm::continuous> h{comm, rows, 1};
+      h.load(std::span<std::filesystem::path const>{files});
+      check_gather(h, keys_for(rows, 100'000, rng), want, s, "host.continuous after load");
+      std::vector<std::int64_t> hot;
+      for (int i = 0; i < 20'000; ++i) {
+        hot.push_back(static_cast<std::int64_t>(i % 3 == 0 ? rng() % rows : two32 + rng() % 8));
+      }
+      check_gather(h, hot, want, s, "host.continuous, hot rows above 2^32");
+    }
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }

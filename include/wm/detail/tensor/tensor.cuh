@@ -145,15 +145,18 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     bool const fresh = Location::is_host;  // other GPUs may have written these rows
     if (Location::is_host && n >= detail::host_distinct_threshold) {
       // Host rows: each distinct row crosses PCIe once (fresh, ascending rows), then is copied
-      // on the device to the other positions that asked for it (hot keys of skewed batches).
-      // The long runs' device copies run on the aux stream beside the reads of the short runs
-      // (aux() makes the side streams and their events first).
-      cudaStream_t const aux = scratch_->side.aux();
-      auto const b =
-          detail::plan_distinct(indices.data(), n, detail::row_bits(rows_), scratch_->a, s);
-      detail::read_distinct_beside(rows, b, static_cast<std::size_t const*>(nullptr), dst,
-                                   row_bytes(), stride_bytes(), scratch_->err.data(), s, fresh, aux,
-                                   scratch_->side.forked(), scratch_->side.joined());
+      // on the device to the other positions that asked for it (hot keys of skewed batches),
+      // those copies made while later rows cross. Batches and tables under 2^32 sort 32-bit keys
+      // and positions (half the plan's bytes).
+      auto const read = [&](auto const& b) {
+        detail::read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), dst, row_bytes(),
+                              stride_bytes(), scratch_->err.data(), s, fresh);
+      };
+      if (detail::narrow_fits(rows_, n)) {
+        read(detail::plan_distinct_narrow(indices.data(), n, rows_, scratch_->a, s));
+      } else {
+        read(detail::plan_distinct(indices.data(), n, detail::row_bits(rows_), scratch_->a, s));
+      }
     } else if (sort_long && n >= detail::host_sort_threshold) {
       // Chunked device rows with block mapping: ascending order starts at the next rank's rows
       // and wraps around; ranks that all began at row 0 read the same owner at the same time
