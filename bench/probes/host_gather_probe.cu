@@ -7,7 +7,7 @@
 //   plan1         plan_distinct alone (sort of (key, 64-bit position), run select, head scan)
 //   read1         read_distinct on a ready plan (long runs first, then the short runs with the
 //                 long runs' copies woven in; 8 blocks per SM; read32 woven/b: b blocks)
-//   one-sort      plan_distinct + read_distinct_beside (the host gather as of e95d8af)
+//   one-sort      plan_distinct + read_distinct (the host gather since this probe; 64-bit plan)
 //   plan32, read32, narrow   the same with keys and positions narrowed to 32 bits
 //   read32 serial/b          every run read by one launch, b blocks per SM, no copies past the
 //                            first 16 of a run (a lower bound, not a gather)
