@@ -253,6 +253,136 @@ TEMPLATE_TEST_CASE("plan_distinct and replicate_runs match a host model", "[gpu]
   }
 }
 
+// ---- read_distinct at the run-length boundaries ------------------------------------------------
+
+/// read_distinct over a device table of @p rows rows (fresh random bytes) for @p idx, through the
+/// 64-bit plan on the low row bits (invalid keys may split runs there) and the 32-bit plan, with
+/// and without an order: every output row (poisoned first) holds its key's row, invalid keys a
+/// zero row and the error flag; nothing else is written.
+template <class Index>
+void check_read_distinct(std::vector<Index> const& idx, std::size_t rows, std::size_t row_bytes,
+                         std::mt19937_64& rng, std::string const& what) {
+  std::size_t const n = idx.size();
+  INFO(what << ": n=" << n << " rows=" << rows << " row bytes=" << row_bytes);
+  auto const table = random_bytes(rng, rows * row_bytes);
+  device_bytes d_table{rows * row_bytes};
+  d_table.upload(table.data(), table.size());
+  device_bytes d_idx{n * sizeof(Index)};
+  d_idx.upload(idx.data(), n * sizeof(Index));
+  std::vector<std::size_t> order(n);  // a permutation of the output rows
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::shuffle(order.begin(), order.end(), rng);
+  device_bytes d_order{n * sizeof(std::size_t)};
+  d_order.upload(order.data(), n * sizeof(std::size_t));
+  bool any_invalid = false;
+  for (Index k : idx) { any_invalid = any_invalid || k < 0 || static_cast<std::size_t>(k) >= rows; }
+  cudaStream_t s{};
+  REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+  device_bytes err{sizeof(unsigned)};
+  wm::detail::local_rows const source{d_table.ptr, rows, row_bytes};
+  auto const check = [&](auto const& b, bool ordered, char const* plan) {
+    INFO(plan << (ordered ? ", ordered" : ", in batch order"));
+    device_bytes out{(n + 1) * row_bytes};  // one poisoned row past the end
+    REQUIRE(cudaMemset(err.ptr, 0, sizeof(unsigned)) == cudaSuccess);
+    auto const* ord = ordered ? reinterpret_cast<std::size_t const*>(d_order.ptr) : nullptr;
+    wm::detail::read_distinct(source, b, ord, wm::detail::packed_rows{out.ptr, row_bytes},
+                              row_bytes, row_bytes, reinterpret_cast<unsigned*>(err.ptr), s, false);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    auto const got        = out.to_host();
+    std::size_t wrong     = 0;
+    std::size_t first_bad = n;
+    std::vector<std::byte> const zero(row_bytes, std::byte{0});
+    for (std::size_t p = 0; p < n; ++p) {
+      bool const valid = idx[p] >= 0 && static_cast<std::size_t>(idx[p]) < rows;
+      std::byte const* want =
+          valid ? table.data() + static_cast<std::size_t>(idx[p]) * row_bytes : zero.data();
+      std::size_t const at = ordered ? order[p] : p;
+      if (std::memcmp(got.data() + at * row_bytes, want, row_bytes) != 0) {
+        ++wrong;
+        first_bad = std::min(first_bad, p);
+      }
+    }
+    INFO("first wrong position " << first_bad);
+    CHECK(wrong == 0);
+    CHECK(std::memcmp(got.data() + n * row_bytes, std::vector<std::byte>(row_bytes, poison).data(),
+                      row_bytes) == 0);
+    CHECK((copy_to_host(reinterpret_cast<unsigned const*>(err.ptr), 1)[0] != 0) == any_invalid);
+  };
+  for (bool ordered : {false, true}) {
+    {
+      wm::detail::workspace ws;
+      auto const b = wm::detail::plan_distinct(reinterpret_cast<Index const*>(d_idx.ptr), n,
+                                               wm::detail::row_bits(rows), ws, s);
+      check(b, ordered, "64-bit plan on the low row bits");
+    }
+    {
+      wm::detail::workspace ws;
+      auto const b = wm::detail::plan_distinct_narrow(reinterpret_cast<Index const*>(d_idx.ptr), n,
+                                                      rows, ws, s);
+      check(b, ordered, "32-bit plan");
+    }
+  }
+  REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+}
+
+/// Runs of the given lengths (keys drawn from rows without repeats; an invalid key when
+/// @p invalid_too: below 0 or at/above rows with the low bits of a valid one), shuffled.
+template <class Index>
+std::vector<Index> runs_of(std::vector<std::size_t> const& lengths, std::size_t rows,
+                           bool invalid_too, std::mt19937_64& rng) {
+  std::vector<Index> keys;
+  std::vector<std::size_t> pool(rows);
+  std::iota(pool.begin(), pool.end(), std::size_t{0});
+  std::shuffle(pool.begin(), pool.end(), rng);
+  std::size_t const above = std::size_t{1} << wm::detail::row_bits(rows);
+  for (std::size_t r = 0; r < lengths.size(); ++r) {
+    Index k = static_cast<Index>(pool[r % rows]);
+    if (invalid_too && r % 5 == 4) {
+      k = r % 2 == 0 ? static_cast<Index>(-1 - static_cast<Index>(r % 7))
+                     : static_cast<Index>(pool[r % rows] + above);
+    }
+    keys.insert(keys.end(), lengths[r], k);
+  }
+  std::shuffle(keys.begin(), keys.end(), rng);
+  return keys;
+}
+
+TEMPLATE_TEST_CASE("read_distinct: runs of 16 and 17 keys, long runs at the list's capacity",
+                   "[gpu]", std::int32_t, std::int64_t) {
+  using Index = TestType;
+  std::mt19937_64 rng{std::random_device{}()};
+  std::size_t const rows = 4099;
+  std::size_t const rb   = GENERATE(std::size_t{512}, std::size_t{36});
+  SECTION("runs of 1, 15, 16, 17, 18 and 33 keys") {
+    std::vector<std::size_t> lengths;
+    for (int i = 0; i < 300; ++i) {
+      for (std::size_t len : {1, 15, 16, 17, 18, 33}) { lengths.push_back(len); }
+    }
+    check_read_distinct(runs_of<Index>(lengths, rows, false, rng), rows, rb, rng, "mixed");
+  }
+  SECTION("only runs of 17: as many long runs as the list holds") {
+    check_read_distinct(runs_of<Index>(std::vector<std::size_t>(500, 17), rows, false, rng), rows,
+                        rb, rng, "17 each");
+  }
+  SECTION("only runs of 16: no long run") {
+    check_read_distinct(runs_of<Index>(std::vector<std::size_t>(500, 16), rows, false, rng), rows,
+                        rb, rng, "16 each");
+  }
+  SECTION("invalid keys among runs of 16 and 17 (they split runs in the 64-bit plan)") {
+    std::vector<std::size_t> lengths;
+    for (int i = 0; i < 400; ++i) { lengths.push_back(i % 2 == 0 ? 16 : 17); }
+    check_read_distinct(runs_of<Index>(lengths, rows, true, rng), rows, rb, rng, "invalid");
+  }
+  SECTION("one key 20,000 times") {
+    check_read_distinct(runs_of<Index>({20'000}, rows, false, rng), rows, rb, rng, "one hot key");
+  }
+  SECTION("16 and 17 keys in all") {
+    check_read_distinct(runs_of<Index>({16}, rows, false, rng), rows, rb, rng, "n = 16");
+    check_read_distinct(runs_of<Index>({17}, rows, false, rng), rows, rb, rng, "n = 17");
+  }
+}
+
 // ---- host-table gathers through wm::tensor ----------------------------------------------------
 
 // A seed drawn on rank 0, the same on every rank.

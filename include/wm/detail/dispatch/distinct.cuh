@@ -55,8 +55,10 @@ struct distinct_batch {
 };
 
 /// Selects the first sorted element of each run of equal keys (full equality); lists the first
-/// elements of the runs longer than fused_copies in long_runs when that is not null (the select
-/// takes each element once; were one taken twice, its run would be read twice, to no harm).
+/// elements of the runs longer than fused_copies in long_runs when that is not null. CUB's select
+/// evaluates the predicate once per element (cub/agent/agent_select_if.cuh), so the list holds
+/// each long run once; long runs are disjoint stretches of more than fused_copies elements, so
+/// n / (fused_copies + 1) entries hold them all.
 template <class Index, class Pos>
 struct run_head_op {
   Index const* keys;
