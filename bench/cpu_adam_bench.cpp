@@ -52,6 +52,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "host_timing.hpp"
+
 namespace z  = wm::detail::zero;
 namespace zd = wm::detail::zero::cpu_adam_detail;
 
@@ -78,20 +80,6 @@ buffer<T> allocate(std::size_t n) {
 std::pair<std::size_t, std::size_t> part(std::size_t n, std::size_t parts, std::size_t t) {
   std::size_t const blocks = (n + 63) / 64;
   return {std::min(n, blocks * t / parts * 64), std::min(n, blocks * (t + 1) / parts * 64)};
-}
-
-template <class F>
-double median_ms(int reps, F&& f) {
-  for (int i = 0; i < 2; ++i) { f(); }
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    auto const t0 = std::chrono::steady_clock::now();
-    f();
-    ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 double json_number(std::string const& line, char const* key) {
@@ -370,7 +358,7 @@ sweep_result sweep(std::size_t n, unsigned threads, int reps, bool all_isas, boo
     std::memset(copy_dst.get() + cf, 0, cl - cf);
   });
 
-  double const copy_ms  = median_ms(reps, [&] {
+  double const copy_ms  = wm_bench::median_ms(reps, [&] {
     pool.run(parts, [&](std::size_t t) {
       auto const [cf, cl] = part(copy_bytes, parts, t);
       std::memcpy(copy_dst.get() + cf, copy_src.get() + cf, cl - cf);
@@ -381,7 +369,7 @@ sweep_result sweep(std::size_t n, unsigned threads, int reps, bool all_isas, boo
   // read-for-ownership of a destination, whatever memcpy's store strategy is.
   auto* words                  = reinterpret_cast<std::uint32_t*>(copy_src.get());
   std::size_t const word_count = copy_bytes / 4;
-  double const sweep_ms        = median_ms(reps, [&] {
+  double const sweep_ms        = wm_bench::median_ms(reps, [&] {
     pool.run(parts, [&](std::size_t t) {
       auto const [first, last] = part(word_count, parts, t);
       for (std::size_t i = first; i < last; ++i) { words[i] += 1u; }
@@ -459,7 +447,7 @@ sweep_result sweep(std::size_t n, unsigned threads, int reps, bool all_isas, boo
       if (var.f32 == nullptr) {  // prod, prod-sep: every ISA asked for
         for (auto isa : {z::cpu_isa::avx512, z::cpu_isa::avx2, z::cpu_isa::scalar}) {
           if (!z::cpu_supports(isa) || (!all_isas && isa != z::best_cpu_isa())) { continue; }
-          double const ms = median_ms(reps, [&] {
+          double const ms = wm_bench::median_ms(reps, [&] {
             ++step;
             if (mode == 0) {
               z::cpu_adam_update(opt, {1e-3f, step, 1.0f}, arrays(grad.get(), nullptr), pool, isa);
@@ -473,7 +461,7 @@ sweep_result sweep(std::size_t n, unsigned threads, int reps, bool all_isas, boo
         }
         continue;
       }
-      double const ms = median_ms(reps, [&] {
+      double const ms = wm_bench::median_ms(reps, [&] {
         ++step;
         if (mode == 0) {
           run_variant(var.f32, var.chunks_per_thread, opt, {1e-3f, step, 1.0f},

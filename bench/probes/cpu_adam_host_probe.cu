@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "../host_timing.hpp"
 #include "check.cuh"
 
 namespace z = wm::detail::zero;
@@ -147,19 +148,6 @@ struct arrays {
   }
 };
 
-double median_ms(int reps, std::function<void()> const& f) {
-  for (int i = 0; i < 2; ++i) { f(); }
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    auto const t0 = std::chrono::steady_clock::now();
-    f();
-    ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 /// Copies 256 MiB D2H and H2D on two streams in a loop until stopped (buffers allocated and the
 /// first round done before start() returns); counts the bytes moved while running.
 struct dma_load {
@@ -255,13 +243,13 @@ int main(int argc, char** argv) {
         z::cpu_adam_update(opt, z::cpu_adam_step{1e-4f, step, 1.0f}, a, pool);
       }
     };
-    report(std::string{name_of(k)}, median_ms(reps, whole));
-    report(std::string{name_of(k)} + ", 16M chunks", median_ms(reps, chunks));
+    report(std::string{name_of(k)}, wm_bench::median_ms(reps, whole));
+    report(std::string{name_of(k)} + ", 16M chunks", wm_bench::median_ms(reps, chunks));
     {
       static dma_load d;  // allocated once, before the first measurement with it
       d.start();
       auto const t0   = std::chrono::steady_clock::now();
-      double const ms = median_ms(reps, whole);
+      double const ms = wm_bench::median_ms(reps, whole);
       double const s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       d.end();
       char buf[64];
@@ -274,7 +262,7 @@ int main(int argc, char** argv) {
       std::thread busy{[&] {
         while (!stop.load(std::memory_order_relaxed)) {}
       }};
-      report(std::string{name_of(k)} + " + busy thread", median_ms(reps, whole));
+      report(std::string{name_of(k)} + " + busy thread", wm_bench::median_ms(reps, whole));
       stop = true;
       busy.join();
     }

@@ -278,51 +278,34 @@ void replicate_runs(distinct_batch<Index, Pos> const& b, std::byte* out, std::si
                     row_bytes, 1, s, blocks_per_sm);
 }
 
-/// Which runs a distinct read takes, by length: [shortest, longest].
-struct run_lengths {
-  std::size_t shortest{1};
-  std::size_t longest{~std::size_t{0}};
-};
-
 /**
- * The distinct read: for each run r whose length is in @p take, run r's row
- * rows.row(keys[run_begin[r]]) to the output rows (see output_row) of the run's first
- * min(run length, fused_copies) elements; invalid keys write zero rows and set *err. A group of
- * `group` lanes takes a row in vectors of Vec, `unroll` runs in flight (loads issued before the
- * first store), runs in ascending key order across the grid; the grid is sized from n and the
- * groups past the run count exit at once. LongList: the runs of b.long_runs instead (all longer
- * than fused_copies; @p take is not read).
+ * The long runs' reads: for each run listed in b.long_runs (all longer than fused_copies), its
+ * row rows.row(key) to the output rows (see output_row) of the run's first fused_copies
+ * elements; invalid keys write zero rows and set *err. A group of `group` lanes takes a row in
+ * vectors of Vec, `unroll` runs in flight (loads issued before the first store); the grid is
+ * sized for the most long runs there can be and the groups past their count exit at once.
  */
-template <class Vec, bool Fresh, bool LongList, class Rows, class Index, class Pos>
+template <class Vec, bool Fresh, class Rows, class Index, class Pos>
 __global__ void __launch_bounds__(256)
-    read_runs_kernel(Rows rows, distinct_batch<Index, Pos> b, std::size_t const* order,
-                     packed_rows out, unsigned* err, run_lengths take, std::size_t row_vecs,
-                     int group) {
+    read_long_runs_kernel(Rows rows, distinct_batch<Index, Pos> b, std::size_t const* order,
+                          packed_rows out, unsigned* err, std::size_t row_vecs, int group) {
   std::size_t const tid    = grid_thread();
   std::size_t const groups = grid_threads() / static_cast<std::size_t>(group);
   std::size_t const g      = tid / static_cast<std::size_t>(group);
   int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
-  std::size_t const runs   = LongList ? *b.long_count : *b.runs;
+  std::size_t const runs   = *b.long_count;
   for (std::size_t r0 = g; r0 < runs; r0 += groups * unroll) {
     Vec const* src[unroll];
     std::size_t first[unroll];
-    std::size_t copies[unroll];
+    bool take[unroll];
 #pragma unroll
     for (int u = 0; u < unroll; ++u) {
       std::size_t const r = r0 + static_cast<std::size_t>(u) * groups;
       src[u]              = nullptr;
-      first[u]            = 0;
-      copies[u]           = 0;
-      std::size_t at      = 0;
-      std::size_t len     = 0;
-      if (r < runs) {
-        at  = LongList ? b.long_runs[r] : b.run_begin[r];
-        len = LongList ? fused_copies + 1 : b.run_begin[r + 1] - at;
-      }
-      if (LongList ? r < runs : len >= take.shortest && len <= take.longest) {
-        first[u]      = at;
-        copies[u]     = len < fused_copies ? len : fused_copies;
-        Index const k = b.keys[at];
+      take[u]             = r < runs;
+      first[u]            = take[u] ? std::size_t{b.long_runs[r]} : 0;
+      if (take[u]) {
+        Index const k = b.keys[first[u]];
         if (valid_index(k, rows.rows())) {
           src[u] = reinterpret_cast<Vec const*>(rows.row(static_cast<std::size_t>(k)));
         } else if (lane == 0) {
@@ -339,37 +322,14 @@ __global__ void __launch_bounds__(256)
       }
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
-        for (std::size_t j = 0; j < copies[u]; ++j) {
+        if (!take[u]) { continue; }
+        for (std::size_t j = 0; j < fused_copies; ++j) {
           auto* const dst = reinterpret_cast<Vec*>(output_row(b, order, out, first[u] + j));
           store_vec<false>(dst + c, src[u] != nullptr ? v[u] : Vec{});
         }
       }
     }
   }
-}
-
-/// Launches read_runs_kernel over the runs of @p b whose lengths are in @p take, or with
-/// @p long_list over the runs of b.long_runs.
-template <class Rows, class Index, class Pos>
-void launch_read_runs(Rows rows, distinct_batch<Index, Pos> const& b, std::size_t const* order,
-                      packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                      unsigned* err, run_lengths take, cudaStream_t s, bool fresh,
-                      int blocks_per_sm, bool long_list = false) {
-  // A grid for the most runs there can be.
-  std::size_t const most = long_list ? b.n / (fused_copies + 1) : b.n;
-  if (most == 0) { return; }
-  launch_rows(
-      most, row_bytes,
-      {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
-      [&]<class Vec>(row_launch const& l) {
-        auto* const kernel = long_list
-                                 ? (fresh ? read_runs_kernel<Vec, true, true, Rows, Index, Pos>
-                                          : read_runs_kernel<Vec, false, true, Rows, Index, Pos>)
-                                 : (fresh ? read_runs_kernel<Vec, true, false, Rows, Index, Pos>
-                                          : read_runs_kernel<Vec, false, false, Rows, Index, Pos>);
-        kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, take, l.row_vecs, l.group);
-      },
-      blocks_per_sm);
 }
 
 /// Most copies of long runs that one step of read_short_runs_kernel makes.
@@ -461,8 +421,17 @@ void read_distinct(Rows rows, distinct_batch<Index, Pos> const& b, std::size_t c
                    packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
                    unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
   if (b.n == 0) { return; }
-  launch_read_runs(rows, b, order, out, row_bytes, rows_alignment, err, run_lengths{}, s, fresh,
-                   blocks_per_sm, true);
+  if (std::size_t const most = b.n / (fused_copies + 1); most != 0) {  // a grid for the most
+    launch_rows(
+        most, row_bytes,
+        {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
+        [&]<class Vec>(row_launch const& l) {
+          auto* const kernel = fresh ? read_long_runs_kernel<Vec, true, Rows, Index, Pos>
+                                     : read_long_runs_kernel<Vec, false, Rows, Index, Pos>;
+          kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
+        },
+        blocks_per_sm);
+  }
   launch_rows(
       b.n, row_bytes,
       {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
