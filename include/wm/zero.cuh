@@ -155,7 +155,8 @@ class zero_optimizer {
   zero_optimizer& operator=(zero_optimizer const&) = delete;
   zero_optimizer(zero_optimizer&&)                 = delete;
   zero_optimizer& operator=(zero_optimizer&&)      = delete;
-  /// Waits for this rank's device work (never throws) and frees everything.
+  /// Waits for this rank's device work (never throws) and frees everything. With the offload
+  /// pipeline, its CPU Adam stops at the next chunk boundary instead of finishing the update.
   ~zero_optimizer();
 
   /// The layout: buckets (backward order), shards, the fragments each rank holds.

@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -1069,6 +1070,100 @@ TEMPLATE_TEST_CASE("zero_optimizer offload overlap: one rank's veto makes every 
     require_same_weights(a, b, mp, comm, s);
     require_same_shards(a, b, comm, s, true, 0x7fc00001u, 0x7fc00002u);
   }
+}
+
+namespace {
+
+// A communicator of this rank alone, with @p timeout: the cases whose optimizer fails on a
+// deadline run on it, so that each rank fails alone and none waits on another.
+wm::communicator own_communicator(std::chrono::milliseconds timeout) {
+  (void)wm_test::comm();  // inside a rank (its GPU selected)
+  wm::communicator_options options;
+  options.timeout = timeout;
+  return wm::communicator{wm::unique_id::create(), 0, 1, options};
+}
+
+// Seconds that @p f takes.
+template <class F>
+double seconds_of(F&& f) {
+  auto const start = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Writes step @p t's gradients of every parameter of @p opt (grad_value) and reduces each bucket.
+template <class O>
+void backward(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
+              wm::communicator& comm, stream_holder const& s) {
+  double const scale = opt.loss_scale(s);
+  auto const& plan   = opt.layout();
+  for (std::size_t b = 0; b < opt.buckets(); ++b) {
+    for (auto p : plan.buckets[b].params) {
+      auto const g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), scale);
+      write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
+    }
+    opt.reduce_gradients(b, s);
+  }
+}
+
+// Weights uniform in [-1, 1) from @p seed into the nonempty parameters of @p opt.
+template <class O>
+void set_random_weights(O& opt, std::vector<model_param> const& mp, std::uint64_t seed,
+                        wm::communicator& comm, stream_holder const& s) {
+  std::mt19937_64 rng{seed};
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    std::vector<double> w(elements_of(mp[p]));
+    if (w.empty()) { continue; }
+    for (auto& x : w) { x = u(rng); }
+    set_weights_from(opt, p, mp[p].type, w, s);
+    comm.synchronize(s);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("zero_optimizer offload: destruction stops the pipeline's CPU Adam at a chunk boundary",
+          "[ranked]") {
+  // One fp32 parameter of 4 Mi elements in chunks of 64: the pipeline's job for its bucket has
+  // 65536 chunks, and starts once reduce_gradients has sent them all. An adopted step waits for
+  // the whole job, which measures it; an optimizer destroyed right after reduce_gradients must
+  // return well before that (its job stops at the next chunk), beyond what destroying an idle one
+  // of the same size costs. A job that ran to its end would take about the whole measure.
+  using opt_t              = wm::zero_optimizer<wm::zero_stage<2>, wm::adam, wm::offload_host>;
+  wm::communicator comm    = own_communicator(wm::communicator_options::default_timeout());
+  std::uint64_t const seed = shared_seed(comm);
+  stream_holder s;
+  std::vector<model_param> const mp{{"big", {std::size_t{1} << 22}, zero_element_type::f32}};
+  auto const params = zero_params(mp);
+  wm::zero_options options;
+  options.offload_chunk_elements = 64;
+  options.offload_spare_fraction = 1.0f;  // a region for every chunk: the job never waits
+  options.cpu_threads            = 2;     // ranks share the host
+  auto make                      = [&] {
+    auto o = std::make_unique<opt_t>(comm, params, 1024, make_optimizer<wm::adam>(), options);
+    set_random_weights(*o, mp, seed, comm, s);
+    train_step(*o, mp, seed, 0, o->loss_scale(s), comm, s);  // weights were set: nothing ahead
+    return o;
+  };
+  auto a    = make();
+  auto idle = make();
+  REQUIRE(a->buckets() == 1);
+  REQUIRE(a->offload_stats().spare_regions == (std::size_t{1} << 22) / 64);
+
+  // Both measures begin once the gradients are on the host (the job goes on meanwhile).
+  backward(*a, mp, seed, 1, comm, s);
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  double const whole = seconds_of([&] { a->step(0.05f, s); });  // the last step's rate: adopted
+  REQUIRE(a->last_step_pipelined());
+  double const freeing = seconds_of([&] { idle.reset(); });
+  backward(*a, mp, seed, 2, comm, s);
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  double const destroyed = seconds_of([&] { a.reset(); });
+  INFO("the whole job " << whole << " s, destroying an idle optimizer " << freeing
+                        << " s, one whose job just began " << destroyed << " s");
+  REQUIRE(whole > 0.05);  // long enough to tell a job stopped from a job finished
+  REQUIRE(destroyed < freeing + whole / 2);
 }
 
 TEMPLATE_PRODUCT_TEST_CASE(

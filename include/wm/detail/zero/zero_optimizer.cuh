@@ -772,7 +772,9 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
   std::size_t const chunk = options_.offload_chunk_elements;
   for (std::size_t first = 0; first < bk.shard_elements; first += chunk, ++c) {
     std::size_t const count = std::min(chunk, bk.shard_elements - first);
-    if (decision_.load(std::memory_order_acquire) == 2) { return; }  // dropped: no need to wait
+    // Dropped, or the worker is being destroyed: stop at this chunk boundary rather than finish
+    // the bucket, whose update no one will take.
+    if (decision_.load(std::memory_order_acquire) == 2 || worker.cancelled()) { return; }
     wait_event(landed_[c], "a bucket's gradients on the host", &worker);
     // Not decided yet: into a spare region (or from one back to the chunk's place), which the
     // step adopts or drops; no region free: wait for the decision. Decided: in place (the step
