@@ -55,6 +55,21 @@
  * next forward runs, which calls `weights_ready(b, stream)` before it reads bucket b (going down
  * from the last bucket, the first layers'); stage 3's `gather` calls it for its groups.
  *
+ * A failed offload step (a wait past the communicator's deadline, an exception from the CPU Adam,
+ * a cancelled wait; in `step`, `reduce_gradients`, `weights_ready`, or wherever an update still
+ * finishing is waited for) throws that error once and leaves the optimizer unusable: the host
+ * master weights and moments may be half updated. It keeps the first failure's message, stops
+ * the pipeline's CPU Adam at its next chunk, and from then on every operation that reads or
+ * writes its state (`weights`, `gradients`, `set_weights`, `reduce_gradients`,
+ * `accumulate_gradients`, `step`, `weights_ready`, `gather`, `save`, `load`, `master_shard`,
+ * `state_shard`, `last_step_skipped`, `applied_steps`, `loss_scale`) throws a `wm::logic_error`
+ * that says so and names that message (the layout queries, `memory`, `offload_stats` and
+ * `release` still answer). Destroy it (the destructor does not wait for the rest of the
+ * update) and load the last checkpoint into a new one. The other ranks are not told at once:
+ * they notice when a collective this rank left out is waited for (a synchronizing wait on
+ * the communicator ends with a `wm::comm_error` at its deadline and aborts the communicator), and
+ * their next offload step then fails too and leaves their optimizer unusable as well.
+ *
  * Loss scaling: a fixed `zero_options::loss_scale`, or with `dynamic_loss_scale` the rule of
  * torch.cuda.amp.GradScaler (backoff on an inf/NaN step, growth after an interval of applied
  * steps), kept on the device (`loss_scale_device()`) so that a step needs no host wait. A step
@@ -69,6 +84,7 @@
 #include <wm/comm.hpp>
 #include <wm/detail/zero/checkpoint.hpp>
 #include <wm/detail/zero/cpu_adam.hpp>
+#include <wm/detail/zero/failure_latch.hpp>
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/detail/zero/residency.hpp>
@@ -179,8 +195,10 @@ class zero_optimizer {
    * Stage 3: only while a group that holds it is gathered.
    * @tparam T `float`, `__nv_bfloat16` or `__half`, matching the parameter's type
    * @throw wm::logic_error on a wrong T, an index out of range, (stage 3) a parameter that is
-   * not gathered, or (stages 1-2, `zero_options::offload_overlap_forward`) a parameter whose
-   * weights from the last step have not come yet: `weights_ready(bucket_of(p), stream)` first
+   * not gathered, (stages 1-2, `zero_options::offload_overlap_forward`) a parameter whose
+   * weights from the last step have not come yet: `weights_ready(bucket_of(p), stream)` first,
+   * or (`wm::offload_host`) after an offload step failed, as every operation on the state does
+   * (see the file's notes)
    */
   template <class T>
   [[nodiscard]] std::span<T> weights(std::size_t p);
@@ -244,6 +262,11 @@ class zero_optimizer {
    * would be stale); the next `gather` brings the new weights. With
    * `zero_options::offload_overlap_forward`, a step whose pipelined update applies returns while
    * the CPU Adam finishes the last buckets: `weights_ready` brings each bucket's weights.
+   * @throw wm::logic_error if a group is gathered (stage 3), a bucket that
+   * `accumulate_gradients` took lacks its `reduce_gradients`, or an offload step failed before
+   * @throw wm::comm_error at the communicator's deadline (a peer, or with `wm::offload_host` the
+   * CPU Adam, did not end in time), or what the CPU Adam threw: with `wm::offload_host` the
+   * optimizer is unusable from then on (see the file's notes)
    */
   void step(float lr, cuda::stream_ref stream);
 
@@ -266,8 +289,9 @@ class zero_optimizer {
    * first layers). Does nothing when nothing is pending (another policy, the option off, or the
    * buckets ready already), or for `detail::zero::no_bucket` (`bucket_of` a parameter without
    * elements).
-   * @throw wm::logic_error on a bucket index out of range
-   * @throw wm::comm_error at the deadline, or what the CPU Adam threw
+   * @throw wm::logic_error on a bucket index out of range, or after an offload step failed
+   * @throw wm::comm_error at the deadline, or what the CPU Adam threw (the optimizer is unusable
+   * from then on)
    */
   void weights_ready(std::size_t b, cuda::stream_ref stream);
 
@@ -323,6 +347,7 @@ class zero_optimizer {
   /// offload pipeline, call it between steps: it first copies the chunks whose current values
   /// sit in a spare region back to their place (a step begun is then redone after backward).
   [[nodiscard]] float const* master_shard() const {
+    expect_usable("master_shard");
     gather_host_copies();
     return master_;
   }
@@ -332,6 +357,7 @@ class zero_optimizer {
     WM_EXPECTS(k >= 0 && k < Optimizer::states,
                "zero_optimizer::state_shard: a state index in [0, " +
                    std::to_string(Optimizer::states) + "), got " + std::to_string(k));
+    expect_usable("state_shard");
     gather_host_copies();
     return states_ + static_cast<std::size_t>(k) * plan_.state_elements;
   }
@@ -408,6 +434,18 @@ class zero_optimizer {
   void gather_host_copies() const;
   // reduce_gradients (last: the step's last micro-batch) and accumulate_gradients.
   void reduce_bucket(std::size_t b, cuda::stream_ref stream, bool last);
+  // Offload: throws wm::logic_error naming @p operation once an offload step failed (failure_).
+  void expect_usable(char const* operation) const {
+    if constexpr (Offload::host) { failure_.check(operation); }
+  }
+  // Offload, inside a catch block: the exception being handled makes the optimizer unusable
+  // (the first one is kept as the cause), and the pipeline's job stops at its next chunk.
+  void fail_offload() const noexcept {
+    if constexpr (Offload::host) {
+      failure_.record_current();
+      decision_.store(2, std::memory_order_release);
+    }
+  }
 
   communicator* comm_;
   Optimizer opt_;
@@ -473,6 +511,8 @@ class zero_optimizer {
   // region, if one is free; else wait), 1 the step applies as assumed (update in place), 2
   // dropped (stop).
   mutable std::atomic<int> decision_{0};
+  // Offload: the first failure of a step (its message); set, every operation on the state throws.
+  mutable detail::zero::failure_latch failure_;
   // Statistics (offload_stats): the worker's counts, and the caller's.
   std::atomic<std::int64_t> chunks_ahead_{0};
   std::atomic<std::int64_t> chunks_after_{0};

@@ -1123,6 +1123,107 @@ void set_random_weights(O& opt, std::vector<model_param> const& mp, std::uint64_
 
 }  // namespace
 
+TEMPLATE_TEST_CASE("zero_optimizer offload: a failed step leaves it unusable, naming the failure",
+                   "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+  // A real failure: with no spare region (offload_spare_fraction 0) the pipeline's CPU Adam waits
+  // for the step's decision at its first chunk, and the step comes later than the communicator's
+  // deadline. The step must throw that wm::comm_error; from then on every operation on the state
+  // throws a wm::logic_error that names the operation, says the optimizer is unusable and carries
+  // the first failure's whole message (also after more calls failed); the layout and the
+  // statistics still answer, and destruction returns at once. A checkpoint saved before the
+  // failure loads into a new optimizer on the same communicator, which trains on. Each rank runs
+  // on a communicator of its own (world 1), so every rank fails alone.
+  using opt_t = wm::zero_optimizer<TestType, wm::adam, wm::offload_host>;
+  using namespace std::chrono_literals;
+  auto const deadline      = std::chrono::milliseconds{2000};
+  wm::communicator comm    = own_communicator(deadline);
+  std::uint64_t const seed = shared_seed(comm);  // this rank's own
+  stream_holder s;
+  auto const mp     = model(0);
+  auto const params = zero_params(mp);
+  wm::zero_options options;
+  options.offload_chunk_elements = 64;
+  options.offload_spare_fraction = 0.0f;  // no region: the first chunk waits for the decision
+  auto const dir                 = std::filesystem::temp_directory_path() /
+                   ("wm-zero-unusable-" + std::to_string(wm_test::comm().rank()) + "-" +
+                    std::to_string(seed % 1000000007));
+  auto a = std::make_unique<opt_t>(comm, params, 1024, make_optimizer<wm::adam>(), options);
+  REQUIRE(a->offload_stats().spare_regions == 0);
+  set_random_weights(*a, mp, seed, comm, s);
+  train_step(*a, mp, seed, 0, a->loss_scale(s), comm, s);  // weights were set: nothing ahead
+  REQUIRE(a->applied_steps(s) == 1);
+  a->save(dir, s);
+  std::size_t const n = a->layout().state_elements;
+  std::vector<float> const saved(a->master_shard(), a->master_shard() + n);
+
+  // Step 1: the pipeline assumes the last step's rate, so its CPU Adam starts and waits for the
+  // decision; the step comes after the deadline.
+  backward(*a, mp, seed, 1, comm, s);
+  std::this_thread::sleep_for(deadline + 500ms);
+  std::string first;
+  try {
+    a->step(0.05f, s);
+  } catch (wm::comm_error const& e) { first = e.what(); }
+  INFO("the failed step threw: '" << first << "'");
+  REQUIRE(first.find("waited for step longer than the communicator's timeout") !=
+          std::string::npos);
+
+  auto const unusable = [&](char const* operation, auto&& call) {
+    std::string message;
+    try {
+      call();
+    } catch (wm::logic_error const& e) { message = e.what(); }
+    INFO(operation << " threw: '" << message << "'");
+    REQUIRE(message.find(std::string{"zero_optimizer::"} + operation + ":") != std::string::npos);
+    REQUIRE(message.find("unusable because an earlier offload step failed") != std::string::npos);
+    REQUIRE(message.find(first) != std::string::npos);
+  };
+  unusable("step", [&] { a->step(0.05f, s); });
+  unusable("step", [&] { a->step(0.05f, s); });  // still the first failure's message
+  unusable("reduce_gradients", [&] { a->reduce_gradients(0, s); });
+  unusable("accumulate_gradients", [&] { a->accumulate_gradients(0, s); });
+  unusable("weights_ready", [&] { a->weights_ready(a->buckets() - 1, s); });
+  unusable("weights_ready", [&] { a->weights_ready(a->buckets(), s); });  // before the index
+  unusable("weights", [&] { (void)weights_ptr(*a, 0, mp[0].type); });
+  unusable("gradients", [&] { (void)gradients_ptr(*a, 0, mp[0].type); });
+  unusable("set_weights", [&] {
+    set_weights_from(*a, 0, mp[0].type, std::vector<double>(elements_of(mp[0]), 0.5), s);
+  });
+  unusable("master_shard", [&] { (void)a->master_shard(); });
+  unusable("state_shard", [&] { (void)a->state_shard(1); });
+  unusable("save", [&] { a->save(dir / "after", s); });
+  unusable("load", [&] { a->load(dir, s); });
+  unusable("applied_steps", [&] { (void)a->applied_steps(s); });
+  unusable("last_step_skipped", [&] { (void)a->last_step_skipped(s); });
+  unusable("loss_scale", [&] { (void)a->loss_scale(s); });
+  if constexpr (TestType::value == 3) {
+    unusable("gather", [&] { a->gather(0, s); });
+    // release only drops a hold, and is left open: here the residency's own check answers.
+    std::string why;
+    try {
+      a->release(0);
+    } catch (wm::logic_error const& e) { why = e.what(); }
+    REQUIRE(why.find("a group that is gathered") != std::string::npos);
+  }
+  REQUIRE_FALSE(std::filesystem::exists(dir / "after"));
+  REQUIRE(a->buckets() >= 4);  // the layout still answers
+  REQUIRE(a->offload_stats().region_waits == 1);
+  double const destroyed = seconds_of([&] { a.reset(); });
+  INFO("destruction took " << destroyed << " s");
+  REQUIRE(destroyed < 1.0);
+
+  // The recovery the docs name: the last checkpoint into a new optimizer, which trains on.
+  opt_t b{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  b.load(dir, s);
+  REQUIRE(b.applied_steps(s) == 1);
+  std::vector<float> const loaded(b.master_shard(), b.master_shard() + n);
+  REQUIRE(std::memcmp(loaded.data(), saved.data(), n * sizeof(float)) == 0);
+  train_step(b, mp, seed, 1, b.loss_scale(s), comm, s);
+  REQUIRE(b.applied_steps(s) == 2);
+  REQUIRE_FALSE(b.last_step_skipped(s));
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("zero_optimizer offload: destruction stops the pipeline's CPU Adam at a chunk boundary",
           "[ranked]") {
   // One fp32 parameter of 4 Mi elements in chunks of 64: the pipeline's job for its bucket has

@@ -380,6 +380,7 @@ void* zero_optimizer<Stage, Optimizer, Offload>::staging(std::size_t b) const no
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 template <class T>
 std::span<T> zero_optimizer<Stage, Optimizer, Offload>::weights(std::size_t p) {
+  expect_usable("weights");
   WM_EXPECTS(p < plan_.params.size(), "zero_optimizer::weights: a parameter index below the count");
   WM_EXPECTS(plan_.params[p].type == detail::zero::element_type_of<T>(),
              "zero_optimizer::weights: T must be the parameter's compute type");
@@ -404,6 +405,7 @@ std::span<T> zero_optimizer<Stage, Optimizer, Offload>::weights(std::size_t p) {
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 template <class T>
 std::span<T> zero_optimizer<Stage, Optimizer, Offload>::gradients(std::size_t p) {
+  expect_usable("gradients");
   WM_EXPECTS(p < plan_.params.size(),
              "zero_optimizer::gradients: a parameter index below the count");
   WM_EXPECTS(plan_.params[p].type == detail::zero::element_type_of<T>(),
@@ -422,6 +424,7 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 template <class T>
 void zero_optimizer<Stage, Optimizer, Offload>::set_weights(std::size_t p, T const* values,
                                                             cuda::stream_ref stream) {
+  expect_usable("set_weights");
   WM_EXPECTS(p < plan_.params.size(),
              "zero_optimizer::set_weights: a parameter index below the count");
   WM_EXPECTS(plan_.params[p].type == detail::zero::element_type_of<T>(),
@@ -465,22 +468,34 @@ void zero_optimizer<Stage, Optimizer, Offload>::widen_masters(cudaStream_t s) {
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
                                                                  cuda::stream_ref stream) {
+  expect_usable("reduce_gradients");
   WM_EXPECTS(b < plan_.buckets.size(),
              "zero_optimizer::reduce_gradients: a bucket index below the bucket count (" +
                  std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
-  reduce_bucket(b, stream, true);
+  try {  // offload: a bucket half sent or half posted leaves the step unfinishable
+    reduce_bucket(b, stream, true);
+  } catch (...) {
+    fail_offload();
+    throw;
+  }
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::accumulate_gradients(std::size_t b,
                                                                      cuda::stream_ref stream) {
+  expect_usable("accumulate_gradients");
   WM_EXPECTS(b < plan_.buckets.size(),
              "zero_optimizer::accumulate_gradients: a bucket index below the bucket count (" +
                  std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
   WM_EXPECTS(Stage::value > 1 || options_.gradient_accumulation,
              "zero_optimizer::accumulate_gradients at stage 1: construct with "
              "zero_options::gradient_accumulation");
-  reduce_bucket(b, stream, false);
+  try {
+    reduce_bucket(b, stream, false);
+  } catch (...) {
+    fail_offload();
+    throw;
+  }
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -617,7 +632,7 @@ std::size_t zero_optimizer<Stage, Optimizer, Offload>::chunk_elements(
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
+void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const try {
   settle_tail();
   if (away_ == 0) { return; }  // (a step begun only writes ahead into regions: not current yet)
   if (step_open_ && spec_.active) {
@@ -651,6 +666,9 @@ void zero_optimizer<Stage, Optimizer, Offload>::gather_host_copies() const {
     (void)spares_.settle(c);
   }
   away_ = 0;
+} catch (...) {  // the step's chunks are neither dropped nor in place for sure: unusable
+  fail_offload();
+  throw;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -772,8 +790,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
   std::size_t const chunk = options_.offload_chunk_elements;
   for (std::size_t first = 0; first < bk.shard_elements; first += chunk, ++c) {
     std::size_t const count = std::min(chunk, bk.shard_elements - first);
-    // Dropped, or the worker is being destroyed: stop at this chunk boundary rather than finish
-    // the bucket, whose update no one will take.
+    // Dropped (or the optimizer failed), or the worker is being destroyed: stop at this chunk
+    // boundary rather than finish the bucket, whose update no one will take.
     if (decision_.load(std::memory_order_acquire) == 2 || worker.cancelled()) { return; }
     wait_event(landed_[c], "a bucket's gradients on the host", &worker);
     // Not decided yet: into a spare region (or from one back to the chunk's place), which the
@@ -810,7 +828,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::pipeline_job(
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-void zero_optimizer<Stage, Optimizer, Offload>::settle_tail() const {
+void zero_optimizer<Stage, Optimizer, Offload>::settle_tail() const try {
   if (!tail_worker_) { return; }
   bool idle = false;
   try {
@@ -828,6 +846,9 @@ void zero_optimizer<Stage, Optimizer, Offload>::settle_tail() const {
   }
   tail_worker_ = false;
   end_speculation(true);  // the step applied: what was computed ahead is current
+} catch (...) {           // the step that `step` adopted did not end: its update is incomplete
+  fail_offload();
+  throw;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -851,57 +872,63 @@ void zero_optimizer<Stage, Optimizer, Offload>::adopt_bucket(std::size_t b,
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::weights_ready(std::size_t b,
                                                               cuda::stream_ref stream) {
+  expect_usable("weights_ready");
   if (b == detail::zero::no_bucket) { return; }  // a parameter without elements
   WM_EXPECTS(b < plan_.buckets.size(),
              "zero_optimizer::weights_ready: a bucket index below the count (" +
                  std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
   if constexpr (Offload::host) {
-    auto const deadline = detail::deadline_after(comm_->timeout());
-    while (pending_ > b) {  // the buckets above b first: every rank all-gathers in that order
-      std::size_t const x = pending_ - 1;
-      // A bucket takes the CPU milliseconds: naps of 0.1 ms keep this thread off its cores.
-      detail::backoff wait{std::chrono::microseconds{100}};
-      while (bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
-        // The step is incomplete if the worker failed or ended without the bucket: its work
-        // ahead is dropped and no weights come.
-        auto abandon = [&] {
-          tail_worker_ = false;
-          pending_     = 0;
-          end_speculation(false);
-        };
-        bool idle = false;
-        try {
-          idle = worker_->wait_idle(detail::clock_type::now());  // rethrows a job's failure
-        } catch (...) {
-          abandon();
-          throw;
+    try {
+      auto const deadline = detail::deadline_after(comm_->timeout());
+      while (pending_ > b) {  // the buckets above b first: every rank all-gathers in that order
+        std::size_t const x = pending_ - 1;
+        // A bucket takes the CPU milliseconds: naps of 0.1 ms keep this thread off its cores.
+        detail::backoff wait{std::chrono::microseconds{100}};
+        while (bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
+          // The step is incomplete if the worker failed or ended without the bucket: its work
+          // ahead is dropped and no weights come.
+          auto abandon = [&] {
+            tail_worker_ = false;
+            pending_     = 0;
+            end_speculation(false);
+          };
+          bool idle = false;
+          try {
+            idle = worker_->wait_idle(detail::clock_type::now());  // rethrows a job's failure
+          } catch (...) {
+            abandon();
+            throw;
+          }
+          if (idle && bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
+            abandon();
+            throw logic_error{
+                "wm: zero_optimizer::weights_ready: the offload pipeline ended "
+                "without bucket " +
+                std::to_string(x) + "'s weights"};
+          }
+          if (detail::clock_type::now() >= deadline) {
+            throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
+                             ": weights_ready waited for the CPU Adam of bucket " +
+                             std::to_string(x) + " longer than the communicator's timeout"};
+          }
+          wait.pause();
         }
-        if (idle && bucket_epoch_[x].load(std::memory_order_acquire) != epoch_) {
-          abandon();
-          throw logic_error{
-              "wm: zero_optimizer::weights_ready: the offload pipeline ended "
-              "without bucket " +
-              std::to_string(x) + "'s weights"};
-        }
-        if (detail::clock_type::now() >= deadline) {
-          throw comm_error{"wm: zero_optimizer on rank " + std::to_string(rank_) +
-                           ": weights_ready waited for the CPU Adam of bucket " +
-                           std::to_string(x) + " longer than the communicator's timeout"};
-        }
-        wait.pause();
+        WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), bucket_sent_[x], 0));
+        adopt_bucket(x, stream);
+        pending_ = x;
       }
-      WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), bucket_sent_[x], 0));
-      adopt_bucket(x, stream);
-      pending_ = x;
+      if (pending_ == 0) { settle_tail(); }
+    } catch (...) {  // the buckets left will not come: the step that `step` adopted is incomplete
+      fail_offload();
+      throw;
     }
-    if (pending_ == 0) { settle_tail(); }
   } else {
     (void)stream;
   }
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
-void zero_optimizer<Stage, Optimizer, Offload>::finish_pipeline(cuda::stream_ref stream) {
+void zero_optimizer<Stage, Optimizer, Offload>::finish_pipeline(cuda::stream_ref stream) try {
   bool idle = false;
   try {
     idle = worker_->wait_idle(detail::deadline_after(comm_->timeout()));
@@ -917,26 +944,37 @@ void zero_optimizer<Stage, Optimizer, Offload>::finish_pipeline(cuda::stream_ref
   // Every H2D of the step is enqueued: the caller's stream waits for them.
   WM_CUDA_TRY(cudaEventRecord(h2d_done_, h2d_stream_));
   WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), h2d_done_, 0));
+} catch (...) {  // a job failed, or the worker goes on past the deadline (it stops: fail_offload)
+  fail_offload();
+  throw;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref stream) {
   namespace z          = detail::zero;
   cudaStream_t const s = stream.get();
+  expect_usable("step");
   WM_EXPECTS(
       std::find(accumulated_.begin(), accumulated_.end(), std::uint8_t{1}) == accumulated_.end(),
       "zero_optimizer::step: every bucket that accumulate_gradients took needs its "
       "reduce_gradients (the step's last micro-batch) first");
-  complete_tail(stream);  // a step without backward: the last step's update ends first
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::step (stage 3): release every gathered group first");
+  }
+  complete_tail(stream);  // a step without backward: the last step's update ends first
+  if constexpr (Stage::value == 3) {
     residency_.drop_prefetch();  // its copies would be stale after the update
     // A prefetch may still be reading the shard weights that the update rewrites.
     WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
   }
   if constexpr (Offload::host) {
-    step_offload(lr, stream);
+    try {
+      step_offload(lr, stream);
+    } catch (...) {  // the masters and moments may be half updated, the step half decided
+      fail_offload();
+      throw;
+    }
   } else {
     if (masters_stale_) { widen_masters(s); }
     double* const global = norm_async(stream);
@@ -1141,6 +1179,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::gather_buckets(
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::gather(
     std::size_t g, cuda::stream_ref stream) requires(Stage::value == 3) {
+  expect_usable("gather");
   WM_EXPECTS(g < residency_.groups(), "zero_optimizer::gather: a group index below the count (" +
                                           std::to_string(residency_.groups()) + "), got " +
                                           std::to_string(g));
@@ -1183,12 +1222,14 @@ void zero_optimizer<Stage, Optimizer, Offload>::read_counters(cuda::stream_ref s
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 bool zero_optimizer<Stage, Optimizer, Offload>::last_step_skipped(cuda::stream_ref stream) const {
+  expect_usable("last_step_skipped");
   read_counters(stream);
   return host_counters_[1] != 0;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 float zero_optimizer<Stage, Optimizer, Offload>::loss_scale(cuda::stream_ref stream) const {
+  expect_usable("loss_scale");
   read_counters(stream);
   return host_scale_;
 }
@@ -1196,6 +1237,7 @@ float zero_optimizer<Stage, Optimizer, Offload>::loss_scale(cuda::stream_ref str
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 std::int64_t zero_optimizer<Stage, Optimizer, Offload>::applied_steps(
     cuda::stream_ref stream) const {
+  expect_usable("applied_steps");
   read_counters(stream);
   return host_counters_[0];
 }
@@ -1219,6 +1261,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
   namespace z                   = detail::zero;
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  expect_usable("save");
   complete_tail(stream);
   gather_host_copies();
   if (masters_stale_) { widen_masters(stream.get()); }
@@ -1257,6 +1300,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   cudaStream_t const s          = stream.get();
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  expect_usable("load");
   if constexpr (Offload::host) {  // the pipeline's jobs of a step begun before the load end
     complete_tail(stream);
     if (spec_.active) {
