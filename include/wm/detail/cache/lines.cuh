@@ -294,19 +294,51 @@ __global__ void protect_kernel(lines_ref<T, Impl> c, std::size_t rows, distinct_
   }
 }
 
-/// The staged write-backs, in ascending key order (@p keys sorted, @p slots their staging slots;
-/// entries at or past *c.stage_count, or past stage_rows, hold no row). One warp per row.
-template <class W, class T, class Impl>
+/**
+ * The staged write-backs, in ascending key order (@p keys sorted, @p slots their staging slots;
+ * entries at or past *c.stage_count, or past stage_rows, hold no row), with the replication of
+ * batch @p b's long runs woven in. One warp per step: step j writes victim j back, and, with an
+ * output (@p out.base not null) and runs longer than fused_copies in the batch, copies the output
+ * rows (output_row) of the sorted elements [j * per, (j + 1) * per) that lie fused_copies or more
+ * past their run's first from that first's row (the admission wrote it). The copies run while
+ * the victims' rows leave over the link, as read_short_runs_kernel's beside its reads.
+ */
+template <class W, class T, class Impl, class Index>
 __global__ void __launch_bounds__(line_block)
     staged_write_back_kernel(lines_ref<T, Impl> c, table_rows<T> table, std::uint32_t const* keys,
-                             unsigned const* slots) {
+                             unsigned const* slots, distinct_batch<Index> b,
+                             std::size_t const* order, packed_rows out) {
   unsigned const lane      = threadIdx.x % ways;
   std::size_t const warp   = grid_thread() / ways;
   std::size_t const warps  = grid_threads() / ways;
   std::size_t const staged = *c.stage_count;
   std::size_t const n      = staged < c.stage_rows ? staged : c.stage_rows;
-  for (std::size_t i = warp; i < n; i += warps) {
-    warp_move<W>(table.locate(keys[i]), c.staged(slots[i]), c.dim, c.st_cols, lane);
+  bool const copy          = out.base != nullptr && *b.long_count != 0;
+  std::size_t const steps  = copy ? cuda::std::max(n, cuda::ceil_div(b.n, copies_per_step)) : n;
+  std::size_t const per    = copy && steps != 0 ? cuda::ceil_div(b.n, steps) : 0;
+  std::size_t const vecs   = c.dim * sizeof(T) / sizeof(W);
+  for (std::size_t j = warp; j < steps; j += warps) {
+    if (j < n) { warp_move<W>(table.locate(keys[j]), c.staged(slots[j]), c.dim, c.st_cols, lane); }
+    W const* from[copies_per_step];
+    W* to[copies_per_step];
+    std::size_t const e0 = j * per;
+#pragma unroll
+    for (std::size_t e = 0; e < copies_per_step; ++e) {
+      std::size_t const i    = e0 + e;
+      from[e]                = nullptr;
+      to[e]                  = nullptr;
+      std::size_t const head = e < per && i < b.n ? b.heads[i] : i;
+      if (i - head >= fused_copies) {  // its run is long, its first's row in place
+        from[e] = reinterpret_cast<W const*>(output_row(b, order, out, head));
+        to[e]   = reinterpret_cast<W*>(output_row(b, order, out, i));
+      }
+    }
+    for (std::size_t v = lane; v < vecs; v += ways) {
+#pragma unroll
+      for (std::size_t e = 0; e < copies_per_step; ++e) {
+        if (to[e] != nullptr) { to[e][v] = from[e][v]; }
+      }
+    }
   }
 }
 
@@ -912,16 +944,20 @@ class line_storage {
           c, table, rows, b, order, out, count_requests, err);
       WM_CHECK_LAUNCH();
     });
-    if (sn != 0) { write_back_staged(c, table, sn, s); }
-    if (out.base != nullptr) {
+    if (sn != 0) {  // the long runs' copies too
+      write_back_staged(c, table, sn, b, order, out, s);
+    } else if (out.base != nullptr) {
       replicate_runs_to(b, order, out, dim_ * sizeof(T), fused_copies, s);
     }
   }
 
   /// The staged victims of the last admission (view @p c, @p sn slots) to @p table in ascending
   /// key order: the slots' keys sorted (slots past the count hold the sentinel key 2^32 - 1 and
-  /// sort last; the kernel stops at the count), then one warp per row.
+  /// sort last; the kernel stops at the count), then one warp per row; with an output (@p out.base
+  /// not null) the same kernel replicates batch @p b's long runs (staged_write_back_kernel).
+  template <class Index>
   void write_back_staged(lines_ref<T, Impl> const& c, table_rows<T> const& table, std::size_t sn,
+                         distinct_batch<Index> const& b, std::size_t const* order, packed_rows out,
                          cudaStream_t s) {
     std::size_t cub_bytes = 0;
     WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
@@ -945,11 +981,14 @@ class line_storage {
     WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(k.take<std::byte>(base, o_cub), cub_bytes,
                                                 c.stage_keys, sorted_keys, slots, sorted_slots, sn,
                                                 0, 32, s));
-    std::size_t const bl = std::min<std::size_t>(cuda::ceil_div(sn, std::size_t{line_block / ways}),
-                                                 static_cast<std::size_t>(sm_count()) * 8);
-    with_vector(width(table, packed_rows{nullptr, 0}), [&]<class W>() {
-      staged_write_back_kernel<W, T, Impl>
-          <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, sorted_keys, sorted_slots);
+    std::size_t const steps =
+        out.base != nullptr ? std::max(sn, cuda::ceil_div(b.n, copies_per_step)) : sn;
+    std::size_t const bl =
+        std::min<std::size_t>(cuda::ceil_div(steps, std::size_t{line_block / ways}),
+                              static_cast<std::size_t>(sm_count()) * 8);
+    with_vector(width(table, out), [&]<class W>() {
+      staged_write_back_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
+          c, table, sorted_keys, sorted_slots, b, order, out);
       WM_CHECK_LAUNCH();
     });
   }
