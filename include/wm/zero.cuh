@@ -354,10 +354,10 @@ class zero_optimizer {
   /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
   /// @throw wm::logic_error on k out of range
   [[nodiscard]] float const* state_shard(int k) const {
+    expect_usable("state_shard");
     WM_EXPECTS(k >= 0 && k < Optimizer::states,
                "zero_optimizer::state_shard: a state index in [0, " +
                    std::to_string(Optimizer::states) + "), got " + std::to_string(k));
-    expect_usable("state_shard");
     gather_host_copies();
     return states_ + static_cast<std::size_t>(k) * plan_.state_elements;
   }

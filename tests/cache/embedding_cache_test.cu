@@ -80,7 +80,8 @@ table_state snapshot(E& e, cudaStream_t s) {
   return t;
 }
 
-/// A batch: keys with repeats (a quarter from a few hot rows) and gradients.
+/// A batch: keys with repeats (a quarter from five hot rows, the first three and the last two of
+/// the table, so long runs sit at both ends of the sorted batch) and gradients.
 template <class T>
 struct batch {
   std::vector<std::int64_t> keys;
@@ -93,9 +94,10 @@ batch<T> draw(std::mt19937_64& rng, std::size_t rows, std::size_t dim, std::size
   batch<T> b;
   b.lr = 0.01f * static_cast<float>(step + 1);
   b.keys.resize(n);
+  std::size_t const hot = std::min<std::size_t>(rows, 5);
   for (auto& k : b.keys) {
-    k = static_cast<std::int64_t>(rng() % 4 == 0 ? rng() % std::min<std::size_t>(rows, 5)
-                                                 : rng() % rows);
+    std::size_t const h = rng() % hot;
+    k = static_cast<std::int64_t>(rng() % 4 == 0 ? (h < 3 ? h : rows - 1 - (h - 3)) : rng() % rows);
   }
   b.distinct = std::set<std::int64_t>(b.keys.begin(), b.keys.end()).size();
   std::uniform_real_distribution<float> g{-1.0f, 1.0f};

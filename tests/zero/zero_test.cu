@@ -514,10 +514,11 @@ TEMPLATE_PRODUCT_TEST_CASE("zero_optimizer equals float64 data-parallel mixed pr
 
 namespace {
 
-// One training step of @p opt on the gradients of grad_value (bucket by bucket, as backward).
+// Writes step @p t's gradients of every parameter of @p opt (grad_value, scaled by
+// @p loss_scale) and reduces each bucket, as backward does.
 template <class O>
-void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
-                double loss_scale, wm::communicator& comm, stream_holder const& s) {
+void backward(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
+              double loss_scale, wm::communicator& comm, stream_holder const& s) {
   auto const& plan = opt.layout();
   for (std::size_t b = 0; b < opt.buckets(); ++b) {
     for (auto p : plan.buckets[b].params) {
@@ -526,6 +527,13 @@ void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, 
     }
     opt.reduce_gradients(b, s);
   }
+}
+
+// One training step of @p opt on the gradients of grad_value (bucket by bucket, as backward).
+template <class O>
+void train_step(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
+                double loss_scale, wm::communicator& comm, stream_holder const& s) {
+  backward(opt, mp, seed, t, loss_scale, comm, s);
   opt.step(0.05f * static_cast<float>(1 + t), s);
 }
 
@@ -543,20 +551,34 @@ std::vector<double> read_param(O& opt, std::size_t p, model_param const& mp, wm:
   }
 }
 
-// The same weights, uniform in [-1, 1) from @p seed, into the nonempty parameters of @p a and @p b.
-template <class O>
-void set_same_random_weights(O& a, O& b, std::vector<model_param> const& mp, std::uint64_t seed,
-                             wm::communicator& comm, stream_holder const& s) {
+// The same weights, uniform in [-1, 1) from @p seed, into the nonempty parameters of every one
+// of @p opts.
+template <class... O>
+void set_random_weights_of(std::vector<model_param> const& mp, std::uint64_t seed,
+                           wm::communicator& comm, stream_holder const& s, O&... opts) {
   std::mt19937_64 rng{seed};
   std::uniform_real_distribution<double> u(-1, 1);
   for (std::size_t p = 0; p < mp.size(); ++p) {
     std::vector<double> w(elements_of(mp[p]));
     if (w.empty()) { continue; }
     for (auto& x : w) { x = u(rng); }
-    set_weights_from(a, p, mp[p].type, w, s);
-    set_weights_from(b, p, mp[p].type, w, s);
+    (set_weights_from(opts, p, mp[p].type, w, s), ...);
     comm.synchronize(s);
   }
+}
+
+// The same weights, uniform in [-1, 1) from @p seed, into the nonempty parameters of @p a and @p b.
+template <class O>
+void set_same_random_weights(O& a, O& b, std::vector<model_param> const& mp, std::uint64_t seed,
+                             wm::communicator& comm, stream_holder const& s) {
+  set_random_weights_of(mp, seed, comm, s, a, b);
+}
+
+// Weights uniform in [-1, 1) from @p seed into the nonempty parameters of @p opt.
+template <class O>
+void set_random_weights(O& opt, std::vector<model_param> const& mp, std::uint64_t seed,
+                        wm::communicator& comm, stream_holder const& s) {
+  set_random_weights_of(mp, seed, comm, s, opt);
 }
 
 // Poisons (NaN) every compute weight of @p a and @p b: a step that applies must rewrite them.
@@ -1091,36 +1113,6 @@ double seconds_of(F&& f) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Writes step @p t's gradients of every parameter of @p opt (grad_value) and reduces each bucket.
-template <class O>
-void backward(O& opt, std::vector<model_param> const& mp, std::uint64_t seed, int t,
-              wm::communicator& comm, stream_holder const& s) {
-  double const scale = opt.loss_scale(s);
-  auto const& plan   = opt.layout();
-  for (std::size_t b = 0; b < opt.buckets(); ++b) {
-    for (auto p : plan.buckets[b].params) {
-      auto const g = grad_values(seed, t, comm.rank(), p, elements_of(mp[p]), scale);
-      write_typed(mp[p].type, gradients_ptr(opt, p, mp[p].type), g, comm, s.s);
-    }
-    opt.reduce_gradients(b, s);
-  }
-}
-
-// Weights uniform in [-1, 1) from @p seed into the nonempty parameters of @p opt.
-template <class O>
-void set_random_weights(O& opt, std::vector<model_param> const& mp, std::uint64_t seed,
-                        wm::communicator& comm, stream_holder const& s) {
-  std::mt19937_64 rng{seed};
-  std::uniform_real_distribution<double> u(-1, 1);
-  for (std::size_t p = 0; p < mp.size(); ++p) {
-    std::vector<double> w(elements_of(mp[p]));
-    if (w.empty()) { continue; }
-    for (auto& x : w) { x = u(rng); }
-    set_weights_from(opt, p, mp[p].type, w, s);
-    comm.synchronize(s);
-  }
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("zero_optimizer offload: a failed step leaves it unusable, naming the failure",
@@ -1158,7 +1150,14 @@ TEMPLATE_TEST_CASE("zero_optimizer offload: a failed step leaves it unusable, na
 
   // Step 1: the pipeline assumes the last step's rate, so its CPU Adam starts and waits for the
   // decision; the step comes after the deadline.
-  backward(*a, mp, seed, 1, comm, s);
+  backward(*a, mp, seed, 1, a->loss_scale(s), comm, s);
+  // The deadline runs from the job's wait for the decision: sleep past it once the wait began
+  // (a starved worker would otherwise meet a step that came in time).
+  auto const began = std::chrono::steady_clock::now();
+  while (a->offload_stats().region_waits == 0 && std::chrono::steady_clock::now() - began < 30s) {
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(a->offload_stats().region_waits == 1);
   std::this_thread::sleep_for(deadline + 500ms);
   std::string first;
   try {
@@ -1253,12 +1252,14 @@ TEST_CASE("zero_optimizer offload: destruction stops the pipeline's CPU Adam at 
   REQUIRE(a->offload_stats().spare_regions == (std::size_t{1} << 22) / 64);
 
   // Both measures begin once the gradients are on the host (the job goes on meanwhile).
-  backward(*a, mp, seed, 1, comm, s);
+  backward(*a, mp, seed, 1, a->loss_scale(s), comm, s);
   WM_CUDA_TRY(cudaDeviceSynchronize());
   double const whole = seconds_of([&] { a->step(0.05f, s); });  // the last step's rate: adopted
   REQUIRE(a->last_step_pipelined());
+  // Freeing synchronizes the device: a's copies of the step must not count in the idle measure.
+  WM_CUDA_TRY(cudaDeviceSynchronize());
   double const freeing = seconds_of([&] { idle.reset(); });
-  backward(*a, mp, seed, 2, comm, s);
+  backward(*a, mp, seed, 2, a->loss_scale(s), comm, s);
   WM_CUDA_TRY(cudaDeviceSynchronize());
   double const destroyed = seconds_of([&] { a.reset(); });
   INFO("the whole job " << whole << " s, destroying an idle optimizer " << freeing

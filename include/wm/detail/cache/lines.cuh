@@ -313,26 +313,13 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const warps  = grid_threads() / ways;
   std::size_t const staged = *c.stage_count;
   std::size_t const n      = staged < c.stage_rows ? staged : c.stage_rows;
-  bool const copy          = out.base != nullptr && *b.long_count != 0;
-  std::size_t const steps  = copy ? cuda::std::max(n, cuda::ceil_div(b.n, copies_per_step)) : n;
-  std::size_t const per    = copy && steps != 0 ? cuda::ceil_div(b.n, steps) : 0;
-  std::size_t const vecs   = c.dim * sizeof(T) / sizeof(W);
-  for (std::size_t j = warp; j < steps; j += warps) {
+  woven_copies<Index, std::size_t> const wc{b, out, n};
+  std::size_t const vecs = c.dim * sizeof(T) / sizeof(W);
+  for (std::size_t j = warp; j < wc.steps; j += warps) {
     if (j < n) { warp_move<W>(table.locate(keys[j]), c.staged(slots[j]), c.dim, c.st_cols, lane); }
     W const* from[copies_per_step];
     W* to[copies_per_step];
-    std::size_t const e0 = j * per;
-#pragma unroll
-    for (std::size_t e = 0; e < copies_per_step; ++e) {
-      std::size_t const i    = e0 + e;
-      from[e]                = nullptr;
-      to[e]                  = nullptr;
-      std::size_t const head = e < per && i < b.n ? b.heads[i] : i;
-      if (i - head >= fused_copies) {  // its run is long, its first's row in place
-        from[e] = reinterpret_cast<W const*>(output_row(b, order, out, head));
-        to[e]   = reinterpret_cast<W*>(output_row(b, order, out, i));
-      }
-    }
+    wc.rows(b, order, out, j, from, to);
     for (std::size_t v = lane; v < vecs; v += ways) {
 #pragma unroll
       for (std::size_t e = 0; e < copies_per_step; ++e) {
@@ -350,7 +337,8 @@ __global__ void __launch_bounds__(line_block)
  * has all 32 ways in use by this batch bypasses the cache (nothing admitted; with an output the
  * weight row is read from the table). With an output (@p out.base not null), the row is copied to
  * the output rows (output_row: out row order[position], or position when @p order is null) of
- * the run's first min(length, fused_copies) elements; replicate_runs_to copies it to the rest. An
+ * the run's first min(length, fused_copies) elements; the rest are copied from there after the
+ * kernel (staged calls: by staged_write_back_kernel, else by replicate_runs_to). An
  * invalid key (negative or not below @p rows) gives zero output rows and sets *err; it counts as
  * a miss and admits nothing. With @p count_requests (gather) requests, distinct keys, hits, misses
  * and bypasses are counted (a run counts its length, a bypass one per key); evictions,

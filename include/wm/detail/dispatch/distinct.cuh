@@ -335,6 +335,45 @@ __global__ void __launch_bounds__(256)
 /// Most copies of long runs that one step of read_short_runs_kernel makes.
 inline constexpr std::size_t copies_per_step = 8;
 
+/// Replication woven into another kernel's steps (read_short_runs_kernel; the cache's staged
+/// write-back): steps = max(@p others, ceil(n / copies_per_step)) steps, step j copying the
+/// output rows of the sorted elements [j * per, (j + 1) * per) that lie fused_copies or more past
+/// their run's first from that first's row, which must be in place. A batch without long runs
+/// (b.long_count 0, or @p out.base null: nothing to copy) takes only the @p others steps.
+template <class Index, class Pos>
+struct woven_copies {
+  std::size_t steps{};
+  std::size_t per{};  // elements a step covers (at most copies_per_step; 0: no copies)
+
+  /// Device; b.long_count must be set (plan_distinct sets it).
+  __device__ woven_copies(distinct_batch<Index, Pos> const& b, packed_rows out,
+                          std::size_t others) {
+    bool const copy = out.base != nullptr && *b.long_count != 0;
+    steps           = copy ? cuda::std::max(others, cuda::ceil_div(b.n, copies_per_step)) : others;
+    per             = copy && steps != 0 ? cuda::ceil_div(b.n, steps) : 0;
+  }
+
+  /// Step @p j's copies: to[e] = the output row of an element to copy, from[e] = its run's
+  /// first's (both null where there is nothing to copy), as vectors of Vec.
+  template <class Vec>
+  __device__ void rows(distinct_batch<Index, Pos> const& b, std::size_t const* order,
+                       packed_rows out, std::size_t j, Vec const* (&from)[copies_per_step],
+                       Vec* (&to)[copies_per_step]) const {
+    std::size_t const e0 = j * per;
+#pragma unroll
+    for (std::size_t e = 0; e < copies_per_step; ++e) {
+      std::size_t const i    = e0 + e;
+      from[e]                = nullptr;
+      to[e]                  = nullptr;
+      std::size_t const head = e < per && i < b.n ? std::size_t{b.heads[i]} : i;
+      if (i - head >= fused_copies) {  // its run is long, its first's row in place
+        from[e] = reinterpret_cast<Vec const*>(output_row(b, order, out, head));
+        to[e]   = reinterpret_cast<Vec*>(output_row(b, order, out, i));
+      }
+    }
+  }
+};
+
 /**
  * The reads of the short runs (at most fused_copies keys) with the copies of the long runs
  * woven in: step j reads short run j's row (if run j is short) into its output rows and copies
@@ -353,11 +392,8 @@ __global__ void __launch_bounds__(256)
   std::size_t const g      = tid / static_cast<std::size_t>(group);
   int const lane           = static_cast<int>(tid % static_cast<std::size_t>(group));
   std::size_t const runs   = *b.runs;
-  bool const copy          = *b.long_count != 0;
-  std::size_t const steps =
-      copy ? cuda::std::max(runs, cuda::ceil_div(b.n, copies_per_step)) : runs;
-  std::size_t const per = copy && steps != 0 ? cuda::ceil_div(b.n, steps) : 0;
-  for (std::size_t j = g; j < steps; j += groups) {
+  woven_copies<Index, Pos> const w{b, out, runs};
+  for (std::size_t j = g; j < w.steps; j += groups) {
     Vec const* src     = nullptr;
     std::size_t first  = 0;
     std::size_t copies = 0;
@@ -377,18 +413,7 @@ __global__ void __launch_bounds__(256)
     }
     Vec const* from[copies_per_step];
     Vec* to[copies_per_step];
-    std::size_t const e0 = j * per;
-#pragma unroll
-    for (std::size_t e = 0; e < copies_per_step; ++e) {
-      std::size_t const i    = e0 + e;
-      from[e]                = nullptr;
-      to[e]                  = nullptr;
-      std::size_t const head = e < per && i < b.n ? std::size_t{b.heads[i]} : i;
-      if (i - head >= fused_copies) {  // its run is long, its first's row in place
-        from[e] = reinterpret_cast<Vec const*>(output_row(b, order, out, head));
-        to[e]   = reinterpret_cast<Vec*>(output_row(b, order, out, i));
-      }
-    }
+    w.rows(b, order, out, j, from, to);
     for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs;
          c += static_cast<std::size_t>(group)) {
       Vec v{};
