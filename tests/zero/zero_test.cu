@@ -1217,6 +1217,14 @@ TEMPLATE_TEST_CASE("zero_optimizer offload: a failed step leaves it unusable, na
   REQUIRE(b.applied_steps(s) == 1);
   std::vector<float> const loaded(b.master_shard(), b.master_shard() + n);
   REQUIRE(std::memcmp(loaded.data(), saved.data(), n * sizeof(float)) == 0);
+  // Input errors are the caller's, not a failed step: they leave the optimizer usable.
+  REQUIRE_THROWS_AS(b.reduce_gradients(b.buckets(), s), wm::logic_error);
+  REQUIRE_THROWS_AS(b.weights_ready(b.buckets(), s), wm::logic_error);
+  if constexpr (TestType::value == 3) {
+    b.gather(0, s);
+    REQUIRE_THROWS_AS(b.step(0.05f, s), wm::logic_error);  // a group still gathered
+    b.release(0);
+  }
   train_step(b, mp, seed, 1, b.loss_scale(s), comm, s);
   REQUIRE(b.applied_steps(s) == 2);
   REQUIRE_FALSE(b.last_step_skipped(s));
