@@ -14,7 +14,9 @@
 //
 // Standalone, not in CMake:
 //   nvcc -std=c++20 -O3 -arch=sm_90 -o x bench/probes/host_rows_duplex_probe.cu
-//   ./x [--rows 10000000] [--row-bytes 1536] [--n 1000000] [--reps 5] [--bps 8]
+//   ./x [--rows 10000000] [--row-bytes 1536] [--n 1000000] [--reps 5] [--bps 8] [--split 0]
+//   --split 1: the table as wm keeps it: 512 B rows (weights), 1024 B rows (m, v) and, past 1536
+//   row bytes, the rest (a step) in a third array
 // Results and what they mean: bench/NOTES.md, "Scattered host rows read and written at once".
 #include <cuda_runtime.h>
 
@@ -39,10 +41,23 @@ __host__ __device__ inline bool same(uint4 a, uint4 b) {
   return a.x == b.x && a.y == b.y && a.z == b.z && a.w == b.w;
 }
 
-__global__ void fill_table(uint4* t, size_t rows, int vecs) {
+// The host table: one array of rows (split 0), or a row's vectors 0-31 (512 B, a weight row) in
+// one array, 32-95 (1024 B, Adam's m and v) in a second and the rest (a step) in a third, as
+// wm's host tables keep them (split 1).
+struct table_layout {
+  uint4 *a, *b, *c;
+  int vecs, split;
+  __host__ __device__ uint4* at(size_t row, int v) const {
+    if (!split) return a + row * vecs + v;
+    if (v < 32) return a + row * 32 + v;
+    if (v < 96) return b + row * 64 + (v - 32);
+    return c + row * (vecs - 96) + (v - 96);
+  }
+};
+__global__ void fill_table(table_layout t, size_t rows, int vecs) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < rows * vecs;
        i += size_t(gridDim.x) * blockDim.x)
-    t[i] = pattern(u32(i / vecs), u32(i % vecs), 0);
+    *t.at(i / vecs, int(i % vecs)) = pattern(u32(i / vecs), u32(i % vecs), 0);
 }
 __global__ void fill_src(uint4* d, u32 const* idx, u32 n, int vecs, u32 stamp) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(n) * vecs;
@@ -57,31 +72,31 @@ __global__ void check_reads(uint4 const* d, u32 const* idx, u32 n, int vecs, u64
 
 // rows w, w + nw, ... of idx: host row idx[r] <-> dev row r, a warp per row, 16 B per lane
 template <bool write>
-__device__ __forceinline__ void move_rows(uint4* __restrict__ host, uint4* __restrict__ dev,
+__device__ __forceinline__ void move_rows(table_layout host, uint4* __restrict__ dev,
                                           u32 const* __restrict__ idx, u32 n, int vecs, u32 w,
                                           u32 nw, int lane) {
   for (u32 r = w; r < n; r += nw) {
-    uint4* h = host + size_t(idx[r]) * vecs;
-    uint4* d = dev + size_t(r) * vecs;
+    size_t const hr = idx[r];
+    uint4* d        = dev + size_t(r) * vecs;
 #pragma unroll 3  // a 1536 B row: 3 vectors per lane in flight; no spills at 32 registers
     for (int v = lane; v < vecs; v += 32) {
       if (write)
-        h[v] = d[v];
+        *host.at(hr, v) = d[v];
       else
-        d[v] = h[v];
+        d[v] = *host.at(hr, v);
     }
   }
 }
 // at most 32 registers: 8 blocks of 256 per SM resident, so both halves of (b) fit at once
 template <bool write>
 __global__ void __launch_bounds__(256, 8)
-    rows_kernel(uint4* host, uint4* dev, u32 const* idx, u32 n, int vecs) {
+    rows_kernel(table_layout host, uint4* dev, u32 const* idx, u32 n, int vecs) {
   u32 w = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nw = gridDim.x * blockDim.x / 32;
   move_rows<write>(host, dev, idx, n, vecs, w, nw, threadIdx.x % 32);
 }
 // even warps read ridx's rows into din, odd warps write dout to widx's rows
 __global__ void __launch_bounds__(256, 8)
-    duplex_kernel(uint4* host, uint4* din, u32 const* ridx, uint4 const* dout, u32 const* widx,
+    duplex_kernel(table_layout host, uint4* din, u32 const* ridx, uint4 const* dout, u32 const* widx,
                   u32 n, int vecs) {
   u32 w = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nw = gridDim.x * blockDim.x / 32;
   if (w % 2 == 0)
@@ -96,7 +111,7 @@ struct times {
 
 int main(int argc, char** argv) {
   size_t rows = 10'000'000, n = 1'000'000;
-  int rowb = 1536, reps = 5, bps = 8;
+  int rowb = 1536, reps = 5, bps = 8, split = 0;
   for (int i = 1; i < argc; i += 2) {
     std::string a = argv[i];
     if (i + 1 == argc) {
@@ -114,13 +129,15 @@ int main(int argc, char** argv) {
       reps = int(v);
     else if (a == "--bps")
       bps = int(v);
+    else if (a == "--split")
+      split = int(v);
     else {
       std::printf("unknown flag %s\n", a.c_str());
       return 2;
     }
   }
   if (rowb % 16 != 0 || rowb <= 0 || 2 * n > rows || rows >= (size_t(1) << 32) || reps < 1 ||
-      bps < 2) {
+      bps < 2 || (split && rowb < 1536)) {
     std::printf("need row-bytes a multiple of 16, 2 n <= rows < 2^32, reps >= 1, bps >= 2\n");
     return 2;
   }
@@ -135,8 +152,17 @@ int main(int argc, char** argv) {
       prop.name, sms, rows, rowb, rows * double(rowb) / (1 << 30), n, bytes / 1e6, full, half,
       reps);
 
-  uint4 *table, *ce_host, *din, *dout;
-  CK(cudaMallocHost(&table, rows * rowb));
+  uint4 *ce_host, *din, *dout;
+  table_layout table{nullptr, nullptr, nullptr, vecs, split};
+  if (split) {
+    CK(cudaMallocHost(&table.a, rows * 512));
+    CK(cudaMallocHost(&table.b, rows * 1024));
+    if (rowb > 1536) CK(cudaMallocHost(&table.c, rows * (rowb - 1536)));
+  } else {
+    CK(cudaMallocHost(&table.a, rows * rowb));
+  }
+  if (split) std::printf("split table: 512 B + 1024 B + %d B rows in %d arrays\n", rowb - 1536,
+                         rowb > 1536 ? 3 : 2);
   CK(cudaMallocHost(&ce_host, n * rowb));
   CK(cudaMalloc(&din, n * rowb));
   CK(cudaMalloc(&dout, n * rowb));
@@ -218,12 +244,12 @@ int main(int argc, char** argv) {
 
   // 1. copy engines, contiguous
   times h2d = time(
-      [&](auto a, auto) { CK(cudaMemcpyAsync(din, table, n * rowb, cudaMemcpyHostToDevice, a)); });
+      [&](auto a, auto) { CK(cudaMemcpyAsync(din, table.a, n * rowb, cudaMemcpyHostToDevice, a)); });
   times d2h = time([&](auto a, auto) {
     CK(cudaMemcpyAsync(ce_host, dout, n * rowb, cudaMemcpyDeviceToHost, a));
   });
   times ce2 = time([&](auto a, auto b) {
-    CK(cudaMemcpyAsync(din, table, n * rowb, cudaMemcpyHostToDevice, a));
+    CK(cudaMemcpyAsync(din, table.a, n * rowb, cudaMemcpyHostToDevice, a));
     CK(cudaMemcpyAsync(ce_host, dout, n * rowb, cudaMemcpyDeviceToHost, b));
   });
   line("CE contiguous H2D alone", h2d.ms, h2d.ms, 0, 0);
@@ -251,7 +277,7 @@ int main(int argc, char** argv) {
       for (int k = 0; k < 4096; ++k) {
         u32 r = wr[g() % n];
         for (int v = 0; v < vecs; ++v)
-          bad_w += !same(table[size_t(r) * vecs + v], pattern(r, v, stamp));
+          bad_w += !same(*table.at(r, v), pattern(r, v, stamp));
       }
     }
     if (bad || bad_w) {
