@@ -96,8 +96,8 @@ __global__ void __launch_bounds__(256, 8)
 }
 // even warps read ridx's rows into din, odd warps write dout to widx's rows
 __global__ void __launch_bounds__(256, 8)
-    duplex_kernel(table_layout host, uint4* din, u32 const* ridx, uint4 const* dout, u32 const* widx,
-                  u32 n, int vecs) {
+    duplex_kernel(table_layout host, uint4* din, u32 const* ridx, uint4 const* dout,
+                  u32 const* widx, u32 n, int vecs) {
   u32 w = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nw = gridDim.x * blockDim.x / 32;
   if (w % 2 == 0)
     move_rows<false>(host, din, ridx, n, vecs, w / 2, nw / 2, threadIdx.x % 32);
@@ -161,8 +161,9 @@ int main(int argc, char** argv) {
   } else {
     CK(cudaMallocHost(&table.a, rows * rowb));
   }
-  if (split) std::printf("split table: 512 B + 1024 B + %d B rows in %d arrays\n", rowb - 1536,
-                         rowb > 1536 ? 3 : 2);
+  if (split)
+    std::printf("split table: 512 B + 1024 B + %d B rows in %d arrays\n", rowb - 1536,
+                rowb > 1536 ? 3 : 2);
   CK(cudaMallocHost(&ce_host, n * rowb));
   CK(cudaMalloc(&din, n * rowb));
   CK(cudaMalloc(&dout, n * rowb));
@@ -243,8 +244,9 @@ int main(int argc, char** argv) {
   };
 
   // 1. copy engines, contiguous
-  times h2d = time(
-      [&](auto a, auto) { CK(cudaMemcpyAsync(din, table.a, n * rowb, cudaMemcpyHostToDevice, a)); });
+  times h2d = time([&](auto a, auto) {
+    CK(cudaMemcpyAsync(din, table.a, n * rowb, cudaMemcpyHostToDevice, a));
+  });
   times d2h = time([&](auto a, auto) {
     CK(cudaMemcpyAsync(ce_host, dout, n * rowb, cudaMemcpyDeviceToHost, a));
   });
@@ -276,8 +278,7 @@ int main(int argc, char** argv) {
       std::mt19937 g{stamp};
       for (int k = 0; k < 4096; ++k) {
         u32 r = wr[g() % n];
-        for (int v = 0; v < vecs; ++v)
-          bad_w += !same(*table.at(r, v), pattern(r, v, stamp));
+        for (int v = 0; v < vecs; ++v) bad_w += !same(*table.at(r, v), pattern(r, v, stamp));
       }
     }
     if (bad || bad_w) {

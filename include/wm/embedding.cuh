@@ -147,7 +147,10 @@ class embedding {
   [[nodiscard]] std::size_t dim() const noexcept { return weights_.cols(); }
   [[nodiscard]] Optimizer const& optimizer() const noexcept { return opt_; }
   /// The weight tensor (e.g. to load weights from files or read local rows). With a
-  /// `read_write` cache, rows in dirty lines are newer than the tensor: `flush()` first.
+  /// `read_write` cache, rows in dirty lines are newer than the tensor: `flush()` first. On a
+  /// host table with a cache and optimizer state or steps its rows are records (stride > dim)
+  /// that also hold the state and the step: `states()` and `steps()` are `view_columns` of it,
+  /// so a row the cache admits or writes back crosses PCIe as one access.
   [[nodiscard]] tensor<T, Location, Layout, Mapping>& weights() noexcept { return weights_; }
   /// Optimizer state: `Optimizer::states × dim` floats per row (absent if the optimizer has none).
   [[nodiscard]] tensor<float, Location, Layout, Mapping>* states() noexcept {

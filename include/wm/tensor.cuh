@@ -183,15 +183,31 @@ class tensor {
   tensor& operator=(tensor&&) noexcept;
   ~tensor();
 
+  /**
+   * @brief A tensor of @p cols elements of U at @p byte_offset into each of this tensor's rows,
+   * over the same memory: the same rows, mapping and owners, nothing copied (the memory lives
+   * while any tensor over it lives). Collective, as construction. An embedding on a host table
+   * keeps each row's weights, optimizer state and step in one record so: its states and steps
+   * are views into the weight tensor's rows (one scattered host access per row, not three).
+   * @throw wm::logic_error unless @p byte_offset is a multiple of `alignof(U)`, the stride in
+   * bytes a multiple of `sizeof(U)`, `cols >= 1` and the columns end within the stride
+   */
+  template <class U>
+  [[nodiscard]] tensor<U, Location, Layout, Mapping> view_columns(std::size_t byte_offset,
+                                                                  std::size_t cols);
+
   [[nodiscard]] std::size_t rows() const noexcept { return rows_; }
   [[nodiscard]] std::size_t cols() const noexcept { return cols_; }
   [[nodiscard]] std::size_t stride() const noexcept { return stride_; }
   [[nodiscard]] communicator& comm() const noexcept { return *comm_; }
   /// The underlying memory (entries are rows of `stride * sizeof(T)` bytes).
-  [[nodiscard]] memory<Location, Layout>& storage() noexcept { return mem_; }
-  [[nodiscard]] memory<Location, Layout> const& storage() const noexcept { return mem_; }
+  /// (A `view_columns` tensor's columns start `column_offset()` bytes into each entry.)
+  [[nodiscard]] memory<Location, Layout>& storage() noexcept { return *mem_; }
+  [[nodiscard]] memory<Location, Layout> const& storage() const noexcept { return *mem_; }
+  /// Bytes into each row where this tensor's columns start (0 but for `view_columns`).
+  [[nodiscard]] std::size_t column_offset() const noexcept { return offset_; }
   /// Number of rows this rank owns.
-  [[nodiscard]] std::size_t local_rows() const noexcept { return mem_.local_view().entries; }
+  [[nodiscard]] std::size_t local_rows() const noexcept { return mem_->local_view().entries; }
   /// The mapping in the form kernels take (block: partition starts in device memory).
   [[nodiscard]] mapping_ref<Mapping> device_mapping() const noexcept { return map_ref(); }
   /// Where global row @p k lives (host-side helper).
@@ -265,6 +281,17 @@ class tensor {
   std::vector<std::filesystem::path> store(std::filesystem::path const& prefix);
 
  private:
+  template <class U, location L, layout Y, mapping M>
+  requires std::is_trivially_copyable_v<U>
+  friend class tensor;
+  struct view_tag {};
+  /// A view of @p mem's rows (view_columns).
+  tensor(view_tag, communicator& comm, std::size_t rows, std::size_t cols, std::size_t stride,
+         std::shared_ptr<memory<Location, Layout>> mem, std::size_t offset);
+  /// This rank's first row, at this tensor's columns (null when it owns no row).
+  [[nodiscard]] std::byte* local_data() const noexcept;
+  /// Device array: every rank's first row at this tensor's columns (mapped layouts).
+  [[nodiscard]] std::byte* const* parts() const noexcept;
   [[nodiscard]] std::size_t row_bytes() const noexcept { return cols_ * sizeof(T); }
   [[nodiscard]] std::size_t stride_bytes() const noexcept { return stride_ * sizeof(T); }
   [[nodiscard]] mapping_ref<Mapping> map_ref() const noexcept;
@@ -278,7 +305,9 @@ class tensor {
   std::size_t rows_;
   std::size_t cols_;
   std::size_t stride_;
-  memory<Location, Layout> mem_;
+  std::shared_ptr<memory<Location, Layout>> mem_;
+  std::size_t offset_{};                     // bytes into each row (view_columns)
+  std::shared_ptr<std::byte* const> parts_;  // offset parts' device array (mapped views only)
   std::unique_ptr<detail::exchange_scratch> scratch_;
 };
 

@@ -265,6 +265,29 @@ void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t se
   RANK_REQUIRE_MSG(static_cast<double>(cached.cache_lines()) >= wanted &&
                        static_cast<double>(cached.cache_lines()) < wanted + 32,
                    what << ": " << cached.cache_lines() << " lines");
+  // A cached host table keeps each row's weight, state and step in one record of whole 128-byte
+  // pieces (the states and steps are views of the weight tensor's rows); without state or steps
+  // its weight rows are dense.
+  std::size_t const record = cached.weights().stride() * sizeof(T);
+  if (cached.states() == nullptr && cached.steps() == nullptr) {
+    RANK_REQUIRE_MSG(cached.weights().stride() == g.dim, what << ": record of " << record << " B");
+  } else {
+    RANK_REQUIRE_MSG(record % 128 == 0 && record >= line_payload<T>(opt, g.dim) &&
+                         record < line_payload<T>(opt, g.dim) + 128 + 16,
+                     what << ": record of " << record << " B");
+  }
+  if (cached.states() != nullptr) {
+    auto const& st = *cached.states();
+    RANK_REQUIRE_MSG(st.column_offset() >= g.dim * sizeof(T) && st.column_offset() % 16 == 0 &&
+                         st.stride() * sizeof(float) == record,
+                     what << ": states at " << st.column_offset());
+  }
+  if (cached.steps() != nullptr) {
+    auto const& sp = *cached.steps();
+    RANK_REQUIRE_MSG(sp.column_offset() + sizeof(std::int64_t) <= record &&
+                         sp.stride() * sizeof(std::int64_t) == record,
+                     what << ": steps at " << sp.column_offset());
+  }
 
   std::uint64_t requests = 0, distinct = 0, prefetched = 0;
   auto check_stats = [&](char const* when) {

@@ -210,6 +210,15 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
     }
   }
 
+  // An uncached table keeps weights, states and steps in three tensors (a cached host table keeps
+  // one record per row: embedding_cache_test).
+  RANK_REQUIRE_MSG(e.weights().stride() == dim,
+                   what << ": weight row stride " << e.weights().stride());
+  if constexpr (Opt::states > 0) {
+    RANK_REQUIRE_MSG(e.states()->column_offset() == 0 && e.states()->stride() == dim * Opt::states,
+                     what << ": state columns at " << e.states()->column_offset());
+  }
+
   std::mt19937_64 rng{seed};
   int const steps = 4;
   for (int k = 0; k < steps; ++k) {
@@ -249,6 +258,25 @@ void train_and_check(wm::communicator& comm, Opt opt, std::uint64_t seed, std::s
                                                    wm::embedding_init::zeros()};
   e2.load(dir / "ckpt");
   RANK_REQUIRE(e2.global_step() == steps);
+  {  // The same checkpoint in the other location.
+    using L3 = std::conditional_t<std::is_same_v<L, wm::host>, wm::device, wm::host>;
+    wm::embedding<T, wm::no_cache, Opt, L3, Y, M> e3{comm, rows, dim, opt,
+                                                     wm::embedding_init::zeros()};
+    e3.load(dir / "ckpt");
+    RANK_REQUIRE_MSG(
+        read_all<T>(e3.weights(), rows, dim, s) == read_all<T>(e2.weights(), rows, dim, s),
+        what << ": weights loaded into the other location differ");
+    if constexpr (Opt::states > 0) {
+      RANK_REQUIRE_MSG(read_all<float>(*e3.states(), rows, dim * Opt::states, s) ==
+                           read_all<float>(*e2.states(), rows, dim * Opt::states, s),
+                       what << ": states loaded into the other location differ");
+    }
+    if (e3.steps() != nullptr) {
+      RANK_REQUIRE_MSG(wm_test::gather_every_row<std::int64_t>(*e3.steps(), rows, 1, -7, s) ==
+                           wm_test::gather_every_row<std::int64_t>(*e2.steps(), rows, 1, -7, s),
+                       what << ": steps loaded into the other location differ");
+    }
+  }
   apply(e2, comm, more1, s, sh.grad_offset);
   apply(e2, comm, more2, s, sh.grad_offset);
   auto const a = read_all<T>(e.weights(), rows, dim, s);

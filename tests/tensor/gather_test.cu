@@ -16,6 +16,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string_view>
@@ -1044,6 +1045,75 @@ std::uint64_t shared_seed(wm::communicator& comm) {
   return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
 }
 
+// Views of a tensor's columns (view_columns): int64 columns in the padding of a float tensor's
+// 64-byte rows and, through a view of that view, float columns after them; each filled and
+// gathered on its own with the others' bytes untouched, a scatter into the inner view, the views
+// outliving the tensor they came from, and the misuses refused.
+template <class L, class Y, class M>
+void column_views(wm::communicator& comm, std::uint64_t seed) {
+  std::string const what = std::string{"view_columns, "} + L::name + "." + Y::name + "." + M::name;
+  std::size_t const rows = 70'001;  // not a multiple of the rank count
+  std::mt19937_64 shared{seed};
+  auto const base_rows = random_bytes(shared, rows * 32);  // 8 floats
+  auto const a_rows    = random_bytes(shared, rows * 16);  // 2 int64
+  auto const b_rows    = random_bytes(shared, rows * 16);  // 4 floats
+  auto const b_new     = random_bytes(shared, rows * 16);
+  std::optional<wm::tensor<float, L, Y, M>> base;
+  base.emplace(comm, rows, 8, 16);
+  auto a = base->template view_columns<std::int64_t>(32, 2);
+  auto b = a.template view_columns<float>(16, 4);
+  RANK_REQUIRE_MSG(a.column_offset() == 32 && b.column_offset() == 48 && a.stride() == 8 &&
+                       b.stride() == 16 && a.rows() == rows && a.cols() == 2 && b.cols() == 4 &&
+                       b.local_rows() == base->local_rows(),
+                   what << ": the views' shapes");
+  auto const* const first = reinterpret_cast<std::byte const*>(base->local_view().data);
+  if (base->local_rows() > 0) {
+    RANK_REQUIRE_MSG(reinterpret_cast<std::byte const*>(a.local_view().data) == first + 32 &&
+                         reinterpret_cast<std::byte const*>(b.ref().local_row(0)) == first + 48,
+                     what << ": the views' local rows");
+  } else {
+    RANK_REQUIRE_MSG(a.local_view().data == nullptr, what << ": a rank without rows");
+  }
+  fill_local_rows<M>(comm, *base, base_rows, 32);
+  fill_local_rows<M>(comm, a, a_rows, 16);
+  fill_local_rows<M>(comm, b, b_rows, 16);
+  gather_checks(*base, base_rows, 32, seed + 1, what + ": the tensor's own columns");
+  gather_checks(a, a_rows, 16, seed + 2, what + ": int64 columns");
+  gather_checks(b, b_rows, 16, seed + 3, what + ": float columns of the view");
+  // Each rank scatters the new rows of its block share into b (collective when distributed).
+  wm::block_partition const share{rows, comm.size()};
+  std::size_t const from = share.begin(comm.rank()), n = share.end(comm.rank()) - from;
+  std::vector<std::int64_t> idx(n);
+  std::iota(idx.begin(), idx.end(), static_cast<std::int64_t>(from));
+  std::shuffle(idx.begin(), idx.end(), shared);
+  std::vector<std::byte> values(n * 16);
+  for (std::size_t j = 0; j < n; ++j) {
+    std::memcpy(values.data() + j * 16, b_new.data() + static_cast<std::size_t>(idx[j]) * 16, 16);
+  }
+  device_indices<std::int64_t> di{idx};
+  device_bytes dv{values.size()};
+  WM_CUDA_TRY(cudaMemcpy(dv.ptr, values.data(), values.size(), cudaMemcpyHostToDevice));
+  b.scatter(di.span(), reinterpret_cast<float const*>(dv.ptr), cuda::stream_ref{cudaStream_t{}});
+  comm.barrier();
+  gather_checks(*base, base_rows, 32, seed + 4, what + ": the tensor after the view's scatter");
+  base.reset();  // the views keep the memory
+  gather_checks(b, b_new, 16, seed + 5, what + ": scattered rows, the tensor gone");
+  gather_checks(a, a_rows, 16, seed + 6, what + ": the other view, the tensor gone");
+  auto refused = [&](auto&& f) {
+    try {
+      f();
+    } catch (wm::logic_error const&) { return true; }
+    return false;
+  };
+  RANK_REQUIRE_MSG(refused([&] { (void)a.template view_columns<std::int64_t>(4, 1); }),
+                   what << ": a misaligned offset was accepted");
+  RANK_REQUIRE_MSG(refused([&] { (void)a.template view_columns<float>(28, 2); }),
+                   what << ": columns past the stride were accepted");
+  RANK_REQUIRE_MSG(refused([&] { (void)b.template view_columns<float>(0, 0); }),
+                   what << ": zero columns were accepted");
+  comm.barrier();
+}
+
 }  // namespace
 
 #define WM_EVERY_KIND                                        \
@@ -1099,6 +1169,15 @@ TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, sto
   scatter_then_store<L, Y, M>(comm, seed, dir);
   comm.barrier();
   if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
+}
+
+TEMPLATE_TEST_CASE("ranked: views of a tensor's columns share its memory", "[ranked]",
+                   WM_EVERY_KIND) {
+  using L    = std::tuple_element_t<0, TestType>;
+  using Y    = std::tuple_element_t<1, TestType>;
+  using M    = std::tuple_element_t<2, TestType>;
+  auto& comm = wm_test::comm();
+  column_views<L, Y, M>(comm, shared_seed(comm));
 }
 
 TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_EVERY_KIND) {

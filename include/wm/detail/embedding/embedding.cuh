@@ -13,6 +13,8 @@
 #include <wm/detail/embedding/update.cuh>
 #include <wm/embedding.cuh>
 
+#include <cuda/cmath>
+
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -62,6 +64,39 @@ struct embedding_scratch {
   return rows;
 }
 
+/**
+ * Where a cached host table keeps a row's parts in one record (the weight tensor's row, its
+ * stride holding the optimizer state and the step). The cache moves whole rows: its admissions
+ * read and its write-backs write every part of a row, and a scattered host row costs per access,
+ * not per byte (three arrays: 1.3-1.4x one record in ascending order; bench/NOTES.md, "a host
+ * table row is two or three scattered accesses"). An uncached host table keeps three tensors:
+ * its gathers read weights only, and dense weight rows read faster when a batch has few distinct
+ * rows (Zipf: 2.9 against 4.7 ms from records). Device tables keep three tensors.
+ */
+struct row_record {
+  std::size_t states_at{};  ///< bytes from the row's start to its state (16-byte aligned)
+  std::size_t step_at{};    ///< ... to its step
+  std::size_t bytes{};      ///< the record (a multiple of record_align); 0: no record
+};
+
+/// Records start at multiples of 128 bytes: a weight row of 512 bytes then takes four whole
+/// 128-byte requests, not five (1552-byte records made host gathers 9% slower).
+inline constexpr std::size_t record_align = 128;
+
+template <class T, class Location, class CachePolicy>
+[[nodiscard]] constexpr row_record host_row_record(std::size_t dim, std::size_t state_cols,
+                                                   bool steps) noexcept {
+  if (!Location::is_host || !caching_policy<CachePolicy> || (state_cols == 0 && !steps) ||
+      16 % sizeof(T) != 0) {
+    return {};
+  }
+  std::size_t const states_at = cuda::round_up(dim * sizeof(T), std::size_t{16});
+  std::size_t const states_to = states_at + state_cols * sizeof(float);
+  std::size_t const step_at   = cuda::round_up(states_to, std::size_t{8});
+  return {states_at, step_at,
+          cuda::round_up(steps ? step_at + sizeof(std::int64_t) : states_to, record_align)};
+}
+
 }  // namespace detail
 
 #define WM_EMBEDDING_TEMPLATE                                                                 \
@@ -77,7 +112,11 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
       weights_{
           comm,
           detail::check_cache<CachePolicy>(comm, detail::embedding_rows(comm, rows, dim), cache),
-          dim},
+          dim,
+          detail::host_row_record<T, Location, CachePolicy>(
+              dim, static_cast<std::size_t>(Optimizer::states) * dim, optimizer.needs_steps())
+                  .bytes /
+              sizeof(T)},
       scratch_{std::make_unique<detail::embedding_scratch>(comm)} {
   cudaStream_t const s = nullptr;
   // Every rank visits every global row and writes the ones its mapping gives it: the values
@@ -88,8 +127,15 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
         w, init, weights_.device_mapping(), comm.rank(), rows);
     WM_CHECK_LAUNCH();
   }
+  std::size_t const state_cols = static_cast<std::size_t>(Optimizer::states) * dim;
+  auto const record =
+      detail::host_row_record<T, Location, CachePolicy>(dim, state_cols, opt_.needs_steps());
   if constexpr (Optimizer::states > 0) {
-    states_.emplace(comm, rows, static_cast<std::size_t>(Optimizer::states) * dim);
+    if (record.bytes != 0) {
+      states_.emplace(weights_.template view_columns<float>(record.states_at, state_cols));
+    } else {
+      states_.emplace(comm, rows, state_cols);
+    }
     auto const v = states_->local_view();
     if (v.rows > 0) {
       detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows * v.cols), 256, 0, s>>>(
@@ -98,9 +144,17 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
     }
   }
   if (opt_.needs_steps()) {
-    steps_.emplace(comm, rows, 1);
+    if (record.bytes != 0) {
+      steps_.emplace(weights_.template view_columns<std::int64_t>(record.step_at, 1));
+    } else {
+      steps_.emplace(comm, rows, 1);
+    }
     auto const v = steps_->local_view();
-    if (v.rows > 0) { WM_CUDA_TRY(cudaMemset(v.data, 0, v.rows * sizeof(std::int64_t))); }
+    if (v.rows > 0) {
+      detail::fill_rows_kernel<<<detail::elementwise_blocks(v.rows), 256, 0, s>>>(v,
+                                                                                  std::int64_t{0});
+      WM_CHECK_LAUNCH();
+    }
   }
   if constexpr (detail::caching_policy<CachePolicy>) {
     source_ = detail::row_source<CachePolicy, T>{weights_.local_view().rows, dim,
@@ -140,7 +194,10 @@ WM_EMBEDDING_TEMPLATE
 detail::table_rows<T> WM_EMBEDDING::table_rows() {
   detail::table_rows<T> t{weights_.local_view(), {}, nullptr};
   if (states_) { t.st = states_->local_view(); }
-  if (steps_) { t.steps = steps_->local_view().data; }
+  if (steps_) {
+    t.steps       = steps_->local_view().data;
+    t.step_stride = steps_->stride();
+  }
   return t;
 }
 

@@ -24,14 +24,15 @@ template <class T>
 struct table_rows {
   using place_type = row_place<T>;
 
-  matrix_view<T> w;       ///< this rank's weights
-  matrix_view<float> st;  ///< this rank's states (data null: none)
-  std::int64_t* steps{};  ///< this rank's per-row steps (null: none)
+  matrix_view<T> w;            ///< this rank's weights
+  matrix_view<float> st;       ///< this rank's states (data null: none)
+  std::int64_t* steps{};       ///< this rank's per-row steps (null: none)
+  std::size_t step_stride{1};  ///< elements between rows' steps (records: the row stride)
 
   /// Local row @p key.
   [[nodiscard]] WM_HOST_DEVICE place_type locate(std::uint32_t key) const noexcept {
     return {w.row(key), st.data != nullptr ? st.row(key) : nullptr,
-            steps != nullptr ? steps + key : nullptr};
+            steps != nullptr ? steps + static_cast<std::size_t>(key) * step_stride : nullptr};
   }
   /// After the update wrote @p p (nothing to record for the table).
   __device__ void written(place_type const&) const noexcept {}

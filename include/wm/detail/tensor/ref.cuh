@@ -74,16 +74,15 @@ __device__ T* tensor_ref<T, Layout, Mapping>::row(std::size_t k) const noexcept 
 // ---- tensor::ref ------------------------------------------------------------------------------
 
 namespace detail {
-/// A ref over @p mem's parts with elements of type U (T or T const).
-template <class U, class Location, class Layout, class Mapping>
-[[nodiscard]] tensor_ref<U, Layout, Mapping> make_tensor_ref(memory<Location, Layout> const& mem,
+/// A ref with elements of type U (T or T const) over @p parts (every rank's first row, mapped
+/// layouts) and @p local (this rank's first row, @p entries rows).
+template <class U, class Layout, class Mapping>
+[[nodiscard]] tensor_ref<U, Layout, Mapping> make_tensor_ref(std::byte* const* parts,
+                                                             std::byte* local, std::size_t entries,
                                                              mapping_ref<Mapping> map,
-                                                             std::size_t cols,
-                                                             std::size_t stride) noexcept {
-  auto const v            = mem.local_view();
-  std::byte* const* parts = nullptr;
-  if constexpr (mapped_layout<Layout>) { parts = mem.chunked_view().chunks; }
-  return {parts, reinterpret_cast<U*>(v.data), v.entries, map, cols, stride, mem.rank()};
+                                                             std::size_t cols, std::size_t stride,
+                                                             int rank) noexcept {
+  return {parts, reinterpret_cast<U*>(local), entries, map, cols, stride, rank};
 }
 }  // namespace detail
 
@@ -91,14 +90,16 @@ template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> tensor_ref<T, Layout, Mapping>
 tensor<T, Location, Layout, Mapping>::ref()
 noexcept {
-  return detail::make_tensor_ref<T>(mem_, map_ref(), cols_, stride_);
+  return detail::make_tensor_ref<T, Layout>(parts(), local_data(), local_rows(), map_ref(), cols_,
+                                            stride_, mem_->rank());
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> tensor_ref<T const, Layout, Mapping>
 tensor<T, Location, Layout, Mapping>::ref()
 const noexcept {
-  return detail::make_tensor_ref<T const>(mem_, map_ref(), cols_, stride_);
+  return detail::make_tensor_ref<T const, Layout>(parts(), local_data(), local_rows(), map_ref(),
+                                                  cols_, stride_, mem_->rank());
 }
 
 }  // namespace wm

@@ -20,6 +20,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace wm {
 
@@ -30,7 +31,7 @@ requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::t
       rows_{rows},
       cols_{cols},
       stride_{stride == 0 ? cols : stride},
-      mem_{[&]() -> memory<Location, Layout> {
+      mem_{std::make_shared<memory<Location, Layout>>([&]() -> memory<Location, Layout> {
         WM_EXPECTS(cols >= 1, "a tensor row needs at least one element");
         WM_EXPECTS(stride == 0 || stride >= cols, "the row stride (" + std::to_string(stride) +
                                                       ") must be at least the row width (" +
@@ -38,9 +39,58 @@ requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::t
         std::size_t const s = stride == 0 ? cols : stride;
         auto const counts   = Mapping::counts(rows, comm.size());  // the mapping sizes the parts
         return memory<Location, Layout>{comm, rows * s * sizeof(T), s * sizeof(T), counts};
-      }()},
+      }())},
       scratch_{
           std::make_unique<detail::exchange_scratch>(comm, std::same_as<Layout, distributed>)} {}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::tensor(
+    view_tag, communicator& comm, std::size_t rows, std::size_t cols, std::size_t stride,
+    std::shared_ptr<memory<Location, Layout>> mem, std::size_t offset)
+    : comm_{&comm},
+      rows_{rows},
+      cols_{cols},
+      stride_{stride},
+      mem_{std::move(mem)},
+      offset_{offset},
+      scratch_{
+          std::make_unique<detail::exchange_scratch>(comm, std::same_as<Layout, distributed>)} {
+  if constexpr (mapped_layout<Layout>) {
+    if (offset_ == 0) { return; }
+    // Every rank's first row at these columns, for the mapped gathers and refs.
+    std::vector<std::byte*> host(static_cast<std::size_t>(mem_->world()));
+    for (int r = 0; r < mem_->world(); ++r) {
+      std::byte* const p                = mem_->part_data(r);
+      host[static_cast<std::size_t>(r)] = p != nullptr ? p + offset_ : nullptr;
+    }
+    std::byte** dev = nullptr;
+    WM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&dev), host.size() * sizeof(std::byte*)));
+    parts_ = std::shared_ptr<std::byte* const>(
+        dev, [](std::byte* const* p) { (void)cudaFree(const_cast<std::byte**>(p)); });
+    WM_CUDA_TRY(
+        cudaMemcpy(dev, host.data(), host.size() * sizeof(std::byte*), cudaMemcpyHostToDevice));
+  }
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+requires std::is_trivially_copyable_v<T>
+template <class U>
+tensor<U, Location, Layout, Mapping> tensor<T, Location, Layout, Mapping>::view_columns(
+    std::size_t byte_offset, std::size_t cols) {
+  std::size_t const stride = stride_bytes();
+  WM_EXPECTS(cols >= 1, "view_columns: a row needs at least one element");
+  WM_EXPECTS((offset_ + byte_offset) % alignof(U) == 0 && stride % sizeof(U) == 0,
+             "view_columns: offset " + std::to_string(byte_offset) + " and row stride " +
+                 std::to_string(stride) + " bytes must be multiples of the element's alignment (" +
+                 std::to_string(alignof(U)) + ") and size (" + std::to_string(sizeof(U)) + ")");
+  WM_EXPECTS(offset_ + byte_offset + cols * sizeof(U) <= stride,
+             "view_columns: " + std::to_string(cols) + " elements of " + std::to_string(sizeof(U)) +
+                 " bytes at offset " + std::to_string(byte_offset) +
+                 " end past the row stride of " + std::to_string(stride) + " bytes");
+  using view_type = tensor<U, Location, Layout, Mapping>;
+  return view_type{typename view_type::view_tag{}, *comm_, rows_, cols, stride / sizeof(U), mem_,
+                   offset_ + byte_offset};
+}
 
 template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::tensor(tensor&&)
@@ -58,6 +108,8 @@ requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>
   cols_    = other.cols_;
   stride_  = other.stride_;
   mem_     = std::move(other.mem_);
+  offset_  = other.offset_;
+  parts_   = std::move(other.parts_);
   scratch_ = std::move(other.scratch_);
   return *this;
 }
@@ -73,7 +125,24 @@ template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> mapping_ref<Mapping>
 tensor<T, Location, Layout, Mapping>::map_ref()
 const noexcept {
-  return make_mapping_ref<Mapping>(mem_.device_partition());
+  return make_mapping_ref<Mapping>(mem_->device_partition());
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+requires std::is_trivially_copyable_v<T> std::byte*
+tensor<T, Location, Layout, Mapping>::local_data() const noexcept {
+  auto const v = mem_->local_view();
+  return v.data != nullptr && v.entries != 0 ? v.data + offset_ : nullptr;
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
+requires std::is_trivially_copyable_v<T> std::byte* const*
+tensor<T, Location, Layout, Mapping>::parts() const noexcept {
+  if constexpr (mapped_layout<Layout>) {
+    return offset_ == 0 ? mem_->chunked_view().chunks : parts_.get();
+  } else {
+    return nullptr;
+  }
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -82,7 +151,7 @@ tensor<T, Location, Layout, Mapping>::locate(std::size_t k)
 const {
   WM_EXPECTS(k < rows_,
              "row " + std::to_string(k) + " is out of range [0, " + std::to_string(rows_) + ")");
-  auto const& p = mem_.partition();
+  auto const& p = mem_->partition();
   return make_mapping_ref<Mapping>(p.ref(p.starts().data())).locate(k);  // host starts
 }
 
@@ -90,8 +159,7 @@ template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> matrix_view<T>
 tensor<T, Location, Layout, Mapping>::local_view()
 const noexcept {
-  auto const v = mem_.local_view();
-  return {reinterpret_cast<T*>(v.data), v.entries, cols_, stride_};
+  return {reinterpret_cast<T*>(local_data()), mem_->local_view().entries, cols_, stride_};
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
@@ -131,8 +199,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     // Every call orders itself after the last one and records its end (store, load, move and
     // destruction wait for it), also when it uses no buffer.
     detail::scratch_use const use{*scratch_, stream.get()};
-    auto const view = mem_.chunked_view();
-    detail::mapped_rows<Mapping> const rows{view.chunks, map_ref(), stride_bytes()};
+    detail::mapped_rows<Mapping> const rows{parts(), map_ref(), stride_bytes()};
     detail::packed_rows const dst{reinterpret_cast<std::byte*>(out), row_bytes()};
     std::size_t const n  = indices.size();
     cudaStream_t const s = stream.get();
@@ -165,7 +232,7 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
       std::size_t start = 0;
       if constexpr (contiguous_mapping<Mapping> && !Location::is_host) {
         if (rows_ > 0 && rows_ <= static_cast<std::size_t>(std::numeric_limits<Index>::max())) {
-          start = mem_.entry_range((comm_->rank() + 1) % comm_->size()).begin % rows_;
+          start = mem_->entry_range((comm_->rank() + 1) % comm_->size()).begin % rows_;
         }
       }
       Index const* keys = indices.data();
@@ -214,9 +281,8 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
     // of its run (an invalid index sharing a valid one's low bits must not split the run).
     auto const sorted =
         detail::sort_with_positions(indices.data(), n, int{sizeof(Index) * 8}, scratch_->a, s);
-    auto const view = mem_.chunked_view();
     detail::launch_scatter(
-        detail::mapped_rows<Mapping>{view.chunks, map_ref(), stride_bytes()}, sorted.keys,
+        detail::mapped_rows<Mapping>{parts(), map_ref(), stride_bytes()}, sorted.keys,
         sorted.positions, n,
         detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
         row_bytes(), stride_bytes(), scratch_->err.data(), s, Location::is_host);
@@ -267,9 +333,8 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
   // scratch_use waits for that end) come before peers' writes of this call, which follow this
   // rank's keys. The order inside each owner's group does not matter here: every row finds its
   // place by p.order.
-  auto const p     = detail::plan_exchange(comm, map_ref(), idx, n, sc, s, call, false);
-  auto const local = mem_.local_view();
-  detail::local_rows const table{local.data, local.entries, stride_bytes()};
+  auto const p = detail::plan_exchange(comm, map_ref(), idx, n, sc, s, call, false);
+  detail::local_rows const table{local_data(), local_rows(), stride_bytes()};
   if constexpr (Location::is_host) {
     // Host rows: the owner reads each distinct row of a batch once. Only this GPU writes its
     // local rows (owner-side scatters and updates), so its L2 may serve them: not fresh.
@@ -277,7 +342,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
                                                            stride_bytes(),
                                                            row_bytes(),
                                                            sc.err.data(),
-                                                           detail::row_bits(local.entries),
+                                                           detail::row_bits(local_rows()),
                                                            &sc.reads,
                                                            s,
                                                            &sc.reads_aux,
@@ -303,8 +368,7 @@ void tensor<T, Location, Layout, Mapping>::scatter_dispatch(Index const* idx, st
   auto const batch = detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(values), n,
                                             row_bytes(), sc.b, sc.err.data(), s);
   // Owner side: stable sort by row; the last of each run (highest rank, then last position) wins.
-  auto const local = mem_.local_view();
-  detail::scatter_owner_rows(batch, detail::local_rows{local.data, local.entries, stride_bytes()},
+  detail::scatter_owner_rows(batch, detail::local_rows{local_data(), local_rows(), stride_bytes()},
                              row_bytes(), stride_bytes(), sc.a, sc.err.data(), s);
 }
 
