@@ -145,7 +145,9 @@ enum class row_path {
 namespace detail {
 struct exchange_scratch;  // workspaces, error state and ordering event
                           // (detail/dispatch/scratch.cuh)
-}
+template <class T, bool Pinned>
+class cuda_buffer;  // detail/cuda/resources.hpp
+}  // namespace detail
 
 /**
  * @brief A tensor of `rows` × `cols` elements of T, rows partitioned over the communicator's
@@ -306,8 +308,9 @@ class tensor {
   std::size_t cols_;
   std::size_t stride_;
   std::shared_ptr<memory<Location, Layout>> mem_;
-  std::size_t offset_{};                     // bytes into each row (view_columns)
-  std::shared_ptr<std::byte* const> parts_;  // offset parts' device array (mapped views only)
+  std::size_t offset_{};  // bytes into each row (view_columns)
+  // view_columns on mapped layouts: every rank's first row at these columns (device array)
+  std::unique_ptr<detail::cuda_buffer<std::byte*, false>> parts_;
   std::unique_ptr<detail::exchange_scratch> scratch_;
 };
 

@@ -3,6 +3,7 @@
 // exchange engine (detail/dispatch). File I/O is in files.cuh.
 #pragma once
 
+#include <wm/detail/cuda/resources.hpp>
 #include <wm/detail/cuda/utility.cuh>
 #include <wm/detail/dispatch/distinct.cuh>
 #include <wm/detail/dispatch/engine.cuh>
@@ -63,12 +64,9 @@ requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::t
       std::byte* const p                = mem_->part_data(r);
       host[static_cast<std::size_t>(r)] = p != nullptr ? p + offset_ : nullptr;
     }
-    std::byte** dev = nullptr;
-    WM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&dev), host.size() * sizeof(std::byte*)));
-    parts_ = std::shared_ptr<std::byte* const>(
-        dev, [](std::byte* const* p) { (void)cudaFree(const_cast<std::byte**>(p)); });
-    WM_CUDA_TRY(
-        cudaMemcpy(dev, host.data(), host.size() * sizeof(std::byte*), cudaMemcpyHostToDevice));
+    parts_ = std::make_unique<detail::device_buffer<std::byte*>>(host.size());
+    WM_CUDA_TRY(cudaMemcpy(parts_->data(), host.data(), host.size() * sizeof(std::byte*),
+                           cudaMemcpyHostToDevice));
   }
 }
 
@@ -139,7 +137,7 @@ template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> std::byte* const*
 tensor<T, Location, Layout, Mapping>::parts() const noexcept {
   if constexpr (mapped_layout<Layout>) {
-    return offset_ == 0 ? mem_->chunked_view().chunks : parts_.get();
+    return offset_ == 0 ? mem_->chunked_view().chunks : parts_->data();
   } else {
     return nullptr;
   }
