@@ -254,6 +254,7 @@ TEMPLATE_TEST_CASE(
       WM_CHECK_LAUNCH();
       REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
       CHECK(through_ref.to_host() == got);
+      comm.barrier();  // every rank has read the rows before any rank negates its share
 
       negate_my_share<<<64, 256, 0, s>>>(t.ref(), world, salt);
       WM_CHECK_LAUNCH();
