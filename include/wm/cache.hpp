@@ -10,8 +10,10 @@
  *   carries a dirty bit and is written back on eviction and on `flush()`; with `wm::read_only`
  *   nothing is ever written back, and an optimizer with it does not compile.
  * - `group_cache` (seed: local-cached global memory): the cache's group is a subset of the
- *   table's (e.g. one node's ranks from `communicator::split`); together they cache the whole
- *   table, each rank the rows hashed to it. Read-only by nature.
+ *   table's (e.g. one node's ranks from `communicator::split`; by default the table's
+ *   communicator); together they cache the whole table, each rank the rows hashed to it, and
+ *   every rank reads its peers' lines directly (<wm/detail/cache/group.cuh>). Read-only by
+ *   nature.
  *
  * Structure (DESIGN.md §5): 32-way sets probed by one warp, set index = hash of the key (not a
  * contiguous id range, so renumbered hot ids spread), a 4-byte tag plus valid/dirty bits and a
@@ -183,8 +185,9 @@ struct cache_options {
   /// (at least one set).
   double ratio{0.1};
   /// `group_cache` only: the ranks that cache the table together (a subset of the table's
-  /// communicator, e.g. one node's ranks from `split`); must outlive the embedding. Null for
-  /// `device_cache` (its group is the table's).
+  /// communicator on one node, e.g. from `split`; every rank of the table passes its own group);
+  /// must outlive the embedding. Null: the table's communicator. Ignored by `device_cache` (its
+  /// group is the table's).
   communicator* group{nullptr};
   /// Seed of the key → set hash (the same on every rank of a group).
   std::uint32_t hash_seed{0};

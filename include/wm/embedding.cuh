@@ -25,12 +25,20 @@
  *   arithmetic, so results are bitwise those of `wm::no_cache`. Dirty lines go back to the table
  *   on eviction and on `flush()`; `store()` flushes first, `load()` invalidates.
  * - `wm::device_cache<wm::read_only, R>`: the same for a table that is only read.
- * - `wm::group_cache<R>` (group-cached global table, read-only): with a group of one rank, a
- *   read-only device cache of the whole table.
+ * - `wm::group_cache<R>` (group-cached global table, read-only): the ranks of a group
+ *   (`cache_options::group`, by default the table's communicator; one node) cache the whole
+ *   table together, each rank the rows whose key hashes to it, in lines of its device memory
+ *   that every rank of the group maps. A gather reads each distinct key once, from its holder's
+ *   line (a peer's over NVLink) or else from the table through the mapping, and hints the misses
+ *   to their holders, which admit them in their own next gather. Nothing in it is collective or
+ *   waits for the host: each rank gathers on its own. On one rank (a group of one), a read-only
+ *   device cache of the whole table. On several ranks the table's layout must be mapped
+ *   (`wm::continuous`, `wm::chunked`); a `wm::distributed` table is refused (not built yet).
+ *   After changing the table's rows, every rank calls `invalidate()` (then synchronize and meet
+ *   at a barrier) before gathering again.
  * Read-only policies do not compile with an optimizer. On several ranks a device cache holds rows
  * of each rank's own part: gathers of any row go through its owner (the exchange engine; the
- * owner serves them from its cache), updates happen at the owner as without a cache. A group
- * cache on several ranks (or with a group of several) is refused at construction: not built yet.
+ * owner serves them from its cache), updates happen at the owner as without a cache.
  */
 #pragma once
 
@@ -133,8 +141,9 @@ class embedding {
    * @param cache the cache's ratio and hash seed (ignored by `wm::no_cache`)
    * @throw wm::logic_error on every rank, before anything is allocated, if one rank would hold
    * more than 2^32 - 1 rows (the update sorts local rows as 32-bit keys); with a cache, if
-   * `cache.ratio` is not in (0, 1], or the table or the cache group has several ranks (not built
-   * yet)
+   * `cache.ratio` is not in (0, 1]; with a group cache on several ranks, if the layout is
+   * `wm::distributed` (not built yet), the group has more ranks than the table or the table
+   * 2^32 - 1 rows or more
    * @throw wm::comm_error on every rank if the ranks passed different @p rows or @p dim
    */
   embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer = {},
@@ -171,8 +180,10 @@ class embedding {
    * position that asks for them. One rank: enqueued on @p stream without host synchronization (a
    * CUDA graph can capture it); an invalid index gives a zero row and is reported by the next
    * `apply_gradients` (which then updates nothing) or `cache_stats()`, as wm::logic_error.
-   * Several ranks (device cache): collective; rows travel through their owners' caches, and an
+   * Several ranks, device cache: collective; rows travel through their owners' caches, and an
    * invalid index throws wm::logic_error on the rank that passed it, as the tensor's gather.
+   * Several ranks, group cache: not collective, no host synchronization; rows come from their
+   * holders' lines or the table; invalid indices are reported as on one rank.
    * Calls on one cached table (gather, apply_gradients, flush, invalidate) share its lines and
    * must be ordered by the caller (one stream, or events); see `prefetch` for what may overlap.
    */

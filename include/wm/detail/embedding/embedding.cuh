@@ -21,6 +21,7 @@
 #include <fstream>
 #include <numeric>
 #include <sstream>
+#include <utility>
 
 namespace wm {
 
@@ -109,14 +110,14 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
                         embedding_init init, cache_options cache)
     : comm_{&comm},
       opt_{optimizer},
-      weights_{
-          comm,
-          detail::check_cache<CachePolicy>(comm, detail::embedding_rows(comm, rows, dim), cache),
-          dim,
-          detail::host_row_record<T, Location, CachePolicy>(
-              dim, static_cast<std::size_t>(Optimizer::states) * dim, optimizer.needs_steps())
-                  .bytes /
-              sizeof(T)},
+      weights_{comm,
+               detail::check_cache<CachePolicy>(comm, detail::embedding_rows(comm, rows, dim),
+                                                cache, mapped_layout<Layout>),
+               dim,
+               detail::host_row_record<T, Location, CachePolicy>(
+                   dim, static_cast<std::size_t>(Optimizer::states) * dim, optimizer.needs_steps())
+                       .bytes /
+                   sizeof(T)},
       scratch_{std::make_unique<detail::embedding_scratch>(comm)} {
   cudaStream_t const s = nullptr;
   // Every rank visits every global row and writes the ones its mapping gives it: the values
@@ -157,9 +158,15 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
     }
   }
   if constexpr (detail::caching_policy<CachePolicy>) {
-    source_ = detail::row_source<CachePolicy, T>{weights_.local_view().rows, dim,
-                                                 static_cast<std::size_t>(Optimizer::states) * dim,
-                                                 opt_.needs_steps(), cache};
+    if (detail::shared_lines<CachePolicy>(comm)) {
+      // A group cache on several ranks: the group's lines (collective over the group).
+      source_ = detail::row_source<CachePolicy, T>{cache.group != nullptr ? *cache.group : comm,
+                                                   rows, dim, cache};
+    } else {
+      source_ = detail::row_source<CachePolicy, T>{
+          weights_.local_view().rows, dim, static_cast<std::size_t>(Optimizer::states) * dim,
+          opt_.needs_steps(), cache};
+    }
   }
   WM_CUDA_TRY(cudaDeviceSynchronize());
   comm.barrier();  // every rank's rows are initialized before anyone gathers
@@ -210,6 +217,16 @@ void WM_EMBEDDING::gather(std::span<Index const> indices, T* out, cuda::stream_r
     std::size_t const n  = indices.size();
     std::size_t const rb = dim() * sizeof(T);
     auto& sc             = scratch_->plan;
+    if constexpr (mapped_layout<Layout>) {
+      if (source_.shared()) {
+        // A group cache on several ranks: each rank reads its holders' lines and the table
+        // directly (nothing collective); invalid indices as on one rank.
+        WM_EXPECTS(n == 0 || (indices.data() != nullptr && out != nullptr),
+                   "gather: null indices or output");
+        source_.group_gather(std::as_const(weights_).ref(), rows(), indices, out, sc.err.data(), s);
+        return;
+      }
+    }
     if (comm.size() == 1) {
       WM_EXPECTS(n == 0 || (indices.data() != nullptr && out != nullptr),
                  "gather: null indices or output");

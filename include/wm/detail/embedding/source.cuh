@@ -5,6 +5,7 @@
 
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
+#include <wm/detail/cache/group.cuh>
 #include <wm/detail/cache/lines.cuh>
 #include <wm/detail/embedding/rows.cuh>
 #include <wm/embedding.cuh>
@@ -31,30 +32,52 @@ class row_source {
 };
 
 /**
- * Checks what a cached table can be before anything is allocated: a ratio in (0, 1]; a group
- * cache only on a table of one rank with a group of one rank (several-rank group caches are not
- * built yet). A device cache on several ranks caches each rank's own rows; gathers of other
- * ranks' rows go through their owners. Returns @p rows.
+ * Checks what a cached table can be before anything is allocated: a ratio in (0, 1]. A group
+ * cache on one rank takes a group of one rank; on several ranks (any group of them, by default
+ * the table's communicator) the group reads table rows through the mapping, so the layout must be
+ * mapped (@p mapped_table). A device cache on several ranks caches each rank's own rows; gathers
+ * of other ranks' rows go through their owners. Returns @p rows.
  */
 template <class CachePolicy>
 [[nodiscard]] std::size_t check_cache(communicator& comm, std::size_t rows,
-                                      cache_options const& cache) {
+                                      cache_options const& cache, bool mapped_table) {
   if constexpr (caching_policy<CachePolicy>) {
+    std::size_t parts = static_cast<std::size_t>(comm.size());
     if constexpr (!CachePolicy::caches_own_rows) {
       std::string const name = CachePolicy::name;
-      int const group        = cache.group == nullptr ? 1 : cache.group->size();
-      WM_EXPECTS(comm.size() == 1 && group == 1,
-                 name + ": a group cache on several ranks is not built yet (a table of " +
-                     std::to_string(comm.size()) + " ranks, a group of " + std::to_string(group) +
-                     "); use a group of one rank on a table of one rank, or wm::device_cache");
+      int const group        = cache.group == nullptr ? comm.size() : cache.group->size();
+      WM_EXPECTS(cache.group == nullptr || cache.group->valid(),
+                 name + ": cache_options::group is an empty communicator");
+      WM_EXPECTS(group <= comm.size(),
+                 name + ": a group of " + std::to_string(group) + " ranks caches a table of " +
+                     std::to_string(comm.size()) + "; the group is a subset of the table's ranks");
+      WM_EXPECTS(comm.size() == 1 || mapped_table,
+                 name +
+                     ": a group cache on several ranks is not built yet for a distributed "
+                     "layout (the group reads table rows through the mapping); use "
+                     "wm::continuous or wm::chunked");
+      parts = static_cast<std::size_t>(group);
+      WM_EXPECTS(rows < 0xffffffffull || comm.size() == 1,
+                 name + ": a table of " + std::to_string(rows) +
+                     " rows; a group cache on several ranks keys rows below 2^32 - 1");
     }
     // The ratio (and the 32-bit tags) checked on the largest part a rank can hold; each rank
     // plans its lines from its own rows when they exist.
-    auto const world = static_cast<std::size_t>(comm.size());
     (void)cache::plan_cache<typename CachePolicy::replacement_type::impl>(
-        rows / world + (rows % world != 0 ? 1 : 0), cache.ratio);
+        rows / parts + (rows % parts != 0 ? 1 : 0), cache.ratio);
   }
   return rows;
+}
+
+/// Whether a table of @p comm's ranks with this policy caches in a group cache's shared lines
+/// (a group cache on several ranks) rather than in lines of each rank's own rows.
+template <class CachePolicy>
+[[nodiscard]] bool shared_lines(communicator const& comm) noexcept {
+  if constexpr (caching_policy<CachePolicy>) {
+    return !CachePolicy::caches_own_rows && comm.size() > 1;
+  } else {
+    return false;
+  }
 }
 
 /**
@@ -74,6 +97,21 @@ class row_source<CachePolicy, T> {
              cache_options const& cache)
       : lines_{std::make_unique<cache::line_storage<T, impl_type>>(
             rows, cache.ratio, cache.hash_seed, dim, st_cols, steps, CachePolicy::writable)} {}
+
+  /// A group cache on several ranks: lines shared over @p group (collective over it), for a
+  /// table of @p rows rows of @p dim values.
+  row_source(communicator& group, std::size_t rows, std::size_t dim, cache_options const& cache)
+      : group_{std::make_unique<cache::group_lines<T, impl_type>>(group, rows, cache.ratio,
+                                                                  cache.hash_seed, dim)} {}
+
+  /// Whether this is a group cache's shared lines (then gathers take group_gather).
+  [[nodiscard]] bool shared() const noexcept { return group_ != nullptr; }
+  /// A group cache's gather: @p table is the table's ref (every row through the mapping).
+  template <class Table, class Index>
+  void group_gather(Table const& table, std::size_t rows, std::span<Index const> indices, T* out,
+                    unsigned* err, cudaStream_t s) {
+    group_->gather(table, rows, indices, out, err, s);
+  }
 
   /// The gather of this rank's rows (one rank: every row): hits from lines, misses admitted
   /// (distinct rows read once), then replicated. Dirty victims are staged and written back in
@@ -107,14 +145,23 @@ class row_source<CachePolicy, T> {
   }
   /// Dirty lines written back; with @p drop every line emptied.
   void write_back(table_rows<T> const& table, bool drop, cudaStream_t s) {
+    if (group_) {  // read-only: nothing to write back
+      if (drop) { group_->invalidate(s); }
+      return;
+    }
     lines_->write_back(table, drop, s);
   }
-  [[nodiscard]] cache_statistics statistics() const { return lines_->statistics(); }
-  void reset_statistics() { lines_->reset_statistics(); }
-  [[nodiscard]] std::size_t lines() const noexcept { return lines_ ? lines_->lines() : 0; }
+  [[nodiscard]] cache_statistics statistics() const {
+    return group_ ? group_->statistics() : lines_->statistics();
+  }
+  void reset_statistics() { group_ ? group_->reset_statistics() : lines_->reset_statistics(); }
+  [[nodiscard]] std::size_t lines() const noexcept {
+    return group_ ? group_->lines() : lines_ ? lines_->lines() : 0;
+  }
 
  private:
   std::unique_ptr<cache::line_storage<T, impl_type>> lines_;
+  std::unique_ptr<cache::group_lines<T, impl_type>> group_;  // a group cache on several ranks
 };
 
 }  // namespace wm::detail
