@@ -90,16 +90,15 @@ struct group_ref {
 
   /// The group rank that holds @p key.
   [[nodiscard]] __device__ int holder(std::uint32_t key) const noexcept {
-    return group_size == 1
-               ? 0
-               : static_cast<int>(set_of(key, static_cast<std::uint32_t>(group_size),
-                                         meta.seed + holder_seed_offset));
+    return group_size == 1 ? 0
+                           : static_cast<int>(set_of(key, static_cast<std::uint32_t>(group_size),
+                                                     meta.seed + holder_seed_offset));
   }
 };
 
 /// A system-scope view of a word another GPU may read or write.
-[[nodiscard]] __device__ inline cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> shared_word(
-    std::uint32_t* p) noexcept {
+[[nodiscard]] __device__ inline cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>
+shared_word(std::uint32_t* p) noexcept {
   return cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*p};
 }
 
@@ -155,12 +154,12 @@ __global__ void __launch_bounds__(line_block)
       misses += len;
       continue;
     }
-    auto const k                  = static_cast<std::uint32_t>(key);
-    int const g                   = c.holder(k);
-    group_part<T> const part      = c.parts[g];
-    std::size_t const first_slot  = cache_ref<Impl>::slot(c.meta.set_index(k), 0);
-    std::uint32_t const seen      = shared_word(part.line_key + first_slot + lane)
-                                   .load(cuda::memory_order_acquire);
+    auto const k                 = static_cast<std::uint32_t>(key);
+    int const g                  = c.holder(k);
+    group_part<T> const part     = c.parts[g];
+    std::size_t const first_slot = cache_ref<Impl>::slot(c.meta.set_index(k), 0);
+    std::uint32_t const seen =
+        shared_word(part.line_key + first_slot + lane).load(cuda::memory_order_acquire);
     std::uint32_t const hit_lanes = __ballot_sync(full_warp, seen == k + 1u);
     bool served                   = false;
     if (hit_lanes != 0) {
@@ -257,14 +256,14 @@ template <class W, class T, class Impl, class Table>
 __global__ void __launch_bounds__(line_block)
     group_admit_kernel(group_ref<T, Impl> c, Table table, std::size_t rows,
                        std::uint32_t const* taken) {
-  unsigned const lane         = threadIdx.x % ways;
-  std::size_t const warp      = grid_thread() / ways;
-  std::size_t const n_warps   = grid_threads() / ways;
-  std::size_t const n         = *taken;
-  std::uint32_t const epoch   = *c.epoch;
-  group_part<T> const part    = c.parts[c.me];
-  std::size_t const row_bytes = c.dim * sizeof(T);
-  std::size_t const vecs      = row_bytes / sizeof(W);
+  unsigned const lane          = threadIdx.x % ways;
+  std::size_t const warp       = grid_thread() / ways;
+  std::size_t const n_warps    = grid_threads() / ways;
+  std::size_t const n          = *taken;
+  std::uint32_t const epoch    = *c.epoch;
+  group_part<T> const part     = c.parts[c.me];
+  std::size_t const row_bytes  = c.dim * sizeof(T);
+  std::size_t const vecs       = row_bytes / sizeof(W);
   unsigned long long evictions = 0, loaded = 0;
   for (std::size_t i = warp; i < n; i += n_warps) {
     std::uint32_t key = 0;
@@ -390,18 +389,18 @@ class group_lines {
   template <class Table, class Index>
   void gather(Table const& table, std::size_t rows, std::span<Index const> indices, T* out,
               unsigned* err, cudaStream_t s) {
-    auto const c = ref();
+    auto const c         = ref();
     std::size_t const rb = dim_ * sizeof(T);
-    int const vec        = vector_width({rb, table.stride() * sizeof(T),
-                                         reinterpret_cast<std::uintptr_t>(out)});
-    std::size_t const n  = indices.size();
+    int const vec =
+        vector_width({rb, table.stride() * sizeof(T), reinterpret_cast<std::uintptr_t>(out)});
+    std::size_t const n = indices.size();
     if (n != 0) {
       auto const b = plan_distinct(indices.data(), n, row_bits(rows), ws_, s);
       packed_rows const dst{reinterpret_cast<std::byte*>(out), rb};
       std::size_t const bl = blocks(n);
       with_vector(vec, [&]<class W>() {
-        group_lookup_kernel<W, T, Impl><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
-            c, table, rows, b, dst, err);
+        group_lookup_kernel<W, T, Impl>
+            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, rows, b, dst, err);
         WM_CHECK_LAUNCH();
       });
       replicate_runs_to(b, nullptr, dst, rb, fused_copies, s);
@@ -419,8 +418,8 @@ class group_lines {
     WM_CHECK_LAUNCH();
     with_vector(vec, [&]<class W>() {
       group_admit_kernel<W, T, Impl>
-          <<<static_cast<unsigned>(blocks(plan_.lines)), line_block, 0, s>>>(
-              c, table, rows, counters_.data() + 1);
+          <<<static_cast<unsigned>(blocks(plan_.lines)), line_block, 0, s>>>(c, table, rows,
+                                                                             counters_.data() + 1);
       WM_CHECK_LAUNCH();
     });
   }
@@ -489,16 +488,15 @@ class group_lines {
     p.hint_count = base + 2 * plan_.lines;
     p.hints      = base + 2 * plan_.lines + 4;
     p.w          = reinterpret_cast<T*>(reinterpret_cast<std::byte*>(base) +
-                                        cuda::round_up(words() * sizeof(std::uint32_t),
-                                                       std::size_t{256}));
+                               cuda::round_up(words() * sizeof(std::uint32_t), std::size_t{256}));
     return p;
   }
 
   [[nodiscard]] group_ref<T, Impl> ref() const noexcept {
     group_ref<T, Impl> c;
-    c.parts      = parts_.data();
-    c.meta       = cache_ref<Impl>{tags_.data(), states_.data(), headers_.data(), plan_.sets, seed_};
-    c.me         = me_;
+    c.parts = parts_.data();
+    c.meta  = cache_ref<Impl>{tags_.data(), states_.data(), headers_.data(), plan_.sets, seed_};
+    c.me    = me_;
     c.group_size = group_size_;
     c.dim        = dim_;
     c.hint_cap   = hint_cap();
