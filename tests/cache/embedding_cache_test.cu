@@ -831,6 +831,11 @@ void group_cache_ranks(wm::communicator& comm, grouping how, double ratio, std::
   // A small batch, the same on every rank, gathered in step (sync + barrier) until every holder
   // has admitted the hints of every rank: then it hits entirely (ratio 1: no set overflows).
   if (ratio == 1.0) {
+    // Empty lines first: a late hint admitted into a full set could evict a line of the same
+    // batch that an earlier pass admitted (replacement, not an error), and the count would vary.
+    cached.invalidate(cuda::stream_ref{s});
+    WM_CUDA_TRY(cudaStreamSynchronize(s));
+    comm.barrier();
     std::mt19937_64 same{seed + 7};
     auto const b = draw<T>(same, rows, dim, 300, 0);
     for (int k = 0; k < 3; ++k) {
