@@ -200,7 +200,10 @@ class embedding {
    * evicted rows back after its admissions, so a prefetch beside it could read a row not yet
    * written back): issue it after `gather` and make the next `apply_gradients` wait on an event
    * recorded after it.
-   * @throw wm::logic_error on a table of several ranks (not built yet)
+   *
+   * A group cache on several ranks: the keys' misses are left to their holders as hints; this
+   * rank admits the rows it holds now, its peers theirs when they next gather or prefetch.
+   * @throw wm::logic_error with a device cache on several ranks (not built yet)
    */
   template <index_type Index>
   void prefetch(std::span<Index const> next_keys,

@@ -727,6 +727,22 @@ void group_lines_one_rank(wm::communicator& comm, double ratio, std::uint64_t se
     RANK_REQUIRE_MSG(st.hits == st.requests && st.requests == b.keys.size(),
                      what << ": " << st.hits << " of " << st.requests << " hit");
   }
+  // A prefetched batch: no requests counted; at ratio 1 its gather then hits entirely.
+  auto const next = draw<T>(rng, rows, dim, 250, 1);
+  {
+    device_array<std::int64_t> dk{next.keys};
+    lines.reset_statistics();
+    lines.prefetch(std::as_const(plain.weights()).ref(), rows,
+                   std::span<std::int64_t const>{dk.ptr, next.keys.size()}, err.ptr, s);
+    st = lines.statistics();
+    RANK_REQUIRE_MSG(st.requests == 0 && st.hits == 0 && st.misses == 0, what << ": prefetch");
+    RANK_REQUIRE_MSG(cached_gather(next) == gather(plain, next, s), what << ": prefetched");
+    st = lines.statistics();
+    if (ratio == 1.0) {
+      RANK_REQUIRE_MSG(st.hits == st.requests && st.requests == next.keys.size(),
+                       what << ": " << st.hits << " of " << st.requests << " prefetched hit");
+    }
+  }
   // The table changes; after invalidate() the gathers see the new rows.
   std::vector<std::int64_t> all(rows);
   std::iota(all.begin(), all.end(), std::int64_t{0});
@@ -850,6 +866,21 @@ void group_cache_ranks(wm::communicator& comm, grouping how, double ratio, std::
     if (group_size > 1) {
       RANK_REQUIRE_MSG(w.bytes_from_peers > 0, what << ": no hit from a peer's line");
     }
+    // Prefetched on every rank, twice in step (holders admit their peers' hints in their next
+    // prefetch): the gather then hits entirely, and prefetches count no requests.
+    auto const next = draw<T>(same, rows, dim, 250, 1);
+    device_array<std::int64_t> const dk{next.keys};
+    cached.reset_cache_stats();
+    for (int k = 0; k < 2; ++k) {
+      cached.prefetch(std::span<std::int64_t const>{dk.ptr, next.keys.size()}, cuda::stream_ref{s});
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      comm.barrier();
+    }
+    RANK_REQUIRE_MSG(cached.cache_stats().requests == 0, what << ": a prefetch counted requests");
+    RANK_REQUIRE_MSG(gather(cached, next, s) == gather(plain, next, s), what << ": prefetched");
+    auto const p = cached.cache_stats();
+    RANK_REQUIRE_MSG(p.hits == p.requests && p.requests == next.keys.size(),
+                     what << ": " << p.hits << " of " << p.requests << " prefetched keys hit");
     comm.barrier();
   }
 

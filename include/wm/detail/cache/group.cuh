@@ -102,6 +102,13 @@ shared_word(std::uint32_t* p) noexcept {
   return cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>{*p};
 }
 
+/// Appends @p key to @p part's hints (dropped when the list is full).
+template <class T>
+__device__ void hint(group_part<T> const& part, std::uint32_t key, std::uint32_t cap) noexcept {
+  std::uint32_t const at = shared_word(part.hint_count).fetch_add(1u, cuda::memory_order_relaxed);
+  if (at < cap) { shared_word(part.hints + at).store(key, cuda::memory_order_relaxed); }
+}
+
 /// Adds a warp's counts to the statistics (lane 0; the values are the warp's sums).
 __device__ inline void add_group_stats(device_statistics* st, unsigned lane,
                                        unsigned long long requests, unsigned long long distinct,
@@ -123,7 +130,8 @@ __device__ inline void add_group_stats(device_statistics* st, unsigned lane,
  * of this file), and the line's hit counter gets one; any other key is read from @p table (its
  * row(k): every row on mapped layouts) and hinted to its holder. The row goes to the output rows of
  * the run's first min(length, fused_copies) elements (replicate_runs_to copies the rest). Invalid
- * keys: zero rows, *err set, counted as misses, nothing hinted.
+ * keys: zero rows, *err set, counted as misses, nothing hinted. Without an output (@p out.base
+ * null: a prefetch) a miss is only hinted: nothing is copied, read from the table or counted.
  */
 template <class W, class T, class Impl, class Table, class Index, class Pos>
 __global__ void __launch_bounds__(line_block)
@@ -135,13 +143,14 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const runs      = *b.runs;
   std::size_t const row_bytes = c.dim * sizeof(T);
   std::size_t const vecs      = row_bytes / sizeof(W);
+  bool const prefetch         = out.base == nullptr;
   unsigned long long requests = 0, distinct = 0, hits = 0, misses = 0, from_host = 0,
                      from_peers = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
     std::size_t const begin  = b.run_begin[r];
     std::size_t const len    = b.run_begin[r + 1] - begin;
     Index const key          = b.keys[begin];
-    std::size_t const copies = len < fused_copies ? len : fused_copies;
+    std::size_t const copies = prefetch ? 0 : len < fused_copies ? len : fused_copies;
     requests += len;
     ++distinct;
     auto const to = [&](std::size_t q) { return output_row(b, nullptr, out, begin + q); };
@@ -162,6 +171,10 @@ __global__ void __launch_bounds__(line_block)
         shared_word(part.line_key + first_slot + lane).load(cuda::memory_order_acquire);
     std::uint32_t const hit_lanes = __ballot_sync(full_warp, seen == k + 1u);
     bool served                   = false;
+    if (prefetch) {
+      if (hit_lanes == 0 && lane == 0) { hint(part, k, c.hint_cap); }
+      continue;
+    }
     if (hit_lanes != 0) {
       std::size_t const slot = first_slot + static_cast<std::size_t>(lowest_way(hit_lanes));
       auto const key_word    = shared_word(part.line_key + slot);
@@ -193,14 +206,12 @@ __global__ void __launch_bounds__(line_block)
     }
     misses += len;
     from_host += row_bytes;
-    if (lane == 0) {
-      std::uint32_t const at =
-          shared_word(part.hint_count).fetch_add(1u, cuda::memory_order_relaxed);
-      if (at < c.hint_cap) { shared_word(part.hints + at).store(k, cuda::memory_order_relaxed); }
-    }
+    if (lane == 0) { hint(part, k, c.hint_cap); }
   }
   // Every lane of a warp counted the same keys: lane 0's counts are the warp's.
-  add_group_stats(c.stats, lane, requests, distinct, hits, misses, from_host, from_peers);
+  if (!prefetch) {
+    add_group_stats(c.stats, lane, requests, distinct, hits, misses, from_host, from_peers);
+  }
 }
 
 /**
@@ -353,14 +364,14 @@ class group_lines {
         states_{plan_.lines},
         headers_{plan_.sets},
         stats_{1},
-        counters_{2},
+        counters_{3},
         parts_{static_cast<std::size_t>(group.size())},
         shared_{make_shared(group)} {
     WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
     WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
     WM_CUDA_TRY(cudaMemset(headers_.data(), 0, plan_.sets * sizeof(set_header)));
     WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
-    WM_CUDA_TRY(cudaMemset(counters_.data(), 0, 2 * sizeof(std::uint32_t)));
+    WM_CUDA_TRY(cudaMemset(counters_.data(), 0, 3 * sizeof(std::uint32_t)));
     std::vector<group_part<T>> parts(static_cast<std::size_t>(group.size()));
     for (int g = 0; g < group.size(); ++g) { parts[static_cast<std::size_t>(g)] = part(g); }
     WM_CUDA_TRY(cudaMemcpy(parts_.data(), parts.data(), parts.size() * sizeof(group_part<T>),
@@ -405,21 +416,42 @@ class group_lines {
       });
       replicate_runs_to(b, nullptr, dst, rb, fused_copies, s);
     }
-    admit(table, rows, vec, s);
+    admit(table, rows, vec, counters_.data() + 1, s);
   }
 
-  /// This rank as a holder: the hit counters folded, the hints admitted (enqueued on @p s).
+  /**
+   * The misses among @p keys hinted to their holders, without output or counts, then this rank's
+   * admissions: rows this rank holds are loaded now, rows its peers hold when those peers next
+   * gather or prefetch. Its own workspace: it may run on another stream beside a gather.
+   */
+  template <class Table, class Index>
+  void prefetch(Table const& table, std::size_t rows, std::span<Index const> keys, unsigned* err,
+                cudaStream_t s) {
+    int const vec = vector_width({dim_ * sizeof(T), table.stride() * sizeof(T)});
+    if (!keys.empty()) {
+      auto const b = plan_distinct(keys.data(), keys.size(), row_bits(rows), ws_prefetch_, s);
+      with_vector(vec, [&]<class W>() {
+        group_lookup_kernel<W, T, Impl>
+            <<<static_cast<unsigned>(blocks(keys.size())), line_block, 0, s>>>(
+                ref(), table, rows, b, packed_rows{nullptr, 0}, err);
+        WM_CHECK_LAUNCH();
+      });
+    }
+    admit(table, rows, vec, counters_.data() + 2, s);
+  }
+
+  /// This rank as a holder: the hit counters folded, the hints admitted (enqueued on @p s;
+  /// @p taken: the call's own word for the number of hints it took).
   template <class Table>
-  void admit(Table const& table, std::size_t rows, int vec, cudaStream_t s) {
+  void admit(Table const& table, std::size_t rows, int vec, std::uint32_t* taken, cudaStream_t s) {
     auto const c = ref();
-    group_take_hints_kernel<<<1, 1, 0, s>>>(c, counters_.data() + 1);
+    group_take_hints_kernel<<<1, 1, 0, s>>>(c, taken);
     WM_CHECK_LAUNCH();
     group_fold_kernel<<<static_cast<unsigned>(blocks(plan_.sets)), line_block, 0, s>>>(c);
     WM_CHECK_LAUNCH();
     with_vector(vec, [&]<class W>() {
       group_admit_kernel<W, T, Impl>
-          <<<static_cast<unsigned>(blocks(plan_.lines)), line_block, 0, s>>>(c, table, rows,
-                                                                             counters_.data() + 1);
+          <<<static_cast<unsigned>(blocks(plan_.lines)), line_block, 0, s>>>(c, table, rows, taken);
       WM_CHECK_LAUNCH();
     });
   }
@@ -520,10 +552,11 @@ class group_lines {
   device_buffer<state_type> states_;
   device_buffer<set_header> headers_;
   device_buffer<device_statistics> stats_;
-  device_buffer<std::uint32_t> counters_;  // [0]: the admission pass; [1]: hints taken
+  device_buffer<std::uint32_t> counters_;  // the admission pass; hints taken (gather, prefetch)
   device_buffer<group_part<T>> parts_;     // every group rank's part (device copy)
   std::unique_ptr<memory<device, chunked>> shared_;
-  workspace ws_;  // the distinct-key plan
+  workspace ws_;           // the distinct-key plan of gathers
+  workspace ws_prefetch_;  // ... of prefetches (beside a gather on another stream)
 };
 
 }  // namespace wm::detail::cache

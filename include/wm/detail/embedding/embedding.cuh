@@ -267,8 +267,15 @@ template <index_type Index>
 void WM_EMBEDDING::prefetch(std::span<Index const> next_keys,
                             cuda::stream_ref stream) requires detail::caching_policy<CachePolicy> {
   WM_EXPECTS(next_keys.empty() || next_keys.data() != nullptr, "prefetch: null keys");
+  if constexpr (mapped_layout<Layout>) {
+    if (source_.shared()) {  // a group cache on several ranks
+      source_.group_prefetch(std::as_const(weights_).ref(), rows(), next_keys,
+                             scratch_->plan.err.data(), stream.get());
+      return;
+    }
+  }
   WM_EXPECTS(comm_->size() == 1,
-             "prefetch: not built yet for a cached table on several ranks "
+             "prefetch: not built yet for a device cache on several ranks "
              "(the keys would have to travel to their owners)");
   source_.prefetch(table_rows(), rows(), next_keys, scratch_->plan.err.data(), stream.get());
 }

@@ -113,6 +113,13 @@ class row_source<CachePolicy, T> {
     group_->gather(table, rows, indices, out, err, s);
   }
 
+  /// A group cache's prefetch: misses hinted to their holders, this rank's hints admitted.
+  template <class Table, class Index>
+  void group_prefetch(Table const& table, std::size_t rows, std::span<Index const> keys,
+                      unsigned* err, cudaStream_t s) {
+    group_->prefetch(table, rows, keys, err, s);
+  }
+
   /// The gather of this rank's rows (one rank: every row): hits from lines, misses admitted
   /// (distinct rows read once), then replicated. Dirty victims are staged and written back in
   /// ascending key order after the admissions (no other admission call may overlap this one).
