@@ -12,7 +12,7 @@
 //
 // A gather (group_lines::gather), on every rank alone:
 // 1. the batch's distinct keys (the distinct-row plan of detail/dispatch/distinct.cuh);
-// 2. lookup, one warp per distinct key: probe the holder's set through its line keys; a hit copies
+// 2. lookup, one warp per distinct key: probe the holder's set through its line words; a hit copies
 //    the line's row to the output and adds one to the line's hit counter; a miss reads the row from
 //    the table and appends the key to the holder's hints (a bounded list; a full list drops it);
 // 3. the copies of the long runs (replicate_runs_to);
@@ -20,13 +20,15 @@
 //    that peers (and this rank) left since its last gather admitted: a victim by the replacement
 //    policy (never a line the same admission pass took), the row read from the table.
 //
-// Lines under a reader's feet: a line's key word (line_key) is the key + 1 while the line holds
-// that key's whole row, 0 otherwise. The holder sets it to 0, fences, writes the new row, fences,
-// and publishes the new key (release). A reader loads the key word (acquire), copies the row,
-// fences (acquire) and loads the key word again: if it changed, the row may be torn and the reader
-// reads the table instead (a seqlock without a counter: the only value a line goes back to without
-// passing 0 is the same key, whose row is the same, since the table does not change under a
-// read-only cache; after changing the table, invalidate()).
+// Lines under a reader's feet (a seqlock): a line's 64-bit word holds the key + 1 while the line
+// holds that key's whole row (0 otherwise) in its low half and a generation in its high half. The
+// holder empties the word with the next generation, fences, writes the new row, fences, and
+// publishes the key with that generation (release). A reader loads the word in every lane
+// (acquire), copies the row, fences (acquire) and loads the word again: any change, even a trip
+// through other keys back to the same one, sends it to the table. The row's own accesses are plain
+// loads and stores, ordered by the fences: this relies on the fences ordering them (as CUDA's
+// seqlocks do) rather than on morally strong accesses of the PTX memory model. The table does not
+// change under a read-only cache; after changing it, invalidate().
 //
 // Hints and hit counters are advice: a hint read before its writer stored it gives an older key
 // (admitted if it is valid and hashes here, else skipped), a full list drops hints, a hit counted
@@ -65,7 +67,7 @@ namespace wm::detail::cache {
 /// One group rank's shared part, as every rank of the group addresses it.
 template <class T>
 struct group_part {
-  std::uint32_t* line_key{};    ///< lines: key + 1 while the line holds that key's row, else 0
+  std::uint64_t* line{};        ///< lines: generation << 32 | key + 1 (0: the row is not whole)
   std::uint32_t* hits{};        ///< lines: hits not yet folded into the replacement states
   std::uint32_t* hint_count{};  ///< hints claimed since the holder last took them
   std::uint32_t* hints{};       ///< keys that missed on some rank (hint_cap of them)
@@ -95,6 +97,17 @@ struct group_ref {
                                                      meta.seed + holder_seed_offset));
   }
 };
+
+/// The key + 1 of a line word (0: no whole row).
+[[nodiscard]] __device__ constexpr std::uint32_t word_key(std::uint64_t word) noexcept {
+  return static_cast<std::uint32_t>(word);
+}
+
+/// A system-scope view of a line word another GPU may read.
+[[nodiscard]] __device__ inline cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>
+line_word(std::uint64_t* p) noexcept {
+  return cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>{*p};
+}
 
 /// A system-scope view of a word another GPU may read or write.
 [[nodiscard]] __device__ inline cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>
@@ -167,27 +180,36 @@ __global__ void __launch_bounds__(line_block)
     int const g                  = c.holder(k);
     group_part<T> const part     = c.parts[g];
     std::size_t const first_slot = cache_ref<Impl>::slot(c.meta.set_index(k), 0);
-    std::uint32_t const seen =
-        shared_word(part.line_key + first_slot + lane).load(cuda::memory_order_acquire);
-    std::uint32_t const hit_lanes = __ballot_sync(full_warp, seen == k + 1u);
+    std::uint64_t const seen =
+        line_word(part.line + first_slot + lane).load(cuda::memory_order_acquire);
+    std::uint32_t const hit_lanes = __ballot_sync(full_warp, word_key(seen) == k + 1u);
     bool served                   = false;
-    if (prefetch) {
-      if (hit_lanes == 0 && lane == 0) { hint(part, k, c.hint_cap); }
+    if (prefetch) {  // a hint for a miss; a hit counts as a use of the line
+      if (lane == 0) {
+        if (hit_lanes == 0) {
+          hint(part, k, c.hint_cap);
+        } else {
+          std::size_t const slot = first_slot + static_cast<std::size_t>(lowest_way(hit_lanes));
+          shared_word(part.hits + slot).fetch_add(1u, cuda::memory_order_relaxed);
+        }
+      }
       continue;
     }
     if (hit_lanes != 0) {
       std::size_t const slot = first_slot + static_cast<std::size_t>(lowest_way(hit_lanes));
-      auto const key_word    = shared_word(part.line_key + slot);
-      // Every lane acquires the published key itself (its loads of the row come after the
-      // holder's writes of it), copies its share, and checks the key again after a fence.
-      if (__all_sync(full_warp, key_word.load(cuda::memory_order_acquire) == k + 1u)) {
+      auto const word        = line_word(part.line + slot);
+      // Every lane acquires the published word itself (its loads of the row come after the
+      // holder's writes of it), copies its share, and after a fence finds the same word again.
+      std::uint64_t const before = word.load(cuda::memory_order_acquire);
+      std::uint64_t const lane0  = __shfl_sync(full_warp, before, 0);
+      if (__all_sync(full_warp, word_key(before) == k + 1u && before == lane0)) {
         auto const* const src = reinterpret_cast<W const*>(part.w + slot * c.dim);
         for (std::size_t i = lane; i < vecs; i += ways) {
           W const v = load_vec<true>(src + i);
           for (std::size_t q = 0; q < copies; ++q) { reinterpret_cast<W*>(to(q))[i] = v; }
         }
         cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_system);
-        served = __all_sync(full_warp, key_word.load(cuda::memory_order_relaxed) == k + 1u);
+        served = __all_sync(full_warp, word.load(cuda::memory_order_relaxed) == before);
       }
       if (served && lane == 0) {
         shared_word(part.hits + slot).fetch_add(1u, cuda::memory_order_relaxed);
@@ -299,7 +321,13 @@ __global__ void __launch_bounds__(line_block)
     evicted = __shfl_sync(full_warp, evicted, 0);
     if (way != no_way) {
       std::size_t const slot = cache_ref<Impl>::slot(s, way);
-      if (lane == 0) { shared_word(part.line_key + slot).store(0u, cuda::memory_order_relaxed); }
+      auto const word        = line_word(part.line + slot);
+      std::uint64_t next     = 0;  // the line's next generation, in the high half
+      if (lane == 0) {
+        next = ((word.load(cuda::memory_order_relaxed) >> 32) + 1) << 32;
+        word.store(next, cuda::memory_order_relaxed);  // empty
+      }
+      next = __shfl_sync(full_warp, next, 0);
       __syncwarp();
       // Readers that see any of the new row's values see the emptied key word afterwards.
       cuda::atomic_thread_fence(cuda::memory_order_seq_cst, cuda::thread_scope_system);
@@ -309,9 +337,7 @@ __global__ void __launch_bounds__(line_block)
       // Every lane's writes of the row come before the key that publishes it.
       cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
       __syncwarp();
-      if (lane == 0) {
-        shared_word(part.line_key + slot).store(key + 1u, cuda::memory_order_release);
-      }
+      if (lane == 0) { word.store(next | (key + 1u), cuda::memory_order_release); }
       evictions += evicted ? 1 : 0;
       loaded += row_bytes;
     }
@@ -329,7 +355,9 @@ __global__ void group_invalidate_kernel(group_ref<T, Impl> c) {
   group_part<T> const part = c.parts[c.me];
   std::size_t const lines  = static_cast<std::size_t>(c.meta.sets) * ways;
   for (std::size_t i = grid_thread(); i < lines; i += grid_threads()) {
-    shared_word(part.line_key + i).store(0u, cuda::memory_order_relaxed);
+    auto const word = line_word(part.line + i);
+    word.store(((word.load(cuda::memory_order_relaxed) >> 32) + 1) << 32,
+               cuda::memory_order_relaxed);
     shared_word(part.hits + i).store(0u, cuda::memory_order_relaxed);
     if (i % ways == 0) {
       set_header* const h = c.meta.headers + i / ways;
@@ -493,13 +521,13 @@ class group_lines {
     return p;
   }
 
-  /// Bytes of one rank's shared part: key words, hit counters, hint count, hints, weights.
+  /// Bytes of one rank's shared part: line words, hit counters, hint count, hints, weights.
   [[nodiscard]] std::size_t part_bytes() const noexcept {
     return cuda::round_up(words() * sizeof(std::uint32_t), std::size_t{256}) +
            plan_.lines * dim_ * sizeof(T);
   }
-  /// 32-bit words of a shared part before its weights.
-  [[nodiscard]] std::size_t words() const noexcept { return 2 * plan_.lines + 4 + hint_cap(); }
+  /// 32-bit words of a shared part before its weights (a line word is two).
+  [[nodiscard]] std::size_t words() const noexcept { return 3 * plan_.lines + 4 + hint_cap(); }
   /// Hints a holder takes per pass: as many as it has lines (a pass admits at most that many).
   [[nodiscard]] std::uint32_t hint_cap() const noexcept {
     return static_cast<std::uint32_t>(plan_.lines);
@@ -515,10 +543,10 @@ class group_lines {
   [[nodiscard]] group_part<T> part(int g) const {
     auto* const base = reinterpret_cast<std::uint32_t*>(shared_->part_data(g));
     group_part<T> p;
-    p.line_key   = base;
-    p.hits       = base + plan_.lines;
-    p.hint_count = base + 2 * plan_.lines;
-    p.hints      = base + 2 * plan_.lines + 4;
+    p.line       = reinterpret_cast<std::uint64_t*>(base);
+    p.hits       = base + 2 * plan_.lines;
+    p.hint_count = base + 3 * plan_.lines;
+    p.hints      = base + 3 * plan_.lines + 4;
     p.w          = reinterpret_cast<T*>(reinterpret_cast<std::byte*>(base) +
                                cuda::round_up(words() * sizeof(std::uint32_t), std::size_t{256}));
     return p;

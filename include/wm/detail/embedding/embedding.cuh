@@ -180,13 +180,15 @@ WM_EMBEDDING& WM_EMBEDDING::operator=(embedding&& other) noexcept {
   // This table's async updates end, and their scratch goes, before its tensors are freed.
   if (scratch_) { (void)scratch_->plan.drain(); }
   scratch_.reset();
+  // The cache goes before the table: a group cache's release waits for this rank's device work
+  // and meets its peers, so no rank's gather still reads the old table when it is freed.
+  source_      = std::move(other.source_);  // its buffers are freed after the device's work
   comm_        = other.comm_;
   opt_         = std::move(other.opt_);
   weights_     = std::move(other.weights_);
   states_      = std::move(other.states_);
   steps_       = std::move(other.steps_);
   global_step_ = other.global_step_;
-  source_      = std::move(other.source_);  // its buffers are freed after the device's work
   scratch_     = std::move(other.scratch_);
   return *this;
 }

@@ -11,6 +11,7 @@
 #include <wm/embedding.cuh>
 #include <wm/error.hpp>
 
+#include <cuda/std/bit>
 #include <cuda/stream_ref>
 
 #include <memory>
@@ -60,6 +61,13 @@ template <class CachePolicy>
       WM_EXPECTS(rows < 0xffffffffull || comm.size() == 1,
                  name + ": a table of " + std::to_string(rows) +
                      " rows; a group cache on several ranks keys rows below 2^32 - 1");
+      if (comm.size() > 1) {
+        // Every rank hashes keys to holders and sets alike: the same seed and ratio everywhere
+        // (a rank with another seed would look for rows where no holder puts them).
+        comm.expect_same(name + " options (cache_options::hash_seed, ratio)",
+                         cuda::std::bit_cast<std::uint64_t>(cache.ratio) ^
+                             (std::uint64_t{cache.hash_seed} * 0x9e3779b97f4a7c15ull));
+      }
     }
     // The ratio (and the 32-bit tags) checked on the largest part a rank can hold; each rank
     // plans its lines from its own rows when they exist.
