@@ -1,10 +1,13 @@
 // Host tests: one 32-way cache set (detail/cache/set.hpp) against a plain model of LFU / LRU
-// with write-back, driven by random access sequences; the key -> set hash; the policy traits.
+// with write-back, driven by random access sequences; the key -> set hash; the policy traits; a
+// group-cache line's word (detail/cache/line_word.hpp) under a reader's feet.
 #include <wm/cache.hpp>
+#include <wm/detail/cache/line_word.hpp>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/optimizer.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -595,4 +598,165 @@ TEST_CASE("cache plan: at ratio 1 the hashed sets hold most but not all rows", "
   INFO("rows " << rows << ": a full cache holds " << fraction * 100 << "% of them at once");
   CHECK(fraction > 0.88);
   if (rows == 32) { CHECK(fraction == 1.0); }  // one set
+}
+
+// ---------------------------------------------------------------------------------------------
+// A group-cache line under a reader's feet: the holder replaces the line's row (empty the word,
+// write the row, publish the word) while a reader on another GPU copies it (load the word, copy
+// the row, load the word again). Steps interleave one word at a time, in one order for all: the
+// order the kernels' fences give (detail/cache/group.cuh). The words are line_word.hpp's.
+
+namespace {
+
+constexpr std::size_t model_row_words = 8;
+
+std::uint64_t table_word(std::uint32_t key, std::size_t j) {
+  return (std::uint64_t{key} << 8) | j;  // every key's row differs from every other's in each word
+}
+
+struct group_line_model {
+  std::uint64_t word{};  // the line word
+  std::array<std::uint64_t, model_row_words> row{};
+};
+
+/// The holder's replacement of the line's row by @p key's, one step at a time.
+struct model_holder {
+  std::uint32_t key{};
+  std::size_t step{};
+  std::uint64_t empty{};
+  /// One step; true once the row is published.
+  bool advance(group_line_model& l) {
+    if (step == 0) {
+      empty  = cache::emptied_word(l.word);
+      l.word = empty;
+    } else if (step <= model_row_words) {
+      l.row[step - 1] = table_word(key, step - 1);
+    } else {
+      l.word = cache::published_word(empty, key);
+      step   = 0;
+      return true;
+    }
+    ++step;
+    return false;
+  }
+};
+
+enum class read_end { running, missed, served, refused };
+
+/// A reader's copy of @p key's row from the line, one step at a time.
+struct model_reader {
+  std::uint32_t key{};
+  std::size_t step{};
+  std::uint64_t before{};
+  std::array<std::uint64_t, model_row_words> copy{};
+  read_end advance(group_line_model const& l) {
+    if (step == 0) {
+      before = l.word;
+      if (!cache::word_holds(before, key)) { return read_end::missed; }
+    } else if (step <= model_row_words) {
+      copy[step - 1] = l.row[step - 1];
+    } else {
+      step = 0;
+      return cache::copy_stands(before, l.word, key) ? read_end::served : read_end::refused;
+    }
+    ++step;
+    return read_end::running;
+  }
+  [[nodiscard]] bool copy_is_the_row() const {
+    for (std::size_t j = 0; j < model_row_words; ++j) {
+      if (copy[j] != table_word(key, j)) { return false; }
+    }
+    return true;
+  }
+};
+
+void replace(group_line_model& l, std::uint32_t key) {
+  model_holder h{key};
+  while (!h.advance(l)) {}
+}
+
+}  // namespace
+
+TEST_CASE("group line word: the encoding", "[cache]") {
+  std::uint32_t const keys[] = {0u, 1u, 12345u, 0xfffffffeu};  // the largest key a cache holds
+  for (std::uint64_t const word : {std::uint64_t{0}, std::uint64_t{7} << 32 | 5u,
+                                   std::uint64_t{0xffffffffu} << 32 | 0xffffffffu}) {
+    std::uint64_t const empty = cache::emptied_word(word);
+    CHECK(cache::word_key(empty) == 0u);  // an emptied line holds no key
+    CHECK(empty >> 32 == ((word >> 32) + 1) % (std::uint64_t{1} << 32));  // the next generation
+    for (auto const k : keys) {
+      CHECK_FALSE(cache::word_holds(empty, k));
+      std::uint64_t const full = cache::published_word(empty, k);
+      CHECK(cache::word_holds(full, k));
+      CHECK(full >> 32 == empty >> 32);
+      CHECK(cache::copy_stands(full, full, k));
+      for (auto const other : keys) {
+        if (other != k) { CHECK_FALSE(cache::word_holds(full, other)); }
+      }
+      CHECK_FALSE(cache::copy_stands(full, empty, k));  // emptied while copied
+      CHECK_FALSE(cache::copy_stands(empty, empty, k));
+    }
+  }
+}
+
+TEST_CASE("group line word: a copy made across a replacement back to the same key is refused",
+          "[cache]") {
+  std::uint32_t const a = 17, b = 99;
+  group_line_model l;
+  replace(l, a);
+  model_reader r{a};
+  REQUIRE(r.advance(l) == read_end::running);                              // the word names a
+  for (std::size_t j = 0; j < model_row_words / 2; ++j) { r.advance(l); }  // a's first half
+  replace(l, b);
+  for (std::size_t j = model_row_words / 2; j < model_row_words; ++j) { r.advance(l); }  // b's
+  replace(l, a);                             // the line holds a again, whole
+  CHECK_FALSE(r.copy_is_the_row());          // the copy is torn ...
+  CHECK(r.advance(l) == read_end::refused);  // ... and the reader sees it
+  // Without a replacement the same reader is served.
+  REQUIRE(r.advance(l) == read_end::running);
+  for (std::size_t j = 0; j < model_row_words; ++j) { r.advance(l); }
+  CHECK(r.advance(l) == read_end::served);
+  CHECK(r.copy_is_the_row());
+}
+
+TEST_CASE("group line word: random interleavings never serve a torn row", "[cache]") {
+  auto const seed = std::random_device{}();
+  INFO("seed " << seed);
+  std::mt19937_64 rng{seed};
+  std::uint32_t const keys[] = {3, 4, 5};  // a reader's key comes back often (ABA)
+  group_line_model l;
+  replace(l, keys[0]);
+  model_holder h{keys[1]};
+  model_reader r{keys[0]};
+  std::size_t served = 0, refused = 0, torn_refused = 0, missed = 0;
+  int idle = 0;  // the holder's turns left before its next replacement
+  for (int i = 0; i < 2'000'000; ++i) {
+    // Replacements at random moments, some of them inside copies.
+    if (std::uniform_int_distribution<int>{0, 1}(rng) == 0) {
+      if (idle > 0) {
+        --idle;
+      } else if (h.advance(l)) {
+        h.key = keys[std::uniform_int_distribution<int>{0, 2}(rng)];
+        idle  = std::uniform_int_distribution<int>{0, 40}(rng);
+      }
+      continue;
+    }
+    switch (r.advance(l)) {
+      case read_end::running: continue;
+      case read_end::missed: ++missed; break;
+      case read_end::served:
+        ++served;
+        REQUIRE(r.copy_is_the_row());
+        break;
+      case read_end::refused:
+        ++refused;
+        torn_refused += r.copy_is_the_row() ? 0 : 1;
+        break;
+    }
+    r = model_reader{keys[std::uniform_int_distribution<int>{0, 2}(rng)]};
+  }
+  INFO("served " << served << ", refused " << refused << " (" << torn_refused << " torn), missed "
+                 << missed);
+  CHECK(served > 1000);        // the reader was served often ...
+  CHECK(torn_refused > 1000);  // ... and refused torn copies often: both paths ran
 }

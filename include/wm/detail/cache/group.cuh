@@ -20,8 +20,10 @@
 //    that peers (and this rank) left since its last gather admitted: a victim by the replacement
 //    policy (never a line the same admission pass took), the row read from the table.
 //
-// Lines under a reader's feet (a seqlock): a line's 64-bit word holds the key + 1 while the line
-// holds that key's whole row (0 otherwise) in its low half and a generation in its high half. The
+// Lines under a reader's feet (a seqlock; the word's encoding and the reader's check are in
+// line_word.hpp, whose host tests run the protocol): a line's 64-bit word holds the key + 1 while
+// the line holds that key's whole row (0 otherwise) in its low half and a generation in its high
+// half. The
 // holder empties the word with the next generation, fences, writes the new row, fences, and
 // publishes the key with that generation (release). A reader loads the word in every lane
 // (acquire), copies the row, fences (acquire) and loads the word again: any change, even a trip
@@ -38,6 +40,7 @@
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
 #include <wm/detail/cache/kernels.cuh>
+#include <wm/detail/cache/line_word.hpp>
 #include <wm/detail/cache/lines.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
@@ -97,11 +100,6 @@ struct group_ref {
                                                      meta.seed + holder_seed_offset));
   }
 };
-
-/// The key + 1 of a line word (0: no whole row).
-[[nodiscard]] __device__ constexpr std::uint32_t word_key(std::uint64_t word) noexcept {
-  return static_cast<std::uint32_t>(word);
-}
 
 /// A system-scope view of a line word another GPU may read.
 [[nodiscard]] __device__ inline cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>
@@ -182,7 +180,7 @@ __global__ void __launch_bounds__(line_block)
     std::size_t const first_slot = cache_ref<Impl>::slot(c.meta.set_index(k), 0);
     std::uint64_t const seen =
         line_word(part.line + first_slot + lane).load(cuda::memory_order_acquire);
-    std::uint32_t const hit_lanes = __ballot_sync(full_warp, word_key(seen) == k + 1u);
+    std::uint32_t const hit_lanes = __ballot_sync(full_warp, word_holds(seen, k));
     bool served                   = false;
     if (prefetch) {  // a hint for a miss; a hit counts as a use of the line
       if (lane == 0) {
@@ -202,14 +200,15 @@ __global__ void __launch_bounds__(line_block)
       // holder's writes of it), copies its share, and after a fence finds the same word again.
       std::uint64_t const before = word.load(cuda::memory_order_acquire);
       std::uint64_t const lane0  = __shfl_sync(full_warp, before, 0);
-      if (__all_sync(full_warp, word_key(before) == k + 1u && before == lane0)) {
+      if (__all_sync(full_warp, word_holds(before, k) && before == lane0)) {
         auto const* const src = reinterpret_cast<W const*>(part.w + slot * c.dim);
         for (std::size_t i = lane; i < vecs; i += ways) {
           W const v = load_vec<true>(src + i);
           for (std::size_t q = 0; q < copies; ++q) { reinterpret_cast<W*>(to(q))[i] = v; }
         }
         cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_system);
-        served = __all_sync(full_warp, word.load(cuda::memory_order_relaxed) == before);
+        served =
+            __all_sync(full_warp, copy_stands(before, word.load(cuda::memory_order_relaxed), k));
       }
       if (served && lane == 0) {
         shared_word(part.hits + slot).fetch_add(1u, cuda::memory_order_relaxed);
@@ -324,8 +323,8 @@ __global__ void __launch_bounds__(line_block)
       auto const word        = line_word(part.line + slot);
       std::uint64_t next     = 0;  // the line's next generation, in the high half
       if (lane == 0) {
-        next = ((word.load(cuda::memory_order_relaxed) >> 32) + 1) << 32;
-        word.store(next, cuda::memory_order_relaxed);  // empty
+        next = emptied_word(word.load(cuda::memory_order_relaxed));
+        word.store(next, cuda::memory_order_relaxed);
       }
       next = __shfl_sync(full_warp, next, 0);
       __syncwarp();
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(line_block)
       // Every lane's writes of the row come before the key that publishes it.
       cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
       __syncwarp();
-      if (lane == 0) { word.store(next | (key + 1u), cuda::memory_order_release); }
+      if (lane == 0) { word.store(published_word(next, key), cuda::memory_order_release); }
       evictions += evicted ? 1 : 0;
       loaded += row_bytes;
     }
@@ -356,8 +355,7 @@ __global__ void group_invalidate_kernel(group_ref<T, Impl> c) {
   std::size_t const lines  = static_cast<std::size_t>(c.meta.sets) * ways;
   for (std::size_t i = grid_thread(); i < lines; i += grid_threads()) {
     auto const word = line_word(part.line + i);
-    word.store(((word.load(cuda::memory_order_relaxed) >> 32) + 1) << 32,
-               cuda::memory_order_relaxed);
+    word.store(emptied_word(word.load(cuda::memory_order_relaxed)), cuda::memory_order_relaxed);
     shared_word(part.hits + i).store(0u, cuda::memory_order_relaxed);
     if (i % ways == 0) {
       set_header* const h = c.meta.headers + i / ways;
