@@ -7,19 +7,9 @@
 // host tests (tests/cache/set_test.cpp) run the protocol on these functions.
 #pragma once
 
-#if __has_include(<wm/config.hpp>)
 #include <wm/config.hpp>
-#endif
 
 #include <cstdint>
-
-#ifndef WM_HOST_DEVICE
-#if defined(__CUDACC__)
-#define WM_HOST_DEVICE __host__ __device__
-#else
-#define WM_HOST_DEVICE
-#endif
-#endif
 
 namespace wm::detail::cache {
 
