@@ -236,6 +236,7 @@ void replay_captured_gather(C& cached, P& plain, std::mt19937_64& rng, std::size
     WM_CUDA_TRY(
         cudaMemcpy(dk.ptr, b.keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
     WM_CUDA_TRY(cudaMemset(out.ptr, 0xa5, n * dim * sizeof(float)));  // poison
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // keys and poison in place before the replay on s
     WM_CUDA_TRY(cudaGraphLaunch(exec, s));
     WM_CUDA_TRY(cudaStreamSynchronize(s));
     RANK_REQUIRE_MSG(bytes_of(out.to_host()) == gather(plain, b, s),
@@ -818,6 +819,7 @@ void reads_beside_admissions(std::vector<std::vector<unsigned char>> const& tabl
     for (auto& k : next) { k = static_cast<std::int64_t>((rng() % hot) * (table.size() / hot)); }
     WM_CUDA_TRY(cudaMemcpy(dk.ptr, keys.data(), n * sizeof(std::int64_t), cudaMemcpyHostToDevice));
     WM_CUDA_TRY(cudaMemcpy(dn.ptr, next.data(), m * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
     prefetch_on(std::span<std::int64_t const>{dn.ptr, m}, s2);
     gather_on(std::span<std::int64_t const>{dk.ptr, n}, out.ptr, s1);
     WM_CUDA_TRY(cudaStreamSynchronize(s1));

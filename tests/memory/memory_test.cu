@@ -153,6 +153,7 @@ struct checker {
   template <class Launch>
   unsigned long long count(Launch&& launch) {
     WM_CUDA_TRY(cudaMemset(bad, 0, sizeof(*bad)));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // zero before a kernel on any stream counts
     launch();
     WM_CHECK_LAUNCH();
     WM_CUDA_TRY(cudaDeviceSynchronize());
@@ -689,6 +690,7 @@ void tensor_round(wm::communicator& comm, std::uint32_t salt, std::mt19937_64& r
       cudaMemcpy(d_all.ptr, all.data(), rows * sizeof(std::int64_t), cudaMemcpyHostToDevice));
   WM_CUDA_TRY(cudaMemcpy(d_values.ptr, values.data(), values.size() * sizeof(float),
                          cudaMemcpyHostToDevice));
+  WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
   t.scatter(std::span<std::int64_t const>{d_all.ptr, rows}, d_values.ptr, cuda::stream_ref{stream});
   comm.barrier();
   std::vector<std::int32_t> keys(500);
@@ -699,6 +701,7 @@ void tensor_round(wm::communicator& comm, std::uint32_t salt, std::mt19937_64& r
   WM_CUDA_TRY(cudaMemcpy(d_keys.ptr, keys.data(), keys.size() * sizeof(std::int32_t),
                          cudaMemcpyHostToDevice));
   WM_CUDA_TRY(cudaMemset(d_out.ptr, 0xff, keys.size() * cols * sizeof(float)));  // NaN poison
+  WM_CUDA_TRY(cudaDeviceSynchronize());  // keys and poison in place before a non-blocking stream
   t.gather(std::span<std::int32_t const>{d_keys.ptr, keys.size()}, d_out.ptr,
            cuda::stream_ref{stream});
   std::vector<float> out(keys.size() * cols);

@@ -24,6 +24,9 @@ struct device_array {
   explicit device_array(std::vector<T> const& h) : n{h.size()} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
     if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
+    // A pageable copy may return before its DMA ends, on the legacy stream: work on a
+    // cudaStreamNonBlocking stream must find the elements in place.
+    WM_CUDA_TRY(cudaDeviceSynchronize());
   }
   ~device_array() { (void)cudaFree(ptr); }
   device_array(device_array const&)            = delete;

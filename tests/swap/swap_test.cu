@@ -95,6 +95,7 @@ struct checker {
   explicit checker(std::size_t n) : capacity{n} {
     WM_CUDA_TRY(cudaMalloc(&bad, n * sizeof(unsigned long long)));
     WM_CUDA_TRY(cudaMemset(bad, 0, n * sizeof(unsigned long long)));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // before check kernels on non-blocking streams count
   }
   ~checker() { (void)cudaFree(bad); }
   void check(std::uint32_t const* p, std::size_t n, std::uint64_t seed, cuda::stream_ref s) {

@@ -33,12 +33,14 @@ struct device_bytes {
   explicit device_bytes(std::size_t bytes) : n{bytes} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
     WM_CUDA_TRY(cudaMemset(ptr, static_cast<int>(poison), std::max<std::size_t>(bytes, 1)));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
   }
   ~device_bytes() { (void)cudaFree(ptr); }
   device_bytes(device_bytes const&)            = delete;
   device_bytes& operator=(device_bytes const&) = delete;
   void upload(void const* h, std::size_t bytes) {
     WM_CUDA_TRY(cudaMemcpy(ptr, h, bytes, cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
   }
   [[nodiscard]] std::vector<std::byte> to_host() const {
     std::vector<std::byte> h(n);

@@ -37,6 +37,10 @@ struct device_bytes {
   explicit device_bytes(std::size_t bytes) : n{bytes} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
     WM_CUDA_TRY(cudaMemset(ptr, 0xA5, std::max<std::size_t>(bytes, 1)));
+    // cudaMemset of device memory returns before it is done, on the legacy stream, which
+    // cudaStreamNonBlocking streams do not wait for: a gather on one could be poisoned after it
+    // wrote (seen on an H200 with another process on the GPU).
+    WM_CUDA_TRY(cudaDeviceSynchronize());
   }
   ~device_bytes() { (void)cudaFree(ptr); }
   device_bytes(device_bytes const&) = delete;
@@ -54,6 +58,7 @@ struct device_indices {
   explicit device_indices(std::vector<Index> const& h)
       : buf{h.size() * sizeof(Index)}, count{h.size()} {
     WM_CUDA_TRY(cudaMemcpy(buf.ptr, h.data(), h.size() * sizeof(Index), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
   }
   std::span<Index const> span() const { return {reinterpret_cast<Index const*>(buf.ptr), count}; }
 };
@@ -221,6 +226,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     device_indices<Index> di{targets[me]};
     device_bytes vals{values[me].size()};
     WM_CUDA_TRY(cudaMemcpy(vals.ptr, values[me].data(), values[me].size(), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
     t.scatter(di.span(), reinterpret_cast<T const*>(vals.ptr), s);
     device_indices<Index> none{std::vector<Index>{}};
     t.scatter(none.span(), reinterpret_cast<T const*>(vals.ptr), s);  // empty scatter
@@ -353,6 +359,7 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
     device_indices<std::int64_t> di{mine};
     device_bytes vals{values.size() + shift};
     WM_CUDA_TRY(cudaMemcpy(vals.ptr + shift, values.data(), values.size(), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
     t.scatter(di.span(), reinterpret_cast<T const*>(vals.ptr + shift), s);
   }
   comm.barrier();
@@ -964,6 +971,7 @@ void scatter_then_store(wm::communicator& comm, std::uint64_t seed,
   device_indices<std::int64_t> di{idx};
   device_bytes dv{values.size()};
   WM_CUDA_TRY(cudaMemcpy(dv.ptr, values.data(), values.size(), cudaMemcpyHostToDevice));
+  WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
   cudaStream_t stream{};
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   t.scatter_async(di.span(), reinterpret_cast<float const*>(dv.ptr), cuda::stream_ref{stream});

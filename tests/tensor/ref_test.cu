@@ -64,9 +64,11 @@ struct device_array {
   explicit device_array(std::size_t count) : n{count} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
     WM_CUDA_TRY(cudaMemset(ptr, 0xff, std::max<std::size_t>(count, 1) * sizeof(T)));  // poison
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
   }
   explicit device_array(std::vector<T> const& h) : device_array(h.size()) {
     WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
   }
   device_array(device_array const&) = delete;
   ~device_array() { (void)cudaFree(ptr); }

@@ -63,11 +63,13 @@ struct device_buffer {
   explicit device_buffer(std::size_t count) : n{count} {
     WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
     WM_CUDA_TRY(cudaMemset(ptr, 0xff, std::max<std::size_t>(count, 1) * sizeof(T)));  // poison
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
   }
   device_buffer(device_buffer const&) = delete;
   ~device_buffer() { (void)cudaFree(ptr); }
   void upload(std::vector<T> const& h) {
     WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
   }
   [[nodiscard]] std::vector<T> download() const {
     std::vector<T> h(n);
