@@ -18,6 +18,11 @@
 #include <string>
 #include <string_view>
 
+// The oldest NCCL wm supports; cmake/wm-dependencies.cmake checks the same at configure time.
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 19, 0)
+#error "wm needs NCCL 2.19 or newer (this nccl.h is older)"
+#endif
+
 namespace wm {
 
 /** @brief A precondition on user input or API usage was violated. */
