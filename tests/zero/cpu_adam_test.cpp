@@ -255,7 +255,7 @@ TEST_CASE("cpu adam: no bf16 copy, a null copy pointer and bad input", "[host]")
       o, z::cpu_adam_step{1e-3f, 1, 1.0f},
       z::cpu_adam_arrays<float>{w.data(), m.data(), v.data(), g.data(), nullptr, 100}, pool);
   // Step 1 from zero moments: m̂ = g, v̂ = g², so θ = 0.5 (1 − 1e-5) − 1e-3 · g/(|g| + ε).
-  CHECK(w[0] == Approx(0.5 * (1 - 1e-5) - 1e-3 * 0.25 / (0.25 + 1e-8)).epsilon(1e-7));
+  CHECK(w[0] == Catch::Approx(0.5 * (1 - 1e-5) - 1e-3 * 0.25 / (0.25 + 1e-8)).epsilon(1e-7));
   CHECK(w[99] == w[0]);
   CHECK_THROWS_AS(
       z::cpu_adam_update(
