@@ -77,7 +77,22 @@ inline void launch(int n, std::function<void(communicator&)> const& fn,
 /**
  * @brief Number of CUDA devices visible to this process, found without initializing CUDA in it
  * (a short-lived child process asks), so the caller may still fork ranks afterwards.
- * @return 0 if there is no GPU or no driver
+ *
+ * 0 means "no GPU here", and only that: `cudaGetDeviceCount` answered `cudaErrorNoDevice` (no
+ * device, or `CUDA_VISIBLE_DEVICES` hides them all), or `cudaErrorInsufficientDriver` with no
+ * driver installed at all (`cudaDriverGetVersion` gives 0: the runtime found no `libcuda.so.1`
+ * to load). Every other error is a CUDA stack that is present but broken, and throws, so that a
+ * GPU machine that cannot use its GPUs is never taken for one without GPUs: a driver older than
+ * the runtime, a failed initialization (`cudaErrorInitializationError`), a user-mode and
+ * kernel-mode driver mismatch (`cudaErrorSystemDriverMismatch`), forward compatibility not
+ * supported (`cudaErrorCompatNotSupportedOnDevice`), devices busy or unavailable
+ * (`cudaErrorDevicesUnavailable`), the link-time stub `libcuda` found instead of the driver
+ * (`cudaErrorStubLibrary`), ...
+ *
+ * @return the number of devices; 0 if there is no GPU or no driver
+ * @throw wm::cuda_error for any other CUDA error, naming it (its code in `code()`), and
+ * (code `cudaErrorUnknown`) when the child dies before it answers
+ * @throw std::runtime_error if the pipe or the child process cannot be made
  */
 [[nodiscard]] inline int local_device_count();
 

@@ -12,8 +12,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
 #include <functional>
 #include <optional>
 #include <string>
@@ -39,18 +42,107 @@ inline void launch(int n, std::function<void(communicator&)> const& fn, launch_o
       options);
 }
 
-inline int local_device_count() {
+namespace detail {
+
+/// What the child of `local_device_count` learnt, sent to the parent through a pipe as raw
+/// bytes (the parent calls no CUDA function, so the child fills in the error's name and text).
+struct device_report {
+  int status{0};          ///< what cudaGetDeviceCount returned (a cudaError_t)
+  int count{0};           ///< the devices it counted, when it succeeded
+  int driver_version{0};  ///< cudaDriverGetVersion: 0 when no driver is installed at all
+  char name[64]{};        ///< cudaGetErrorName(status)
+  char text[192]{};       ///< cudaGetErrorString(status)
+};
+
+/**
+ * @brief Whether @p status, returned by cudaGetDeviceCount, means that this process has no GPU
+ * (true) rather than a CUDA stack that is present and broken (false).
+ *
+ * No GPU: `cudaErrorNoDevice` (none present, or `CUDA_VISIBLE_DEVICES` hides them all), and
+ * `cudaErrorInsufficientDriver` when @p driver_version is 0, i.e. no driver library could be
+ * loaded at all (what a machine without the NVIDIA driver answers). Everything else is broken:
+ * the same error with a driver present (a driver older than the runtime), a failed
+ * initialization, a driver mismatch, unavailable devices, the link-time stub `libcuda`.
+ */
+[[nodiscard]] constexpr bool means_no_gpu(cudaError_t status, int driver_version) noexcept {
+  switch (status) {
+    case cudaErrorNoDevice: return true;
+    case cudaErrorInsufficientDriver: return driver_version == 0;
+    default: return false;
+  }
+}
+
+/// The child's side: asks the CUDA runtime (this initializes CUDA in the calling process).
+[[nodiscard]] inline device_report query_devices() noexcept {
+  device_report r;
+  cudaError_t const status = cudaGetDeviceCount(&r.count);
+  r.status                 = static_cast<int>(status);
+  if (status != cudaSuccess) { r.count = 0; }
+  if (cudaDriverGetVersion(&r.driver_version) != cudaSuccess) { r.driver_version = 0; }
+  std::snprintf(r.name, sizeof(r.name), "%s", cudaGetErrorName(status));
+  std::snprintf(r.text, sizeof(r.text), "%s", cudaGetErrorString(status));
+  return r;
+}
+
+/**
+ * @brief The parent's side: the device count in @p r, or a `wm::cuda_error` naming the error
+ * when it is not one of those that mean "no GPU" (`means_no_gpu`). Calls no CUDA function.
+ */
+[[nodiscard]] inline int device_count_from(device_report const& r) {
+  auto const status = static_cast<cudaError_t>(r.status);
+  if (status == cudaSuccess) { return r.count; }
+  if (means_no_gpu(status, r.driver_version)) { return 0; }
+  std::string const name{r.name, ::strnlen(r.name, sizeof(r.name))};
+  std::string const text{r.text, ::strnlen(r.text, sizeof(r.text))};
+  throw cuda_error{"wm::local_device_count: CUDA error " + name + " (" + text +
+                       ") in `cudaGetDeviceCount` (driver version " +
+                       std::to_string(r.driver_version) +
+                       "): the CUDA stack is present but does not work, so the GPUs cannot be "
+                       "counted",
+                   r.status};
+}
+
+/**
+ * @brief Runs @p query in a forked child and returns its report, so that this process does not
+ * initialize CUDA. Tests pass a query that fakes an error.
+ * @throw wm::cuda_error (code cudaErrorUnknown) if the child dies or ends before it answers
+ * @throw std::runtime_error if the pipe or the child cannot be made
+ */
+[[nodiscard]] inline device_report query_devices_in_child(device_report (*query)() noexcept) {
+  int fds[2] = {-1, -1};
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    throw std::runtime_error{"wm::local_device_count: pipe(): " + errno_text()};
+  }
+  unique_fd const from_child{fds[0]};
+  unique_fd to_parent{fds[1]};
   std::fflush(nullptr);
   pid_t const pid = ::fork();
-  if (pid < 0) { throw std::runtime_error{"wm: fork(): " + detail::errno_text()}; }
+  if (pid < 0) { throw std::runtime_error{"wm::local_device_count: fork(): " + errno_text()}; }
   if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) { n = 0; }
-    ::_exit(n > 100 ? 100 : n);
+    // A crash in the driver ends this child with its signal, reported below; the caller's crash
+    // handlers (a test framework's, say) would report it as their own process's.
+    for (int const sig : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) { std::signal(sig, SIG_DFL); }
+    device_report const r = query();
+    ::_exit(write_all(fds[1], &r, sizeof(r)) ? 0 : 1);
   }
-  int status = 0;
+  to_parent.reset();  // the read below then ends when the child does, whatever it did
+  device_report r;
+  std::size_t const got = read_all(from_child.get(), &r, sizeof(r));
+  int status            = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+  if (got != sizeof(r) || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::string const how = describe_status(status);
+    throw cuda_error{"wm::local_device_count: the child process that asks cudaGetDeviceCount " +
+                         how + " before it answered (a broken CUDA driver?)",
+                     static_cast<int>(cudaErrorUnknown)};
+  }
+  return r;
+}
+
+}  // namespace detail
+
+inline int local_device_count() {
+  return detail::device_count_from(detail::query_devices_in_child(&detail::query_devices));
 }
 
 inline launch_env read_launch_env(std::function<char const*(char const*)> const& getenv) {
