@@ -1,7 +1,8 @@
 // Test main shared by every test program.
 //   --gpus N    report "skipped" (exit code 77, ctest's SKIP_RETURN_CODE) when fewer than N GPUs
 //               are present. The GPUs are counted in a child process, so this process never
-//               initializes CUDA and can still fork ranks.
+//               initializes CUDA and can still fork ranks. A CUDA stack that cannot count them
+//               (wm::local_device_count throws) fails the run (exit code 1), never skips it.
 //   --ranks N   fork N ranks (`all`: one per GPU) and run the [ranked] cases inside every rank
 //               (see ranks.hpp). Without it, the [ranked] cases are left out.
 #define CATCH_CONFIG_RUNNER
@@ -20,14 +21,34 @@
 #include "catch.hpp"
 #include "ranks.hpp"
 
+// Catch2 v2's single header defines CATCH_VERSION_MAJOR; v3 defines it in its own header, which
+// only catch_all.hpp includes. What this main uses of v3 (session, listeners) is included here,
+// so it builds whichever v3 headers catch.hpp chose.
+#if !defined(CATCH_VERSION_MAJOR) && __has_include(<catch2/catch_version_macros.hpp>)
+#include <catch2/catch_version_macros.hpp>
+#endif
+#if !defined(CATCH_VERSION_MAJOR)
+#error "tests/support/main.cpp: cannot tell the Catch2 version (CATCH_VERSION_MAJOR)"
+#endif
+#if CATCH_VERSION_MAJOR >= 3
+#include <catch2/catch_session.hpp>
+#include <catch2/catch_test_case_info.hpp>
+#include <catch2/reporters/catch_reporter_event_listener.hpp>
+#include <catch2/reporters/catch_reporter_registrars.hpp>
+#endif
+
 namespace {
 
 wm::communicator* this_rank_comm = nullptr;
 
-#if __has_include(<catch2/catch_all.hpp>)
+#if CATCH_VERSION_MAJOR >= 3
 using listener_base = Catch::EventListenerBase;
+// Exit code 3 when a test spec matches no case (v3 also fails a run in which no case ran).
+char const* const unmatched_filter_fails = "UnmatchedTestSpec";
 #else
 using listener_base = Catch::TestEventListenerBase;
+// Exit code 2 when a test spec matches no case; v2 has no other guard.
+char const* const unmatched_filter_fails = "NoTests";
 #endif
 
 // Catch2 v3 holds the case's info by pointer, v2 by value.
@@ -88,12 +109,21 @@ int main(int argc, char** argv) {
   }
   // A filter that matches no case fails the run (a misspelt name, or a comma, which Catch reads
   // as "or", must not pass as an empty success).
-  std::string const warn = "--warn", no_tests = "NoTests";
+  std::string const warn = "--warn", unmatched = unmatched_filter_fails;
   if (std::any_of(args.begin() + 1, args.end(), [](char const* a) { return a[0] != '-'; })) {
     args.push_back(const_cast<char*>(warn.c_str()));
-    args.push_back(const_cast<char*>(no_tests.c_str()));
+    args.push_back(const_cast<char*>(unmatched.c_str()));
   }
-  int const have = need > 0 || ranks < 0 ? wm::local_device_count() : 0;
+  int have = 0;
+  if (need > 0 || ranks < 0) {
+    try {
+      have = wm::local_device_count();  // 0 only when there is no GPU (or no driver at all)
+    } catch (std::exception const& e) {
+      // A CUDA stack that is present but broken fails the run: it must not pass as "skipped".
+      std::printf("FAILED: cannot count the GPUs: %s\n", e.what());
+      return 1;
+    }
+  }
   if (need > 0 && have < need) {
     std::printf("SKIPPED: this test needs %d GPU(s); %d found\n", need, have);
     return 77;
