@@ -16,6 +16,7 @@
 #include <wm/wm.cuh>
 
 #include <cstdio>
+#include <exception>
 #include <numeric>
 #include <vector>
 
@@ -27,8 +28,15 @@ __global__ void fill(int* out, std::size_t n, int value) {
 }
 
 int main() {
-  // 1. Count the GPUs without initializing CUDA here (we still have to fork).
-  int const gpus = wm::local_device_count();
+  // 1. Count the GPUs without initializing CUDA here (we still have to fork). 0 means the
+  //    machine has none; a CUDA stack that is there but broken throws: that is an error.
+  int gpus = 0;
+  try {
+    gpus = wm::local_device_count();
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "01_communicator: %s\n", e.what());
+    return 1;
+  }
   if (gpus == 0) {
     std::printf("01_communicator: no GPU found, nothing to run\n");
     return 0;

@@ -17,6 +17,7 @@
 #include <wm/wm.cuh>
 
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 
 constexpr std::size_t row_floats = 16;
@@ -101,7 +102,15 @@ void demo(wm::communicator& comm, std::filesystem::path const& dir, unsigned lon
 }
 
 int main() {
-  int const gpus = wm::local_device_count();
+  // Counted without initializing CUDA here (we still have to fork). 0 means the machine has
+  // none; a CUDA stack that is there but broken throws: that is an error, not "no GPU".
+  int gpus = 0;
+  try {
+    gpus = wm::local_device_count();
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "02_whole_memory: %s\n", e.what());
+    return 1;
+  }
   if (gpus == 0) {
     std::printf("02_whole_memory: no GPU found, nothing to run\n");
     return 0;

@@ -137,7 +137,15 @@ std::vector<float> gather_with(wm::communicator& comm, std::int64_t const* ids,
 }
 
 int main() {
-  int const gpus = wm::local_device_count();
+  // Counted without initializing CUDA here (we still have to fork). 0 means the machine has
+  // none; a CUDA stack that is there but broken throws: that is an error, not "no GPU".
+  int gpus = 0;
+  try {
+    gpus = wm::local_device_count();
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "03_gather_scatter: %s\n", e.what());
+    return 1;
+  }
   if (gpus == 0) {
     std::printf("03_gather_scatter: no GPU found, nothing to run\n");
     return 0;

@@ -15,6 +15,7 @@
 #include <wm/wm.cuh>
 
 #include <cstdio>
+#include <exception>
 #include <vector>
 
 constexpr std::size_t rows  = 100'000;
@@ -56,7 +57,15 @@ __global__ void loss_and_grad(float const* out, std::int64_t const* keys, float*
 }
 
 int main() {
-  int const gpus = wm::local_device_count();
+  // Counted without initializing CUDA here (we still have to fork). 0 means the machine has
+  // none; a CUDA stack that is there but broken throws: that is an error, not "no GPU".
+  int gpus = 0;
+  try {
+    gpus = wm::local_device_count();
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "04_train_embedding: %s\n", e.what());
+    return 1;
+  }
   if (gpus == 0) {
     std::printf("04_train_embedding: no GPU found, nothing to run\n");
     return 0;

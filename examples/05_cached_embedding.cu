@@ -75,7 +75,15 @@ __global__ void loss_and_grad(float const* out, std::int64_t const* keys, float*
 }
 
 int main() {
-  int const gpus = wm::local_device_count();  // before any CUDA call in this process
+  // Counted without initializing CUDA here (we still have to fork). 0 means the machine has
+  // none; a CUDA stack that is there but broken throws: that is an error, not "no GPU".
+  int gpus = 0;
+  try {
+    gpus = wm::local_device_count();
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "05_cached_embedding: %s\n", e.what());
+    return 1;
+  }
   if (gpus == 0) {
     std::printf("05_cached_embedding: no GPU found, nothing to run\n");
     return 0;

@@ -102,11 +102,12 @@ run_result train(bool swap, std::size_t budget_slots) {
 }
 
 int main() {
-  if (wm::local_device_count() == 0) {
-    std::printf("06_swap_activations: no GPU found, nothing to run\n");
-    return 0;
-  }
   try {
+    // 0 means the machine has no GPU; a CUDA stack that is there but broken throws (an error).
+    if (wm::local_device_count() == 0) {
+      std::printf("06_swap_activations: no GPU found, nothing to run\n");
+      return 0;
+    }
     // 3. The same training without and with swapping.
     std::size_t const slots  = layers / 2 + 2;
     run_result const plain   = train(false, 0);

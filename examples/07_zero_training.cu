@@ -108,7 +108,15 @@ std::vector<double> train(wm::communicator& comm, cudaStream_t stream) {
 }
 
 int main(int argc, char** argv) {
-  int const gpus  = wm::local_device_count();
+  // Counted without initializing CUDA here (we still have to fork). 0 means the machine has
+  // none; a CUDA stack that is there but broken throws: that is an error, not "no GPU".
+  int gpus = 0;
+  try {
+    gpus = wm::local_device_count();
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "07_zero_training: %s\n", e.what());
+    return 1;
+  }
   int const ranks = argc > 1 ? std::atoi(argv[1]) : gpus;
   if (gpus == 0) {
     std::printf("07_zero_training: no GPU found, nothing to run\n");
