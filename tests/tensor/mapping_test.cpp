@@ -209,7 +209,7 @@ TEMPLATE_TEST_CASE("the dispatch plan groups indices by owner, stably", "[host]"
 
 TEST_CASE("the distributed gather's pieces cover each peer's rows once, the same at both ends",
           "[host]") {
-  std::mt19937_64 rng{Catch::rngSeed()};
+  std::mt19937_64 rng{Catch::getSeed()};
   std::size_t const mib = std::size_t{1} << 20;
   // Edge counts (none, one row, exactly 32 MiB, one row more, huge) and random ones.
   std::vector<std::pair<std::size_t, std::size_t>> cases{

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 namespace wm::detail {
 
@@ -103,6 +104,18 @@ void with_vector(int vec_bytes, F&& f) {
     case 2: f.template operator()<unsigned short>(); break;
     default: f.template operator()<unsigned char>(); break;
   }
+}
+
+/// Calls f(std::bool_constant<b>{}): a flag known at compile time (std::true_type,
+/// std::false_type) instantiates one branch, a runtime bool both (each kernel variant a flag
+/// selects is compiled only where it can be taken).
+template <class F>
+decltype(auto) with_flag(bool b, F&& f) {
+  return b ? f(std::true_type{}) : f(std::false_type{});
+}
+template <bool B, class F>
+decltype(auto) with_flag(std::bool_constant<B>, F&& f) {
+  return f(std::bool_constant<B>{});
 }
 
 /// V consecutive values of T, loaded and stored as one access (element-typed arithmetic).

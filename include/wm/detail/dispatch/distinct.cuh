@@ -441,19 +441,20 @@ __global__ void __launch_bounds__(256)
  * Copies on a second stream beside the reads hid less (bench/NOTES.md, "Host gathers: the
  * 32-bit plan").
  */
-template <class Rows, class Index, class Pos>
+template <class Rows, class Index, class Pos, class Fresh>
 void read_distinct(Rows rows, distinct_batch<Index, Pos> const& b, std::size_t const* order,
                    packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                   unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
+                   unsigned* err, cudaStream_t s, Fresh fresh, int blocks_per_sm = 8) {
   if (b.n == 0) { return; }
   if (std::size_t const most = b.n / (fused_copies + 1); most != 0) {  // a grid for the most
     launch_rows(
         most, row_bytes,
         {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
         [&]<class Vec>(row_launch const& l) {
-          auto* const kernel = fresh ? read_long_runs_kernel<Vec, true, Rows, Index, Pos>
-                                     : read_long_runs_kernel<Vec, false, Rows, Index, Pos>;
-          kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
+          with_flag(fresh, [&](auto f) {
+            read_long_runs_kernel<Vec, decltype(f)::value, Rows, Index, Pos>
+                <<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
+          });
         },
         blocks_per_sm);
   }
@@ -461,9 +462,10 @@ void read_distinct(Rows rows, distinct_batch<Index, Pos> const& b, std::size_t c
       b.n, row_bytes,
       {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
       [&]<class Vec>(row_launch const& l) {
-        auto* const kernel = fresh ? read_short_runs_kernel<Vec, true, Rows, Index, Pos>
-                                   : read_short_runs_kernel<Vec, false, Rows, Index, Pos>;
-        kernel<<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
+        with_flag(fresh, [&](auto f) {
+          read_short_runs_kernel<Vec, decltype(f)::value, Rows, Index, Pos>
+              <<<l.blocks, 256, 0, s>>>(rows, b, order, out, err, l.row_vecs, l.group);
+        });
       },
       blocks_per_sm);
 }
@@ -473,10 +475,10 @@ void read_distinct(Rows rows, distinct_batch<Index, Pos> const& b, std::size_t c
  * packed rows of @p row_bytes). @p bits: the key bits that order every valid key (row_bits);
  * @p ws: the plan's room. See plan_distinct and read_distinct.
  */
-template <class Rows, class Index>
+template <class Rows, class Index, class Fresh>
 void gather_distinct(Rows rows, Index const* idx, std::size_t n, int bits, workspace& ws,
                      std::byte* out, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                     unsigned* err, cudaStream_t s, bool fresh, int blocks_per_sm = 8) {
+                     unsigned* err, cudaStream_t s, Fresh fresh, int blocks_per_sm = 8) {
   if (n == 0) { return; }
   auto const b = plan_distinct(idx, n, bits, ws, s);
   read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), packed_rows{out, row_bytes},

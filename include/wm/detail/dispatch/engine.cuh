@@ -40,7 +40,7 @@ struct table_reader {
   template <class Index>
   void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
                   cudaStream_t s, int blocks_per_sm) const {
-    launch_gather(table, keys, order, n, dst, row_bytes, stride_bytes, err, s, false,
+    launch_gather(table, keys, order, n, dst, row_bytes, stride_bytes, err, s, std::false_type{},
                   blocks_per_sm);
   }
 };
@@ -52,7 +52,7 @@ struct table_reader {
  * @p ws_stream and @p aux_ws on any other (the engine reads this rank's own rows on a side
  * stream beside the pieces).
  */
-template <class Rows>
+template <class Rows, class Fresh = std::false_type>
 struct distinct_reader {
   Rows table;
   std::size_t stride_bytes;
@@ -62,7 +62,7 @@ struct distinct_reader {
   workspace* ws;
   cudaStream_t ws_stream;
   workspace* aux_ws;
-  bool fresh;  ///< ld.cv loads (rows another GPU may have written)
+  Fresh fresh;  ///< ld.cv loads (rows another GPU may have written): a bool or bool_constant
   template <class Index>
   void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
                   cudaStream_t s, int blocks_per_sm) const {
@@ -165,7 +165,7 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
       if (n_in == 0) { continue; }
       launch_gather(local_rows{back + (back_at[q] + in_piece.first) * rb, n_in, rb},
                     static_cast<std::size_t const*>(nullptr), p.order + key_at[q] + in_piece.first,
-                    n_in, dst, rb, rb, sc.err.data(), on, false, blocks_per_sm);
+                    n_in, dst, rb, rb, sc.err.data(), on, std::false_type{}, blocks_per_sm);
     }
   };
   struct copy_part {

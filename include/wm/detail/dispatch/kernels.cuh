@@ -213,38 +213,40 @@ void launch_rows(std::size_t n, std::size_t row_bytes,
 }
 
 /// Launches move_rows_kernel for a gather; @p fresh: the rows are host memory other GPUs may have
-/// written; @p blocks_per_sm: see plan_row_launch.
-template <class Rows, class Index>
+/// written (a bool, or std::bool_constant where the caller knows it: then only that kernel
+/// variant is compiled); @p blocks_per_sm: see plan_row_launch.
+template <class Rows, class Index, class Fresh = std::false_type>
 void launch_gather(Rows rows, Index const* idx, std::size_t const* order, std::size_t n,
                    packed_rows out, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                   unsigned* err, cudaStream_t stream, bool fresh = false, int blocks_per_sm = 8) {
+                   unsigned* err, cudaStream_t stream, Fresh fresh = {}, int blocks_per_sm = 8) {
   launch_rows(
       n, row_bytes,
       {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(out.base), out.stride_bytes},
       [&]<class Vec>(row_launch const& l) {
         using M = gather_moves<Rows, Index>;
-        auto* const kernel =
-            fresh ? move_rows_kernel<Vec, true, false, M> : move_rows_kernel<Vec, false, false, M>;
-        kernel<<<l.blocks, 256, 0, stream>>>(M{rows, idx, order, out, err}, n, l.row_vecs, l.group);
+        with_flag(fresh, [&](auto f) {
+          move_rows_kernel<Vec, decltype(f)::value, false, M>
+              <<<l.blocks, 256, 0, stream>>>(M{rows, idx, order, out, err}, n, l.row_vecs, l.group);
+        });
       },
       blocks_per_sm);
 }
 
 /// Launches move_rows_kernel for a scatter; @p through: the rows are host memory other GPUs may
-/// read.
-template <class Rows, class Index>
+/// read (a bool or std::bool_constant, as launch_gather's @p fresh).
+template <class Rows, class Index, class Through = std::false_type>
 void launch_scatter(Rows rows, Index const* keys, std::size_t const* pos, std::size_t n,
                     packed_rows values, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                    unsigned* err, cudaStream_t stream, bool through = false) {
+                    unsigned* err, cudaStream_t stream, Through through = {}) {
   launch_rows(n, row_bytes,
               {row_bytes, rows_alignment, reinterpret_cast<std::uintptr_t>(values.base),
                values.stride_bytes},
               [&]<class Vec>(row_launch const& l) {
-                using M            = scatter_moves<Rows, Index>;
-                auto* const kernel = through ? move_rows_kernel<Vec, false, true, M>
-                                             : move_rows_kernel<Vec, false, false, M>;
-                kernel<<<l.blocks, 256, 0, stream>>>(M{rows, keys, pos, n, values, err}, n,
-                                                     l.row_vecs, l.group);
+                using M = scatter_moves<Rows, Index>;
+                with_flag(through, [&](auto t) {
+                  move_rows_kernel<Vec, false, decltype(t)::value, M><<<l.blocks, 256, 0, stream>>>(
+                      M{rows, keys, pos, n, values, err}, n, l.row_vecs, l.group);
+                });
               });
 }
 

@@ -207,22 +207,27 @@ void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> i
     // One rank's chunked memory is its own plain allocation: nothing to translate.
     bool const sort_long =
         Location::is_host || (std::same_as<Layout, chunked> && comm_->size() > 1);
-    bool const fresh = Location::is_host;  // other GPUs may have written these rows
-    if (Location::is_host && n >= detail::host_distinct_threshold) {
-      // Host rows: each distinct row crosses PCIe once (fresh, ascending rows), then is copied
-      // on the device to the other positions that asked for it (hot keys of skewed batches),
-      // those copies made while later rows cross. Batches and tables under 2^32 sort 32-bit keys
-      // and positions (half the plan's bytes).
-      auto const read = [&](auto const& b) {
-        detail::read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), dst, row_bytes(),
-                              stride_bytes(), scratch_->err.data(), s, fresh);
-      };
-      if (detail::narrow_fits(rows_, n)) {
-        read(detail::plan_distinct_narrow(indices.data(), n, rows_, scratch_->a, s));
-      } else {
-        read(detail::plan_distinct(indices.data(), n, detail::row_bits(rows_), scratch_->a, s));
+    // Other GPUs may have written host rows: compiled in only for host tables.
+    constexpr std::bool_constant<Location::is_host> fresh{};
+    if constexpr (Location::is_host) {
+      if (n >= detail::host_distinct_threshold) {
+        // Host rows: each distinct row crosses PCIe once (fresh, ascending rows), then is copied
+        // on the device to the other positions that asked for it (hot keys of skewed batches),
+        // those copies made while later rows cross. Batches and tables under 2^32 sort 32-bit
+        // keys and positions (half the plan's bytes).
+        auto const read = [&](auto const& b) {
+          detail::read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), dst, row_bytes(),
+                                stride_bytes(), scratch_->err.data(), s, fresh);
+        };
+        if (detail::narrow_fits(rows_, n)) {
+          read(detail::plan_distinct_narrow(indices.data(), n, rows_, scratch_->a, s));
+        } else {
+          read(detail::plan_distinct(indices.data(), n, detail::row_bits(rows_), scratch_->a, s));
+        }
+        return;
       }
-    } else if (sort_long && n >= detail::host_sort_threshold) {
+    }
+    if (sort_long && n >= detail::host_sort_threshold) {
       // Chunked device rows with block mapping: ascending order starts at the next rank's rows
       // and wraps around; ranks that all began at row 0 read the same owner at the same time
       // (seen with 4 ranks: chunked gathers at 0.59 of the peer-copy floor, continuous ones at
@@ -283,7 +288,8 @@ void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> 
         detail::mapped_rows<Mapping>{parts(), map_ref(), stride_bytes()}, sorted.keys,
         sorted.positions, n,
         detail::packed_rows{reinterpret_cast<std::byte*>(const_cast<T*>(values)), row_bytes()},
-        row_bytes(), stride_bytes(), scratch_->err.data(), s, Location::is_host);
+        row_bytes(), stride_bytes(), scratch_->err.data(), s,
+        std::bool_constant<Location::is_host>{});
   } else {
     detail::scratch_use const use{*scratch_, stream.get()};
     scatter_dispatch(indices.data(), indices.size(), values, stream.get());
@@ -344,7 +350,7 @@ void tensor<T, Location, Layout, Mapping>::gather_dispatch(Index const* idx, std
                                                            &sc.reads,
                                                            s,
                                                            &sc.reads_aux,
-                                                           false};
+                                                           std::false_type{}};
     detail::gather_rows(comm, sc, p, read, n, reinterpret_cast<std::byte*>(out), row_bytes(), s);
   } else {
     detail::gather_rows(comm, sc, p, table, stride_bytes(), n, reinterpret_cast<std::byte*>(out),
