@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * cache_bench: Adam training steps on a host table with a device cache (issue 18), next to its
  * bounds (the device-table step and the uncached host step), the pinned copy bandwidth measured

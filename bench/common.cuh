@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * What the benchmark programs in bench/ share: printf into a string, the `--ranks N` argument,
  * the environment set at the start of main, memory shared with the forked ranks, timing with CUDA

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * cpu_adam_bench (issue 20): the CPU AdamW of wm::zero_optimizer's host offload in parameters per
  * second, against the host's memory copy bandwidth measured in the same run, both counted at 28

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * embedding_bench: one training step of wm::embedding (gather forward + apply_gradients with
  * given gradients), next to the device-copy limit measured in the same run and the PyTorch peer

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * gather_bench: wm::tensor::gather_async on device and host tables, each next to a limit measured
  * in the same run, and the PyTorch peer (bench/peers/torch_gather.py) on the same sizes.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Rows read and written by GPU threads in pinned host memory allocated four ways (cudaMallocHost;
 // memfd + mmap + cudaHostRegister, as wm's host tables; anonymous memory with transparent huge
 // pages + cudaHostRegister; driver VMM host memory, cuMemCreate HOST_NUMA, 2 MiB granularity):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Wall-clock timing of host work for the benchmarks and probes (CPU Adam and the like).
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * The key generators the embedding benchmarks share (host code, plain C++20):
  *   uniform: splitmix64(splitmix64(seed) + i) mod rows;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * memory_bench: the hot paths of wm::memory, each next to a limit measured in the same run.
  *

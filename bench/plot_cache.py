@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Plots cache_bench's CSV: Adam ms/step against device-cache ratio, wm and WholeGraph, Zipf and uniform.
 
 Usage: python3 bench/plot_cache.py CSV [PNG]   (PNG defaults to the CSV's name with .png)

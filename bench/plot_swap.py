@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Plots swap_bench's CSV: step time against peak device memory, wm's swap policies and PyTorch's.
 
 Usage: python3 bench/plot_swap.py CSV [PNG]   (PNG defaults to the CSV's name with .png)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * swap_bench: training with the saved activations paged out (wm::swap_scope) against the same
  * training without swapping and against PyTorch with and without save_on_cpu.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """torch_swap_bench: saved activations of a PyTorch training step in a wm swap scope
 (examples/pytorch, wm_torch.SwapHooks) against no offload and torch's save_on_cpu.
 

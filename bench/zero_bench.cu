@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * zero_bench: the MLP of bench/workloads/mlp.cuh trained through wm::zero_optimizer, stage by
  * stage, on every rank given (issue 20).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # FindNCCL: locates NCCL's header and library and defines the imported target NCCL::nccl.
 # Sets NCCL_FOUND, NCCL_VERSION (e.g. 2.28.9, read from nccl.h), NCCL_INCLUDE_DIR, NCCL_LIBRARY.
 #

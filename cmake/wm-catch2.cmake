@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Finds Catch2 for wm's tests: v3 or v2 through their CMake packages, else the plain headers
 # (v2's single header, v3's amalgamated one). Defines Catch2::Catch2 when found and nothing
 # otherwise (no error: the examples and benchmarks need no test framework).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The compile requirements of wm::wm, decided in one place for the build tree (CMakeLists.txt)
 # and the installed package (wmConfig.cmake), so a user's build gets exactly the flags wm's own
 # tests are built with:

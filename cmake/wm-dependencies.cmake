@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Finds what the wm interface target needs: the CUDA toolkit (runtime), NCCL and CCCL.
 # Shared by the build tree (CMakeLists.txt) and the package (wmConfig.cmake). Inside
 # find_package(wm) a missing dependency makes wm "not found" (find_dependency passes on the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * Example 03: a feature table across GPUs, gathered by random node ids.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * Example 04: training an embedding table with a fused sparse optimizer.
  *

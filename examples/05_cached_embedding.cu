@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * Example 05: a host table with a device cache, trained on skewed (Zipf) keys.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * Example 06: training with the saved activations paged out to host memory.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * Example 07: data-parallel training with ZeRO stage 2 (issue 20, DESIGN.md §8).
  *

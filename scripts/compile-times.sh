@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Prints the N slowest steps (compiles, links) of a Ninja build from its .ninja_log, slowest
 # first: seconds and the output each step made (its path inside the build tree). For each
 # output only its latest entry counts, so a step rebuilt several times is listed once, with

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Formats wm's tracked C++/CUDA sources (*.cu *.cuh *.hpp *.cpp) with clang-format 14 and the
 # repository's .clang-format (other versions format differently, so no other is used).
 # Usage: bash scripts/format.sh           format every file in place

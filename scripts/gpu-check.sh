@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # On the GPU machine: build here with all cores, run every test (all GPUs, then one GPU), every
 # example and every benchmark; print a short summary last and exit non-zero when any build,
 # test, example, benchmark or sanitizer run failed. Logs go to $OUT when it is set (else

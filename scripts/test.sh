@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # README's test command: sets itself up, then configures, builds every target (tests, examples,
 # benchmarks; warnings as errors) and runs every test. Without a GPU the GPU tests report
 # "skipped". Catch2, the test framework, is installed when CMake cannot find it: Debian/Ubuntu's

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Compiles the user files of bench/compile/ alone, as a user's build would (nvcc, C++20, sm_90,
 # -O3), and prints each one's wall and CPU time and nvcc's phases (--time). No GPU needed.
 # Usage: bash scripts/user-compile-times.sh [file.cu ...]   (default: bench/compile/*.cu)

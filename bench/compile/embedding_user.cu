@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A user's file that uses one module: one embedding<float, no_cache, adam> gather and update.
 // scripts/user-compile-times.sh compiles it alone and reports nvcc's phases (bench/NOTES.md,
 // "Compile time"): the cost every such file of a user's pays.

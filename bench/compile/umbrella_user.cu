@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A user's file that includes every module and instantiates nothing (a header of the user's own
 // that names wm's types): what including <wm/wm.cuh> costs by itself.
 #include <wm/wm.cuh>

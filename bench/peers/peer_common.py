@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the PyTorch peers in bench/peers/ share: logging to stderr and timing with CUDA events.
 
 It imports torch: a peer that sets environment variables torch must see imports this module after

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch peer of bench/cpu_adam_bench.cpp: torch.optim.AdamW on CPU tensors of the same size.
 
 N fp32 parameters (one tensor, or --tensors K of N/K each) with fp32 gradients of magnitude ~1e-3,

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch peer of bench/embedding_bench.cu: the same training step, written the way a PyTorch user would.
 
 One GPU: nn.Embedding(10M, 128, sparse=True) (float32, 5.12 GB), 1M int64 keys per step and

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch peer of bench/gather_bench.cu: the same gathers, written the way a PyTorch user would.
 
 (a) torch.index_select on one GPU: a 10M x 128 float32 table (5.12 GB), 4M uniform random int64

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch peer of bench/swap_bench.cu: the same MLP, trained the way a PyTorch user would.
 
 16 x (Linear(8192, 8192, bias=False) -> ReLU), bf16, batch 16,384; loss 0.5 * sum(y^2) / batch

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch peer of bench/zero_bench.cu: the same MLP trained with PyTorch's data-parallel tools.
 
 Model (bench/workloads/zero_mlp.cuh): L x (Linear(W, W, bias=False) -> ReLU), weights uniform

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """WholeGraph peer of bench/cache_bench.cu: the same Adam training steps on the same fresh keys.
 
 One process, one GPU, RAPIDS WholeGraph (pylibwholegraph; see shared/peers/wholegraph/README.md

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """WholeGraph peer of bench/gather_bench.cu (e): host-table gathers on the very same keys.
 
 One GPU, one process: for each case a WholeGraph embedding of ROWS x 128 float32 in pinned host

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The standalone probes' CUDA error check: print the call and the error, exit 1.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Probe (issue 20): why the offload's CPU Adam runs 10-30% slower inside a step than alone.
 // zero_bench times the CPU Adam alone on malloc'd arrays in one call; inside the step it runs on
 // cudaMallocHost memory, chunk by chunk, beside the step's copies and the forward's host thread.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Probe: where a host gather's time goes beyond its floor: the plan (sort, run select), the reads,
 // and the plan with 32-bit keys and positions. Pinned host table of 512 B rows; the four cases of
 // gather_bench (e): 10M rows with 1M uniform and 1M Zipf(1.05) keys, 2M rows with 4M uniform keys,

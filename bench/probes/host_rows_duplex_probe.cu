@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Probe (issue 18): scattered rows of pinned host memory read by GPU warps while other warps write
 // other scattered rows. host_pages_bench timed reads and writes only apart (~34-36 ns per row
 // either way). Do the two directions add up (each near its alone rate) or share one limit in rows

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Probe: which load instruction reads scattered, sorted 512 B host rows fastest. The rows of a
 // uniform 1M-key batch over 10M rows (about 951,600 distinct, ascending), read from pinned host
 // memory into consecutive device rows by one warp per row (16 B per lane, U rows in flight per

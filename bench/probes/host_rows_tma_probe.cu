@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Probe: scattered 512 B rows read from pinned host memory into device memory, by (a) the copy
 // engine on one contiguous range (the floor's rate), (b) SM loads (a warp per row, 16 B per lane,
 // U rows in flight per warp), (c) TMA bulk copies (cp.async.bulk global->shared, mbarrier

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * A training workload for the swap and ZeRO benchmarks: an MLP of `layers` bf16 Linear(width,
  * width, no bias) + ReLU layers on a batch of `batch` rows, forward and backward through

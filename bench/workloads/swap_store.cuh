@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * The MLP workload's saved activations as wm::swappable buffers of a wm::swap_scope: x_i is paged
  * out once the forward pass has read it for good (when the policy says so; `early`: its copy

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * The MLP of mlp.cuh (bf16 Linear(width, width, no bias) + ReLU layers through cuBLASLt, loss
  * 0.5 · Σ y_L² / batch) with its weights and gradients in the arena of a wm::zero_optimizer, for

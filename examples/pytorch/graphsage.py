@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GraphSAGE (PyTorch Geometric) with the node features in a wm host table behind a device cache.
 
 What it teaches:

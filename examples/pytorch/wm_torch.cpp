@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * wm_torch: the PyTorch bridge of wm (a tutorial extension; see README.md beside this file).
  *

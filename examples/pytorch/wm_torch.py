@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """wm_torch: wm's tables, communicators and swap scopes inside a PyTorch training loop.
 
 A tutorial module (see README.md beside it): `load()` builds the extension (wm_torch.cpp and the

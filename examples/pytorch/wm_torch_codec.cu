@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * wm::zero_codec for the element sizes of torch's dtypes (see wm_torch_codec.hpp).
  */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * The zero-suppressing encoding of saved activations (wm::zero_codec) behind plain functions,
  * so that the bindings (wm_torch.cpp, which includes torch) need no CUDA compiler: the kernels

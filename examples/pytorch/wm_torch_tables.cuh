@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * `wm_torch::table_impl<Embedding>`: one wm::embedding behind the `wm_torch::table` interface,
  * and the translation of `wm_torch::table_options` into wm's policies and hyper-parameters.

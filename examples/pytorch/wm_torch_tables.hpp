@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * The embedding tables of the PyTorch bridge behind one interface (`wm_torch::table`), so that
  * the extension's bindings (wm_torch.cpp, which includes torch) know no wm template, and each

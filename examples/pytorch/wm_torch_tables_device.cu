@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The bridge's device tables (no cache): wm::embedding<float, wm::no_cache, Optimizer, wm::device,
 // wm::chunked> with SGD, Adam or no optimizer. Kept apart from wm_torch.cpp so that it compiles
 // without torch's headers and beside the other table units.

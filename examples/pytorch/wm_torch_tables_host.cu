@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The bridge's host tables (pinned host memory, wm::chunked): with a read_write device cache
 // (SGD, Adam), a read_only device cache (no optimizer: e.g. GNN features), or no cache. Kept apart
 // from wm_torch.cpp so that it compiles without torch's headers and beside the other table units.

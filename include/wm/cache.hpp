@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file cache.hpp
  * @brief Embedding cache policies: `wm::device_cache<Access, Replacement>`,

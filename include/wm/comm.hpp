@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file comm.hpp
  * @brief `wm::communicator`: a fixed group of ranks, one process per GPU.

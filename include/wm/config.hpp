@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file config.hpp
  * @brief Compiler configuration shared by every wm header.

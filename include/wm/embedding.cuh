@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file embedding.cuh
  * @brief `wm::embedding<T, CachePolicy, Optimizer, Location, Layout, Mapping>`: an embedding

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file error.hpp
  * @brief Exception types and the checking macros used by every wm module.

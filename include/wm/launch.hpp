@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file launch.hpp
  * @brief Starting ranks: `wm::launch` forks local ranks (tests, examples, single-node jobs);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file memory.cuh
  * @brief `wm::memory<Location, Layout>`: one logical allocation owned by all ranks of a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file optimizer.hpp
  * @brief Sparse optimizer policies for `wm::embedding`: `wm::sgd`, `wm::adam`, `wm::rmsprop`,

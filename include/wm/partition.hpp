@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file partition.hpp
  * @brief How a whole-memory allocation's entries are split over ranks.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file swap.cuh
  * @brief Swap scopes (tensor-swap-design): buffers paged out to pinned host memory and back,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file tensor.cuh
  * @brief `wm::tensor<T, Location, Layout, Mapping>`: a 1D or 2D tensor over `wm::memory`, rows

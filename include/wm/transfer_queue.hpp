@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file transfer_queue.hpp
  * @brief `wm::transfer_queue`: the task queue of a swap scope (tensor-swap-design §5.3), one per

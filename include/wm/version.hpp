@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file version.hpp
  * @brief wm's version, for the preprocessor and for C++.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file wm.cuh
  * @brief Umbrella header: includes every public wm module.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file zero.cuh
  * @brief ZeRO data parallelism (issue 20, DESIGN.md §8): `wm::zero_optimizer`, a sharded

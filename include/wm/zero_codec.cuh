@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file zero_codec.cuh
  * @brief A lossless zero-suppressing encoding (a bitmask, then the nonzero elements), for pages

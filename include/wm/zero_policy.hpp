@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /**
  * @file zero_policy.hpp
  * @brief The host-side types of `wm::zero_optimizer` (zero.cuh): its policies (stage, offload),

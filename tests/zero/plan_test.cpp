@@ -238,8 +238,10 @@ TEST_CASE("zero memory formula matches the ZeRO paper's figure 1", "[host]") {
   double const psi = 7.5e9;
   CHECK(z::zero_memory_estimate(0, psi, 64).device_bytes == Catch::Approx(120e9));
   CHECK(z::zero_memory_estimate(1, psi, 64).device_bytes == Catch::Approx(4 * psi + 12 * psi / 64));
-  CHECK(z::zero_memory_estimate(1, psi, 64).device_bytes / 1e9 == Catch::Approx(31.4).epsilon(0.002));
-  CHECK(z::zero_memory_estimate(2, psi, 64).device_bytes / 1e9 == Catch::Approx(16.6).epsilon(0.003));
+  CHECK(z::zero_memory_estimate(1, psi, 64).device_bytes / 1e9 ==
+        Catch::Approx(31.4).epsilon(0.002));
+  CHECK(z::zero_memory_estimate(2, psi, 64).device_bytes / 1e9 ==
+        Catch::Approx(16.6).epsilon(0.003));
   CHECK(z::zero_memory_estimate(3, psi, 64).device_bytes / 1e9 == Catch::Approx(1.875));
   // Offload: the state term moves to the host with a gradient shard.
   auto const o = z::zero_memory_estimate(2, psi, 64, true);
@@ -248,6 +250,7 @@ TEST_CASE("zero memory formula matches the ZeRO paper's figure 1", "[host]") {
   // From a parameter list: f32 weights count 4 bytes.
   std::vector<z::param_spec> ps{{"a", 1000, z::element_type::f32},
                                 {"b", 3000, z::element_type::bf16}};
-  CHECK(z::zero_memory_estimate(3, ps, 2).device_bytes == Catch::Approx((2 * 10000.0 + 12 * 4000.0) / 2));
+  CHECK(z::zero_memory_estimate(3, ps, 2).device_bytes ==
+        Catch::Approx((2 * 10000.0 + 12 * 4000.0) / 2));
   CHECK_THROWS_AS(z::zero_memory_estimate(4, psi, 2), wm::logic_error);
 }

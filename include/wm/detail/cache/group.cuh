@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A group cache on several ranks (wm::group_cache): the ranks of a group (cache_options::group, by
 // default the table's communicator; one node) cache the whole table together. Rank g of the group
 // holds the rows whose key hashes to g, in 32-way sets of its own device memory, mapped into every

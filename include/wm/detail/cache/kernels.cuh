@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Cache kernels: the batch probe (a warp per key, one ballot over the set's 32 tags) and the
 // device statistics counters it adds to. The gather / update paths build on these.
 #pragma once

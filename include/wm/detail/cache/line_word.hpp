@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The word of a group-cache line (detail/cache/group.cuh) that readers on every GPU of the group
 // check before and after they copy the line's row: key + 1 in the low half while the line holds
 // that key's whole row (0: it holds none), a generation in the high half that the holder advances

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A cache's lines and the kernels that move rows between them and the table: the storage of one
 // rank's cache (set metadata, line payloads, device statistics), the admission kernel behind
 // gather and prefetch, the write-back kernel behind flush and invalidate, and the row locator

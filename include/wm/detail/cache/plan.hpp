@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How big a cache is: sets from (rows, ratio), and what its metadata costs. Host only.
 //
 // lines wanted = ceil(ratio * rows), rounded up to whole 32-way sets (at least one set when rows

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The bookkeeping of one 32-way cache set: probe, victim, admission, dirty bits, eviction, flush,
 // invalidation, the batch mask, and the replacement policies' per-line state (lfu_impl, lru_impl).
 // Every function is host and device (a sequential version: the host model, tests, and a kernel

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Warp-cooperative versions of the set bookkeeping (set.hpp): lane w handles way w; a probe is one
 // coalesced read of the 32 tags and one __ballot_sync. Every function is called by all 32 lanes of
 // a warp with the same arguments (full mask) and gives the same result as the sequential

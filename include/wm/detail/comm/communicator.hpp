@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::communicator (declared in <wm/comm.hpp>). Host-only.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::node_channel (declared in <wm/comm.hpp>): descriptor passing between the ranks
 // of one node over AF_UNIX sockets with SCM_RIGHTS. Host-only; compiles with g++.
 #pragma once

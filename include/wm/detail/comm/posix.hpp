@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Small POSIX helpers shared by the node channel, the launcher and file I/O: an owning file
 // descriptor, deadlines, and errno messages. Host-only.
 #pragma once

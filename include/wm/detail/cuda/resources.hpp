@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RAII owners of CUDA runtime resources: a stream, an event, pinned host and device buffers.
 // Move-only; destructors never throw (errors in teardown are ignored). Host-only.
 #pragma once

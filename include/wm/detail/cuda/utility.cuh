@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernel utilities shared by every module: launch sizes cached per device, grid-stride loops,
 // the vector types of row accesses, and small element-wise operations run through CUB.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Each distinct row of a batch once: sort the keys with their positions, find the runs of equal
 // keys, read each run's row once (host rows: fresh, in ascending key order), then copy it from
 // the run's first output row to the run's other output rows on the device. Used by the host

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The exchange engine's transports: rows from their owners back to the asking rank (the
 // distributed gather: NCCL, copy-engine mailbox or put, pipelined in pieces), and keys with rows
 // (or gradients) from the asking rank to the owners (scatter, the embedding's backward).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of the exchange engine: the row gather/scatter kernel (it moves bytes: element types
 // only set the row size), the owner lookup and the grouping by owner of the dispatch plan.
 //

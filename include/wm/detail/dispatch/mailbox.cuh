@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The copy-engine / put transports' receive buffers: the collective vote on the path and the
 // (re)allocation of every rank's mailbox.
 #pragma once

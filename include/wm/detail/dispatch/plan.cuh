@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Step 1 of every exchange: owner and local row of each index, grouped by owner, and the count
 // words exchanged with every peer. The words also carry each rank's header (operation, row
 // bytes, index width, status), so that a rank that failed before the exchange, or ranks that

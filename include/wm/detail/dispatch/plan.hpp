@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host form of the model-parallel dispatch plan (sok-dispatch input dispatcher): which rank owns
 // each index, the caller's positions grouped by owner (stable), the per-peer counts and the local
 // rows each peer is asked for. The device path (plan_dispatch_device) computes the same arrays;

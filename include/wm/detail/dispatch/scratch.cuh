@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What one user of the exchange engine (a tensor, an embedding) keeps between calls: reusable
 // device workspaces, the side streams of the pipelined gather, the mailboxes, the error flag, the
 // count words, and the event that orders the calls that share them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::embedding::store / load (declared in <wm/embedding.cuh>; included at the end of
 // detail/embedding/embedding.cuh). All or nothing: `load` checks the whole file set on every
 // rank in one collective step before it changes anything; `store` writes every file under a

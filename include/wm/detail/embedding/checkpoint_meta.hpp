@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host side of embedding checkpoints (used by detail/embedding/checkpoint.cuh): the `.meta`
 // text, its checks against a table, and the sizes every part file must have. Plain C++20, so
 // that tests/embedding/checkpoint_test.cpp runs it on the CPU.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::embedding (declared in <wm/embedding.cuh>): initialization, apply_gradients
 // (the gradients' exchange to their owners through the exchange engine, then the owner-side
 // update of update.cuh); checkpoints in checkpoint.cuh.

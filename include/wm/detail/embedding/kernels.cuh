@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of wm::embedding: initialization, the owner-side run description, the long-run
 // segment sums and the fused optimizer update.
 #pragma once

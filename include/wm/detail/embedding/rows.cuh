@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Where the owner-side update (and a cache's admissions and write-backs) find one row's values:
 // the weight row, its optimizer state and its step. The update kernel is written against a row
 // locator (table_rows here; a cache's line_locator in detail/cache/lines.cuh), so the arithmetic

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The seam a cache policy plugs into: where an embedding's gather reads rows and where the
 // owner-side update writes them. Without a cache (wm::no_cache) both are the table itself; with
 // a cache (wm::device_cache, wm::group_cache) the rank's lines stand in front of the table.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Owner side of wm::embedding::apply_gradients: sort the batch's local rows, find the runs of
 // equal rows, sum long runs in segments, then one fused optimizer update per run.
 #pragma once

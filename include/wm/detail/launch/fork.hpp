@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Forks local ranks, relays one broadcast from rank 0, and reports every failure (the machinery
 // of wm::launch, declared in <wm/launch.hpp>). Host-only: the parent never touches CUDA; what
 // the children do is up to the body.

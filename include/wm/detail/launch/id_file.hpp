@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The WM_ID_FILE bootstrap of wm::communicator_from_env: rank 0 writes the unique id to a file
 // bound to its run (job id, time written); the other ranks wait for a file of their run. Host-only.
 #pragma once

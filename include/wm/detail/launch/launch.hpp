@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::launch, wm::local_device_count, wm::read_launch_env and
 // wm::communicator_from_env (declared in <wm/launch.hpp>). Host-only.
 #pragma once

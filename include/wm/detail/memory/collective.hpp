@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Collective steps of wm::memory (and of the modules built on it): a step whose failure every
 // rank sees, and the barrier of a release, with a descriptor of its own.
 #pragma once

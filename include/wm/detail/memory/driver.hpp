@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The few CUDA driver API functions wm::memory needs (virtual memory management), reached
 // through cudaGetDriverEntryPointByVersion: programs then load without libcuda.so present
 // (GPU tests can report "skipped" on machines with no driver), and need no -lcuda.

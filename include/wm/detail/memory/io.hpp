@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // File I/O of wm::memory: each rank reads its byte range of a logically concatenated file list
 // into its part, or writes its part to its own file; device memory goes through a bounded pinned
 // double buffer.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // chunked·device: each rank cudaMallocs its part and opens every peer's through CUDA IPC
 // handles, one pointer per rank.
 #pragma once

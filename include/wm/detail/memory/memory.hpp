@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::memory (declared in <wm/memory.cuh>). Each Location × Layout pair names its
 // resource type (`Layout::resource<Location>`: vmm.hpp, ipc.hpp, shared_host.hpp, private.hpp);
 // this file holds what every kind shares: construction, the collective release, and file I/O

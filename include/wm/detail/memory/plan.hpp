@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host-only planning for wm::memory and wm::tensor: VMM chunk boundaries, file read plans, file
 // checks and reads, row pieces. Testable on the CPU.
 #pragma once

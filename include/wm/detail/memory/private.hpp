@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // distributed·device and distributed·host: each rank allocates its own part, which no peer maps
 // (cudaMalloc; cudaMallocHost, mapped into this rank's GPU).
 #pragma once

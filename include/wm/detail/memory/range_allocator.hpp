@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // wm::detail::range_allocator: first-fit sub-allocation of one range of bytes (offsets only),
 // used by a swap scope for its pinned host slab and its device pool, and by ZeRO stage 3 for its
 // gather pool (detail/zero/residency.hpp). Lowest address first, so

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // continuous·host and chunked·host: the first rank creates a memfd, every rank maps it
 // (MAP_SHARED) and registers it with CUDA (device pointer == host pointer). The fd travels over
 // the node channel, so nothing is left in /dev/shm or System V when a process dies.

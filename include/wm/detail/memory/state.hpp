@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What every kind of wm::memory shares: sizes, partition, and the pointers its views show. The
 // resource types (vmm.hpp, ipc.hpp, shared_host.hpp, private.hpp) fill the pointers.
 #pragma once

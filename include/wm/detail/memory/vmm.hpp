@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // continuous·device: each rank backs its share of one virtual range with its own GPU memory
 // (driver VMM: cuMemCreate, fd export over the node channel, import, cuMemMap into one reserved
 // range on every rank).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::swap_scope and wm::swappable (declared in <wm/swap.cuh>). The scope's core is
 // in swap_core.cuh (its class), swap_blocks.cuh (the device pool), swap_buffers.cuh (buffer
 // operations) and swap_copy.cuh (the copiers).

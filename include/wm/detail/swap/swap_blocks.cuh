@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The device pool of a swap_core: blocks handed over stream-ordered, the waits that go with them
 // (consumer streams on events, user threads on the workers or, as the last resort, on the GPU)
 // and the event pool. Every function here runs with the core's mutex held.

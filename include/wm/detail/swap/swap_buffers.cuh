@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What wm::swappable and wm::swap_scope call on a swap_core, on user threads: allocate, data,
 // pageout, need_prefetch, pins, release, the scope operations and the statistics.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The copiers of a swap_core, called by the transfer queues' worker threads: submit issues the
 // copies of a batch (taking pool blocks stream-ordered for page-ins), poll asks an event, complete
 // books what finished. None of them blocks on CUDA.

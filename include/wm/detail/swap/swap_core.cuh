@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // wm::detail::swap_core: everything a wm::swap_scope owns (device pool, host slab, copy streams,
 // transfer queues, buffer records). The member bodies are split by topic:
 //   swap_blocks.cuh   the device pool: blocks handed over stream-ordered, events, waits

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::transfer_queue (declared in <wm/transfer_queue.hpp>).
 #pragma once
 

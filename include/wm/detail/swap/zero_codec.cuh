@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels and launches of wm::zero_codec. One warp per tile of 4096 elements (128 mask words);
 // each lane moves V consecutive elements per step (one 16-byte access where the elements' pointer
 // is 16-byte aligned, else V = 1). Encode: mask_kernel (mask words + one count per tile), an

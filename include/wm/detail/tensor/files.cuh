@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // wm::tensor's file I/O (declared in <wm/tensor.cuh>): rows between raw files and the tensor.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The mapped layouts' sorted read: long batches of chunked rows are read in ascending row order
 // (optionally rotated so that ranks start at different owners); long host batches read each
 // distinct row once (distinct.cuh).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::tensor_ref and tensor::ref() (declared in <wm/tensor.cuh>).
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::tensor's public API (declared in <wm/tensor.cuh>): construction and lifetime,
 // the mapped layouts' gather/scatter kernels, and the distributed layout's calls into the
 // exchange engine (detail/dispatch). File I/O is in files.cuh.

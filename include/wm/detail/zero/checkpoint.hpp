@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host-only checkpoint files of wm::zero_optimizer (issue 20, DESIGN.md §8): one file per rank,
 // `shard-<rank>.zero`, holding the rank's fp32 state buffer as it is (master weights, then each
 // optimizer state, padding included) after a header and the fragment table that names what each

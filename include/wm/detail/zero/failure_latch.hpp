@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The first failure of wm::zero_optimizer's offload machinery, kept. Once a step of the offload
 // pipeline failed (a wait past the communicator's deadline, an exception from the CPU Adam, a
 // cancelled wait), the host copies of the master weights and moments may be half updated and the

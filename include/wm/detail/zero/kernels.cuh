@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of wm::zero_optimizer (zero.cuh): the gradient norm partials of a shard, their sum,
 // the fused update of a shard (unscale, skip on inf/NaN, clip, the optimizer policy's
 // element-wise update on fp32 master weights and states, cast into the compute weights that the

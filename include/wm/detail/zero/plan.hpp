@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host-only layout of wm::zero_optimizer (issue 20, DESIGN.md §8): the one contiguous arena of
 // compute weights (and gradients), its buckets in backward order, each rank's equal shard of each
 // bucket and the parameter fragments a shard holds; and the memory formula of DESIGN.md §8.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host-only checkpoint resharding of wm::zero_optimizer (issue 20, DESIGN.md §8): each rank
 // stores its fp32 state buffer as it is (the shards of every bucket, padding included) with a
 // fragment table naming what each range holds; loading into any rank count, bucket size or

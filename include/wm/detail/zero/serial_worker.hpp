@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One background thread that runs posted jobs in order (the offload pipeline of
 // wm::zero_optimizer: each bucket's CPU Adam starts as soon as its gradients are on the host,
 // while the caller's thread goes on enqueuing backward). `wait_idle` waits, up to a deadline,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A small persistent thread pool for host work of wm::zero_optimizer (the CPU Adam of the
 // offload path): `run(tasks, fn)` calls fn(task) for every task over the workers and the calling
 // thread and returns when all are done. Task k always runs on thread k mod size(), so memory a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::zero_optimizer (declared in <wm/zero.cuh>).
 #pragma once
 
