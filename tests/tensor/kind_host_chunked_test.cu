@@ -1,0 +1,9 @@
+// tensor_test's cases on the kinds host.chunked.block and host.chunked.cyclic: their per-kind
+// bodies (gather_kinds.cuh), instantiated here once for the program.
+#include "gather_kinds.cuh"
+
+WM_TENSOR_SUITE(wm::host, wm::chunked);
+WM_TENSOR_KIND(wm::host, wm::chunked, wm::block);
+WM_TENSOR_KIND(wm::host, wm::chunked, wm::cyclic);
+WM_TENSOR_BACK_TO_BACK(wm::host, wm::chunked, wm::block);
+WM_TENSOR_BACK_TO_BACK(wm::host, wm::chunked, wm::cyclic);
