@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the cache foundations: the warp-cooperative set functions (warp.cuh) run a random
 // access sequence step for step like the sequential ones (set.hpp), for LFU and LRU, through
 // count saturation and clock wrap, also as batches (batch_access: batch masks, bypasses); the batch

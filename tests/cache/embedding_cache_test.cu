@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the caches in wm::embedding (one rank): training through a read-write device
 // cache (LFU and LRU, float and half, SGD and Adam) equals the uncached table bit for bit over
 // several steps of fresh random keys with repeats, also across flush(), invalidate(), prefetch()

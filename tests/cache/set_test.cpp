@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: one 32-way cache set (detail/cache/set.hpp) against a plain model of LFU / LRU
 // with write-back, driven by random access sequences; the key -> set hash; the policy traits; a
 // group-cache line's word (detail/cache/line_word.hpp) under a reader's feet.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of the rank launcher (fork, failure reporting, id relay) and the environment
 // entry point. No GPU: the bodies below do not touch CUDA.
 #include <wm/launch.hpp>

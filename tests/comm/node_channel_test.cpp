@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of fd passing between forked processes over the node channel.
 #include <wm/comm.hpp>
 #include <wm/launch.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of the shared deadline arithmetic (every wait in wm computes its deadline with
 // detail::deadline_after), the WM_TIMEOUT_S parser, and the keyed hash that names sockets.
 #include <wm/comm.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of wm::local_device_count: which answers of cudaGetDeviceCount mean "no GPU" (0)
 // and which a broken CUDA stack gives (thrown), the child's report through the pipe, and that
 // the calling process does not initialize CUDA. No GPU needed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of the checkpoint checks (detail/embedding/checkpoint_meta.hpp): the meta text
 // round trip, refusals of malformed metas, every field that must match a table, and the part
 // files' exact sizes.

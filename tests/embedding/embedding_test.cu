@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::embedding: every optimizer x element type x layout, 1 rank ([gpu]) and one
 // rank per GPU ([multi_gpu]). Several training steps with fresh random indices (many duplicates,
 // an empty batch) and gradients; weights and optimizer states are compared with a float64 host

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: each optimizer's update rule (float, as the GPU runs it, and double) against a
 // float64 reference written out here from the frameworks' documented algorithms, not from
 // optimizer.hpp; several steps, weight decay on and off, lazy (per-row step) and global-step

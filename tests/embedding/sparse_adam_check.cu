@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs wm's Adam on data given as files, for tests/embedding/torch_sparse_adam.py, which runs
 // torch.optim.SparseAdam, torch.optim.Adam or torch.optim.AdamW on the same data and compares.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A user's program against the installed package. It instantiates the templates whose device
 // code needs the package's compile requirements (wm-cuda-std.cmake: C++20,
 // --expt-relaxed-constexpr): tensor gather and scatter on a mapped and on the distributed layout,

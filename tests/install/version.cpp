@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A host-only translation unit (the C++ compiler, no nvcc) that includes <wm/version.hpp>. With
 // PACKAGE_VERSION_* defined (the install test's consumer passes find_package's wm_VERSION_*), the
 // header's numbers must equal the package's.

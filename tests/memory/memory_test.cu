@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::memory: the six Location x Layout kinds with 1 rank ([gpu]) and with one rank
 // per GPU ([multi_gpu]). Every rank writes a rank- and offset-dependent pattern into its part;
 // after a barrier every rank checks every byte of every part through every view its layout

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the block partition plan, VMM chunk boundaries, file read plans and size checks.
 #include <wm/detail/memory/plan.hpp>
 #include <wm/partition.hpp>

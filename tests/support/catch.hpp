@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Catch2 v2 (Debian's package) or v3: the tests use the subset both have, through this header.
 // - v3: only the headers the tests use (test and template-test macros, generators, Approx), not
 //   catch_all.hpp; the test main includes what else it needs.

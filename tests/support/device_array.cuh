@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device buffers for the GPU tests: a host vector copied to the device (and back), and every row
 // of a table-like (a tensor, an embedding) gathered into a poisoned buffer.
 #pragma once

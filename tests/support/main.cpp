@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test main shared by every test program.
 //   --gpus N    report "skipped" (exit code 77, ctest's SKIP_RETURN_CODE) when fewer than N GPUs
 //               are present. The GPUs are counted in a child process, so this process never

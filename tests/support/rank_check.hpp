@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Checks inside forked ranks: Catch2's assertion state lives in the parent, so a rank reports a
 // failed check by throwing; wm::launch then names the rank and the check in its launch_error.
 #pragma once

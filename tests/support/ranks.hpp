@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test programs whose cases run inside every rank. Run a program with `--ranks N` (or
 // `--ranks all`: one rank per GPU) and its main forks N ranks once, before any CUDA call; each
 // rank builds its communicator and runs the Catch cases tagged [ranked] in declaration order, so

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of wm::transfer_queue (driven by a fake copier) and of the range allocator behind a
 // swap scope's host slab and device pool: queue order (passive at the front, prefetch at the
 // back), erase, wait against wait_and_stop, deadlines, many producer threads, coalescing of small

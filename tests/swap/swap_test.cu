@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::swap_scope and wm::swappable on one GPU: random sequences of writes, page-outs,
 // prefetches and reads from several streams over buffers whose total exceeds the device budget
 // (every read sees the last write: a check kernel and a copy back to the host, fresh random data

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the host path that reads each distinct row once (detail/dispatch/distinct.cuh):
 // plan_distinct against a host model (stable sort on the low bits, runs of equal keys),
 // replicate_runs, and host-table gathers through wm::tensor on every host layout and mapping

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared by the translation units of tensor_test: device buffers, random tables, the kinds the
 // cases run on, and the per-kind bodies of the cases. Those bodies (exercise, misaligned_values,
 // zero_rows, ...) are defined in gather_kinds.cuh and instantiated once each, in the

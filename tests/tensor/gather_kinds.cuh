@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-kind bodies of tensor_test's cases (declared in gather_common.cuh), included only by
 // the kind_<location>_<layout>_test.cu files, which instantiate them explicitly: each once in the
 // program, with every kernel of its kind.

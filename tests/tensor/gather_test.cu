@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::tensor gather/scatter: every layout x location x element type x index type
 // (block mapping), every kind with the cyclic mapping, with 1 rank ([gpu]) and one rank per GPU
 // ([multi_gpu]). Tables hold fresh random bytes; results are compared byte for byte with a host

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A third mapping strategy, written as a user would: row k goes to rank hash(k) % world, with a
 // dense local numbering. The hash p is a bijection of [0, rows): an invertible mix of b bits
 // (2^b >= rows: multiply by an odd constant, xor-shift, multiply again, all mod 2^b), walked

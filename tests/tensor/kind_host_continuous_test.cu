@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tensor_test's cases on the kinds host.continuous.block and host.continuous.cyclic: their per-kind
 // bodies (gather_kinds.cuh), instantiated here once for the program.
 #include "gather_kinds.cuh"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // 64-bit sizes on one GPU: tables past 2^31 and 2^32 rows, files past 4 GiB, an embedding whose
 // local rows fill 32-bit keys. Every byte row holds a hash of its row number, so a row read
 // from the wrong place (an offset cut to 32 bits) shows. Needs ~21 GiB of GPU memory, ~7 GiB of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: block, cyclic and a user-written (hashed) mapping, and the dispatch plan, against
 // plain references.
 #include <wm/detail/tensor/plan.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // [ranked] tests of wm::tensor, each case run inside every rank: failures every rank sees (a null
 // pointer on one rank, ranks that make different calls), 0-row tensors, and lifetime and ordering
 // on every kind (scatter_async then store() at once, views of a tensor's columns that outlive it,

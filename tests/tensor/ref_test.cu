@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of tensor::ref() and embedding::ref(), and of a mapping that wm does not know (the
 // hashed one of hashed_mapping.hpp) through gather, scatter and refs. The cases are [ranked]:
 // they run inside every rank (tests/support/ranks.hpp), one case per location x layout x

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the shard files of wm::zero_optimizer (detail/zero/checkpoint.hpp). States saved
 // by W ranks with one bucket size load into W' ranks with another: every element of every
 // parameter arrives where the new plan wants it, in every stream; corrupt files are refused.

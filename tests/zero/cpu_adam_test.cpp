@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the CPU Adam of the ZeRO offload against a float64 reference transcribed from the
 // pseudo-code in PyTorch's documentation of torch.optim.AdamW (decoupled weight decay) and
 // torch.optim.Adam (L2 weight decay), for every instruction set this CPU has, fp32 and bf16

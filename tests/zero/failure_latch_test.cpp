@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the failure latch of wm::zero_optimizer's offload (detail/zero/failure_latch.hpp).
 // Once a failure is recorded, every check throws a wm::logic_error that names the operation, says
 // the optimizer is unusable, and carries the first failure's message (not a later one's).

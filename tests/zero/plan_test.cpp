@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the ZeRO bucket and shard plan (backward order, one element type per bucket,
 // aligned parameters and shards, equal shards, fragments covering each parameter exactly once)
 // on a hand-worked case and random parameter lists for 1 to 9 ranks; the memory formula against

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the ZeRO policy types of zero_policy.hpp (no CUDA code in it, so the host compiler
 // reads it): stages 1 to 3 only, the offload policies, and the concepts that accept exactly them.
 #include <wm/zero_policy.hpp>

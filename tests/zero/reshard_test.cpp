@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: checkpoint resharding by fragment tables. Random parameter lists are laid out for
 // W ranks, each rank's state "file" holds a value that names its element (parameter hash and
 // index) and poison in the padding; the reads planned for W' ranks (other bucket size and

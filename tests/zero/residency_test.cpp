@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests: the gather pool and the stage-3 residency bookkeeping of wm::zero_optimizer
 // (detail/zero/residency.hpp): first-fit ranges that merge when freed, groups that share buckets,
 // prefetches that never evict and are dropped when another group is asked for. And the offload

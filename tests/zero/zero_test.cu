@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::zero_optimizer (issue 20) and of the communicator's device collectives it
 // uses. Every case is [ranked]: it runs inside every rank (tests/support/ranks.hpp), with one
 // rank (ctest zero_ranked_gpu) and with one rank per GPU (zero_ranked_multi_gpu), so the same

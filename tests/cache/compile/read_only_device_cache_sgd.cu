@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Must not compile: a read-only device cache cannot be trained.
 // Built by ctest (tests/CMakeLists.txt, cache_compile_*), never by `all`.
 #include <wm/embedding.cuh>
