@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: Apache-2.0
+# SPDX-License-Identifier: Apache-2.0
 """wm's Adam against PyTorch's on the same data (GPU machine only).
 
 1. Global-step Adam with SparseAdam's epsilon against torch.optim.SparseAdam: random batches

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: Apache-2.0
+# SPDX-License-Identifier: Apache-2.0
 # wm's packages and subproject use, seen from a user's project. Fails on the first error.
 #   1. Installs wm from the build tree WM_BINARY into a fresh prefix, then configures and builds
 #      the consumer project beside this script against that prefix (CMAKE_PREFIX_PATH), with a

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: Apache-2.0
+# SPDX-License-Identifier: Apache-2.0
 """Which path of a C++ error into Python works in this process environment (no GPU needed).
 
 The bridge's extension (examples/pytorch/wm_torch.cpp) binds `_error_probe(kind)`, which raises one

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: Apache-2.0
+# SPDX-License-Identifier: Apache-2.0
 """The PyTorch bridge (examples/pytorch) on a GPU: builds the extension and checks it.
 
 1. Forward: rows written with load_weights_ come back from the gather bitwise, for keys of any
