@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * cache_bench: Adam training steps on a host table with a device cache (issue 18), next to its
+ * cache_bench: Adam training steps on a host table with a device cache, next to its
  * bounds (the device-table step and the uncached host step), the pinned copy bandwidth measured
  * in the same run, and the WholeGraph peer (bench/peers/wg_cache.py) on the very same keys.
  *

@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
         "(a user thread waited on the GPU) per step, of those (p/s) for want of a pool block / of "
         "room in the host slab; wkr/st: waits of the user thread on a "
         "swap worker only (for it to issue a copy) per step\n");
-    // The targets of issue 19 on this run's rows.
+    // The targets on this run's rows.
     std::string met;
     double max_syncs = 0;
     for (std::size_t i = 1; i < rows.size(); ++i) {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
  * zero_bench: the MLP of bench/workloads/mlp.cuh trained through wm::zero_optimizer, stage by
- * stage, on every rank given (issue 20).
+ * stage, on every rank given.
  *
  * Rows: ZeRO-1, ZeRO-2, ZeRO-3 (one group per layer, the default pool of two layers) with Adam on
  * the GPU; ZeRO-2 with wm::offload_host (CPU Adam); and the workload alone (forward, backward and
