@@ -21,7 +21,7 @@
 //        bench/probes/host_gather_probe.cu -o probe
 //
 // Results and what they mean: bench/NOTES.md, "Host gathers: the 32-bit plan".
-#include <wm/detail/dispatch/distinct.cuh>
+#include <wm/detail/rows/distinct.cuh>
 
 #include <algorithm>
 #include <cstdint>

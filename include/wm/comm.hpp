@@ -35,7 +35,7 @@
  */
 #pragma once
 
-#include <wm/detail/comm/posix.hpp>
+#include <wm/detail/base/posix.hpp>
 #include <wm/error.hpp>
 
 #include <cuda/stream_ref>

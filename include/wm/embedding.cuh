@@ -108,7 +108,7 @@ concept caching_policy = requires {
 template <class CachePolicy, class T>
 class row_source;  // where gather reads and the update writes rows (detail/embedding/source.cuh)
 template <class T>
-struct table_rows;  // this rank's weights, states and steps (detail/embedding/rows.cuh)
+struct table_rows;  // this rank's weights, states and steps (detail/tensor/table_rows.cuh)
 }  // namespace detail
 
 /**

@@ -145,9 +145,9 @@ enum class row_path {
 
 namespace detail {
 struct exchange_scratch;  // workspaces, error state and ordering event
-                          // (detail/dispatch/scratch.cuh)
+                          // (detail/exchange/scratch.cuh)
 template <class T, bool Pinned>
-class cuda_buffer;  // detail/cuda/resources.hpp
+class cuda_buffer;  // detail/base/resources.hpp
 }  // namespace detail
 
 /**

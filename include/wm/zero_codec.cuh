@@ -110,5 +110,5 @@ struct zero_codec {
 // bindings in a .cpp file, which include wm/swap.cuh) sees the declarations above and links
 // against an explicit instantiation in a .cu file: `template struct wm::zero_codec<std::uint16_t>;`
 #if defined(__CUDACC__)
-#include <wm/detail/swap/zero_codec.cuh>
+#include <wm/detail/codec/zero_codec.cuh>
 #endif

@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// GPU tests of the host path that reads each distinct row once (detail/dispatch/distinct.cuh):
+// GPU tests of the host path that reads each distinct row once (detail/rows/distinct.cuh):
 // plan_distinct against a host model (stable sort on the low bits, runs of equal keys),
 // replicate_runs, and host-table gathers through wm::tensor on every host layout and mapping
 // (one rank and one rank per GPU: [ranked]), with skewed keys of both index types, batch sizes
 // around the distinct threshold, 0 and 1 keys, all-equal keys and invalid keys mixed in. Tables
 // hold fresh random bytes; outputs are poisoned first; results are compared byte for byte with a
 // host reference.
-#include <wm/detail/dispatch/distinct.cuh>
+#include <wm/detail/rows/distinct.cuh>
 #include <wm/wm.cuh>
 
 #include <algorithm>

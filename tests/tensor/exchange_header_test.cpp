@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host tests: the header each rank sends beside its counts, and the check every rank makes of
 // all ranks' headers after the count exchange (same verdict and text on every rank).
-#include <wm/detail/dispatch/plan.hpp>
+#include <wm/detail/exchange/plan.hpp>
 
 #include <cstdint>
 #include <random>

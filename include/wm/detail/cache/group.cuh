@@ -12,7 +12,7 @@
 // system-scope atomics.
 //
 // A gather (group_lines::gather), on every rank alone:
-// 1. the batch's distinct keys (the distinct-row plan of detail/dispatch/distinct.cuh);
+// 1. the batch's distinct keys (the distinct-row plan of detail/rows/distinct.cuh);
 // 2. lookup, one warp per distinct key: probe the holder's set through its line words; a hit copies
 //    the line's row to the output and adds one to the line's hit counter; a miss reads the row from
 //    the table and appends the key to the holder's hints (a bounded list; a full list drops it);
@@ -45,11 +45,11 @@
 #include <wm/detail/cache/lines.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
-#include <wm/detail/cuda/resources.hpp>
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/distinct.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/distinct.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 #include <wm/error.hpp>
 #include <wm/memory.cuh>
 

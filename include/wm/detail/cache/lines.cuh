@@ -14,7 +14,7 @@
 // the warp works, lane 0 releases (release store). Staged calls (one-rank gathers, which run
 // alone and first protect every cached key of the batch) copy the row out after the release:
 // the batch rule keeps the line. Locks rather than grouping keys by set: the
-// batch is already sorted by key for the distinct-row plan (detail/dispatch/distinct.cuh); a
+// batch is already sorted by key for the distinct-row plan (detail/rows/distinct.cuh); a
 // second sort by set would cost a full radix sort per gather, while with ~10 distinct keys per
 // set a lock is rarely contended. Independent thread scheduling lets the spinning lane wait
 // while another warp holds the lock; a warp holds one lock at a time, so nothing can deadlock.
@@ -33,12 +33,12 @@
 #include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
-#include <wm/detail/cuda/resources.hpp>
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/distinct.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
-#include <wm/detail/embedding/rows.cuh>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/distinct.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/tensor/table_rows.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda/atomic>

@@ -6,7 +6,7 @@
 // last, so that a checkpoint either loads whole or is refused.
 #pragma once
 
-#include <wm/detail/comm/posix.hpp>
+#include <wm/detail/base/posix.hpp>
 #include <wm/detail/embedding/checkpoint_meta.hpp>
 #include <wm/embedding.cuh>
 

@@ -4,12 +4,12 @@
 // update of update.cuh); checkpoints in checkpoint.cuh.
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/engine.cuh>
-#include <wm/detail/dispatch/plan.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/exchange/engine.cuh>
+#include <wm/detail/exchange/plan.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 #include <wm/detail/embedding/kernels.cuh>
-#include <wm/detail/embedding/rows.cuh>
+#include <wm/detail/tensor/table_rows.cuh>
 #include <wm/detail/embedding/source.cuh>
 #include <wm/detail/embedding/update.cuh>
 #include <wm/embedding.cuh>

@@ -3,9 +3,9 @@
 // segment sums and the fused optimizer update.
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/embedding/rows.cuh>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/tensor/table_rows.cuh>
 #include <wm/embedding.cuh>
 #include <wm/optimizer.hpp>
 

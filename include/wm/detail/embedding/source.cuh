@@ -8,7 +8,7 @@
 #include <wm/comm.hpp>
 #include <wm/detail/cache/group.cuh>
 #include <wm/detail/cache/lines.cuh>
-#include <wm/detail/embedding/rows.cuh>
+#include <wm/detail/tensor/table_rows.cuh>
 #include <wm/embedding.cuh>
 #include <wm/error.hpp>
 

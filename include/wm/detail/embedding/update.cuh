@@ -3,10 +3,10 @@
 // equal rows, sum long runs in segments, then one fused optimizer update per run.
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 #include <wm/detail/embedding/kernels.cuh>
-#include <wm/detail/embedding/rows.cuh>
+#include <wm/detail/tensor/table_rows.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_select.cuh>

@@ -4,7 +4,7 @@
 // double buffer.
 #pragma once
 
-#include <wm/detail/comm/posix.hpp>
+#include <wm/detail/base/posix.hpp>
 #include <wm/detail/memory/plan.hpp>
 #include <wm/detail/memory/state.hpp>
 #include <wm/error.hpp>

@@ -3,7 +3,7 @@
 // checks and reads, row pieces. Testable on the CPU.
 #pragma once
 
-#include <wm/detail/comm/posix.hpp>
+#include <wm/detail/base/posix.hpp>
 #include <wm/error.hpp>
 
 #include <cstddef>

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <wm/comm.hpp>
-#include <wm/detail/comm/posix.hpp>
+#include <wm/detail/base/posix.hpp>
 #include <wm/detail/memory/collective.hpp>
 #include <wm/detail/memory/plan.hpp>
 #include <wm/detail/memory/state.hpp>

@@ -15,7 +15,7 @@
 // Included by <wm/swap.cuh> (after wm::swap_options and wm::swap_statistics), not on its own.
 #pragma once
 
-#include <wm/detail/memory/range_allocator.hpp>
+#include <wm/detail/base/range_allocator.hpp>
 #include <wm/error.hpp>
 #include <wm/transfer_queue.hpp>
 

@@ -4,9 +4,9 @@
 // distinct row once (distinct.cuh).
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_transform.cuh>

@@ -2,4 +2,4 @@
 // The host form of the dispatch plan moved to the exchange engine; kept for existing includes.
 #pragma once
 
-#include <wm/detail/dispatch/plan.hpp>
+#include <wm/detail/exchange/plan.hpp>

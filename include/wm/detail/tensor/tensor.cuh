@@ -4,13 +4,13 @@
 // exchange engine (detail/dispatch). File I/O is in files.cuh.
 #pragma once
 
-#include <wm/detail/cuda/resources.hpp>
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/distinct.cuh>
-#include <wm/detail/dispatch/engine.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/dispatch/plan.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/distinct.cuh>
+#include <wm/detail/exchange/engine.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/plan.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 #include <wm/detail/memory/plan.hpp>
 #include <wm/detail/tensor/mapped.cuh>
 #include <wm/tensor.cuh>

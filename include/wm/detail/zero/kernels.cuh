@@ -5,7 +5,7 @@
 // all-gather sends), and the step counter.
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/base/cuda.cuh>
 #include <wm/detail/zero/plan.hpp>
 #include <wm/optimizer.hpp>
 

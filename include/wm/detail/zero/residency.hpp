@@ -19,7 +19,7 @@
 //   adjacent free ranges merged.
 #pragma once
 
-#include <wm/detail/memory/range_allocator.hpp>
+#include <wm/detail/base/range_allocator.hpp>
 #include <wm/error.hpp>
 
 #include <algorithm>

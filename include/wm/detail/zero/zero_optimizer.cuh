@@ -2,8 +2,8 @@
 // Bodies of wm::zero_optimizer (declared in <wm/zero.cuh>).
 #pragma once
 
-#include <wm/detail/comm/posix.hpp>
-#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/base/posix.hpp>
+#include <wm/detail/base/cuda.cuh>
 #include <wm/detail/zero/kernels.cuh>
 #include <wm/zero.cuh>
 

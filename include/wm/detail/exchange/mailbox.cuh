@@ -3,7 +3,7 @@
 // (re)allocation of every rank's mailbox.
 #pragma once
 
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 
 #include <cuda/cmath>
 

@@ -6,10 +6,10 @@
 #pragma once
 
 #include <wm/comm.hpp>
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/dispatch/plan.hpp>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/plan.hpp>
+#include <wm/detail/exchange/scratch.cuh>
 #include <wm/partition.hpp>
 
 #include <cub/device/device_radix_sort.cuh>

@@ -5,9 +5,9 @@
 #pragma once
 
 #include <wm/comm.hpp>
-#include <wm/detail/comm/posix.hpp>
-#include <wm/detail/cuda/resources.hpp>
-#include <wm/detail/dispatch/plan.hpp>
+#include <wm/detail/base/posix.hpp>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/exchange/plan.hpp>
 #include <wm/memory.cuh>
 
 #include <cuda/cmath>

@@ -8,8 +8,8 @@
 // scatter_moves).
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/plan.hpp>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/exchange/plan.hpp>
 #include <wm/error.hpp>
 #include <wm/partition.hpp>
 

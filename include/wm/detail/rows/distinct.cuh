@@ -5,9 +5,9 @@
 // gathers (mapped layouts, the distributed owner side) and the caches' misses.
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
-#include <wm/detail/dispatch/kernels.cuh>
-#include <wm/detail/dispatch/scratch.cuh>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/scratch.cuh>
 #include <wm/error.hpp>
 
 #include <cub/device/device_for.cuh>

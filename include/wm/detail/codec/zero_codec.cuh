@@ -7,7 +7,7 @@
 // counts from the mask), the same scan, expand_kernel.
 #pragma once
 
-#include <wm/detail/cuda/utility.cuh>
+#include <wm/detail/base/cuda.cuh>
 #include <wm/error.hpp>
 
 #include <cub/device/device_scan.cuh>
