@@ -6,17 +6,17 @@
  * replacement types `wm::lfu` / `wm::lru`, run-time `wm::cache_options` and host-readable
  * `wm::cache_statistics`.
  *
- * - `device_cache` (seed: device-cached host memory): the cache's group is the table's; each GPU
+ * - `device_cache` (device-cached host memory): the cache's group is the table's; each GPU
  *   caches rows of its own part of the table in its own memory. With `wm::read_write` a line
  *   carries a dirty bit and is written back on eviction and on `flush()`; with `wm::read_only`
  *   nothing is ever written back, and an optimizer with it does not compile.
- * - `group_cache` (seed: local-cached global memory): the cache's group is a subset of the
+ * - `group_cache` (local-cached global memory): the cache's group is a subset of the
  *   table's (e.g. one node's ranks from `communicator::split`; by default the table's
  *   communicator); together they cache the whole table, each rank the rows hashed to it, and
- *   every rank reads its peers' lines directly (<wm/detail/cache/group.cuh>). Read-only by
- *   nature.
+ *   every rank reads its peers' lines directly. Read-only by nature.
  *
- * Structure (DESIGN.md §5): 32-way sets probed by one warp, set index = hash of the key (not a
+ * Structure (docs/design.md, "Cache structure"): 32-way sets probed by one warp, set index =
+ * hash of the key (not a
  * contiguous id range, so renumbered hot ids spread), a 4-byte tag plus valid/dirty bits and a
  * replacement word per line, nothing per table row. The set bookkeeping lives in
  * <wm/detail/cache/set.hpp> and compiles with a plain C++20 compiler as well as nvcc.
@@ -43,6 +43,7 @@ struct lru_impl;
 
 /** @brief Cache access: lines are never written; nothing is written back. */
 struct read_only {
+  /// For messages.
   static constexpr char const* name = "read_only";
   static constexpr bool writable    = false;  ///< an optimizer may not update through it
 };
@@ -50,6 +51,7 @@ struct read_only {
 /** @brief Cache access: lines are updated in place, marked dirty and written back on eviction
  * and on `flush()` (write-back). */
 struct read_write {
+  /// For messages.
   static constexpr char const* name = "read_write";
   static constexpr bool writable    = true;  ///< an optimizer may update through it
 };
@@ -76,6 +78,7 @@ concept cache_access = requires {
  * among the ways the current batch has not used (see wm::cache_statistics::bypasses).
  */
 struct lfu {
+  /// For messages.
   static constexpr char const* name = "lfu";
   using impl                        = detail::cache::lfu_impl;  ///< the set bookkeeping
 };
@@ -87,6 +90,7 @@ struct lfu {
  * would wrap, the set's stamps are renumbered 1..32 in their order (rare: 2^32 uses of one set).
  */
 struct lru {
+  /// For messages.
   static constexpr char const* name = "lru";
   using impl                        = detail::cache::lru_impl;  ///< the set bookkeeping
 };
@@ -111,9 +115,9 @@ concept replacement_policy = requires {
  */
 template <cache_access Access = read_write, replacement_policy Replacement = lfu>
 struct device_cache {
-  using access_type                     = Access;
-  using replacement_type                = Replacement;
-  static constexpr char const* name     = "device_cache";
+  using access_type                     = Access;            ///< `read_write` or `read_only`
+  using replacement_type                = Replacement;       ///< `lfu` or `lru`
+  static constexpr char const* name     = "device_cache";    ///< for messages
   static constexpr bool writable        = Access::writable;  ///< write-back with `read_write`
   static constexpr bool caches_own_rows = true;  ///< each rank caches rows of its own part
 };
@@ -126,11 +130,11 @@ struct device_cache {
  */
 template <replacement_policy Replacement = lfu>
 struct group_cache {
-  using access_type                     = read_only;
-  using replacement_type                = Replacement;
-  static constexpr char const* name     = "group_cache";
-  static constexpr bool writable        = false;  ///< read-only by nature
-  static constexpr bool caches_own_rows = false;  ///< the group caches the whole table
+  using access_type                     = read_only;      ///< always `read_only`
+  using replacement_type                = Replacement;    ///< `lfu` or `lru`
+  static constexpr char const* name     = "group_cache";  ///< for messages
+  static constexpr bool writable        = false;          ///< read-only by nature
+  static constexpr bool caches_own_rows = false;          ///< the group caches the whole table
 };
 
 /**
@@ -141,23 +145,23 @@ struct group_cache {
 template <class C>
 struct is_writable_cache : std::true_type {};
 
-/// @copydoc is_writable_cache
+/// A policy with a `writable` member: that constant decides (see the primary template).
 template <class C>
 requires requires {
   { C::writable } -> std::convertible_to<bool>;
 }
 struct is_writable_cache<C> : std::bool_constant<static_cast<bool>(C::writable)> {};
 
-/// @copydoc is_writable_cache
+/// `is_writable_cache<C>::value`: whether an embedding with cache policy @p C may be trained.
 template <class C>
 inline constexpr bool is_writable_cache_v = is_writable_cache<C>::value;
 
 /**
  * @brief A cache policy through which an optimizer may update rows: `wm::no_cache`,
  * `wm::device_cache<wm::read_write, R>`; not `wm::device_cache<wm::read_only, R>` nor
- * `wm::group_cache<R>`. The embedding rejects a trainable optimizer with any other policy:
- * `static_assert(wm::writable_cache<C> || !wm::sparse_optimizer<O>,
- * wm::detail::cache::read_only_message)`.
+ * `wm::group_cache<R>`. The embedding rejects a trainable optimizer (a sparse optimizer policy,
+ * <wm/optimizer.hpp>) with any other policy at compile time, with the message
+ * `WM_CACHE_READ_ONLY_MESSAGE`.
  */
 template <class C>
 concept writable_cache = is_writable_cache_v<C>;

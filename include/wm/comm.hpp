@@ -153,8 +153,8 @@ class node_channel {
   node_channel(std::uint64_t token, int rank, std::vector<int> node_ranks,
                std::chrono::milliseconds timeout);
 
-  node_channel(node_channel&&) noexcept            = default;
-  node_channel& operator=(node_channel&&) noexcept = default;
+  node_channel(node_channel&&) noexcept            = default;  ///< takes the socket
+  node_channel& operator=(node_channel&&) noexcept = default;  ///< closes this, takes the other
   node_channel(node_channel const&)                = delete;
   node_channel& operator=(node_channel const&)     = delete;
   ~node_channel() = default;  ///< closes the socket, open connections and undelivered descriptors
@@ -247,6 +247,7 @@ struct communicator_options {
     }
     return std::chrono::seconds{300};
   }
+  /// false if `WM_EXCHANGE_TWIN` is `0`, else true.
   [[nodiscard]] static bool default_exchange_twin() {
     char const* s = std::getenv("WM_EXCHANGE_TWIN");
     return s == nullptr || std::string_view{s} != "0";
@@ -276,8 +277,8 @@ class communicator {
    */
   communicator(unique_id const& id, int rank, int size, communicator_options options = {});
 
-  communicator(communicator&&) noexcept            = default;
-  communicator& operator=(communicator&&) noexcept = default;
+  communicator(communicator&&) noexcept            = default;  ///< takes the group
+  communicator& operator=(communicator&&) noexcept = default;  ///< drops this group, takes other
   communicator(communicator const&)                = delete;
   communicator& operator=(communicator const&)     = delete;
   /// Finalizes NCCL (waiting at most the timeout). A failed communicator, or one destroyed by
@@ -285,6 +286,7 @@ class communicator {
   /// rather than waiting for this rank.
   ~communicator() = default;
 
+  /// Whether this is a group (false: default-made, moved from, or a split's color < 0).
   [[nodiscard]] bool valid() const noexcept { return s_ != nullptr; }
   [[nodiscard]] int rank() const noexcept { return s_->rank; }      ///< this rank
   [[nodiscard]] int size() const noexcept { return s_->size; }      ///< number of ranks
@@ -305,6 +307,7 @@ class communicator {
   [[nodiscard]] node_channel& channel() noexcept { return s_->channel; }
   /// The group token (unique per communicator; names node-local resources).
   [[nodiscard]] std::uint64_t token() const noexcept { return s_->token; }
+  /// How long any wait for peers may take (`communicator_options::timeout`).
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return s_->timeout; }
 
   /** @brief Waits until every rank has called `barrier` (collective). */
@@ -340,15 +343,15 @@ class communicator {
 
   /// One piece of a grouped exchange: @p bytes at @p data go to rank @p peer.
   struct send_part {
-    int peer{};
-    void const* data{};
-    std::size_t bytes{};
+    int peer{};           ///< the receiving rank
+    void const* data{};   ///< device memory
+    std::size_t bytes{};  ///< bytes to send
   };
   /// One piece of a grouped exchange: @p bytes from rank @p peer arrive at @p data.
   struct recv_part {
-    int peer{};
-    void* data{};
-    std::size_t bytes{};
+    int peer{};           ///< the sending rank
+    void* data{};         ///< device memory
+    std::size_t bytes{};  ///< bytes to receive
   };
 
   /**

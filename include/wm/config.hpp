@@ -10,6 +10,7 @@
 #pragma once
 
 #if defined(__CUDACC__)
+/// `__host__ __device__` under nvcc; empty under a plain C++ compiler.
 #define WM_HOST_DEVICE __host__ __device__
 #else
 #define WM_HOST_DEVICE

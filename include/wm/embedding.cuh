@@ -6,9 +6,9 @@
  *
  * - Forward: `gather(indices, out, stream)` (the tensor's gather: mapped kernel or NCCL dispatch).
  * - Backward + update: `apply_gradients(indices, grads, lr, stream)` (collective). Gradients
- *   travel to the rank that owns each row (the reverse of the gather path, as sok-dispatch's
- *   backward), the owner sorts them by row and sums duplicates, then one fused kernel reads each
- *   unique row's weight, optimizer state and summed gradient once and writes them once.
+ *   travel to the rank that owns each row (the reverse of the gather path, as a model-parallel
+ *   lookup's backward), the owner sorts them by row and sums duplicates, then one fused kernel
+ *   reads each unique row's weight, optimizer state and summed gradient once and writes them once.
  *   Optimizer state (and Adam's per-row step) lives in tensors with the table's partition, so
  *   updates never cross GPUs. State and gradient sums are float whatever T is.
  * - Checkpoints: `store(prefix)` / `load(prefix)` write and read weights, states, steps and the
@@ -60,7 +60,7 @@ namespace wm {
 
 /** @brief Cache policy: no cache; every gather reads the table. */
 struct no_cache {
-  static constexpr char const* name = "no_cache";
+  static constexpr char const* name = "no_cache";  ///< for messages and checkpoints
 };
 
 /** @brief A cache policy: `wm::no_cache`, `wm::device_cache<A, R>`, `wm::group_cache<R>`. */
@@ -78,16 +78,23 @@ concept optimizer_policy = sparse_optimizer<O> || std::same_as<O, no_optimizer>;
  * seed gives the same table for any rank count, layout or mapping.
  */
 struct embedding_init {
+  /// The distribution of the initial weights: all zeros, uniform in (a, b], or normal with mean
+  /// a and standard deviation b.
   enum class kind { zeros, uniform, normal };
+  /// Which distribution.
   kind how{kind::uniform};
   float a{-0.05f};  ///< uniform: low; normal: mean
   float b{0.05f};   ///< uniform: high; normal: standard deviation
+  /// Seed of the hash of (seed, row, column) that gives each value: the same seed, the same table.
   std::uint64_t seed{42};
 
+  /// Every weight 0.
   [[nodiscard]] static embedding_init zeros() { return {kind::zeros, 0, 0, 0}; }
+  /// Uniform in (@p low, @p high] from @p seed.
   [[nodiscard]] static embedding_init uniform(float low, float high, std::uint64_t seed) {
     return {kind::uniform, low, high, seed};
   }
+  /// Normal with @p mean and @p stddev from @p seed.
   [[nodiscard]] static embedding_init normal(float mean, float stddev, std::uint64_t seed) {
     return {kind::normal, mean, stddev, seed};
   }
@@ -126,9 +133,9 @@ template <class T, cache_policy CachePolicy = no_cache, optimizer_policy Optimiz
           location Location = device, layout Layout = chunked, mapping Mapping = block>
 class embedding {
  public:
-  using value_type        = T;
-  using optimizer_type    = Optimizer;
-  using cache_policy_type = CachePolicy;
+  using value_type        = T;            ///< the weight type
+  using optimizer_type    = Optimizer;    ///< the optimizer policy
+  using cache_policy_type = CachePolicy;  ///< the cache policy
 
   static_assert(writable_cache<CachePolicy> || !sparse_optimizer<Optimizer>,
                 WM_CACHE_READ_ONLY_MESSAGE);
@@ -149,12 +156,17 @@ class embedding {
    */
   embedding(communicator& comm, std::size_t rows, std::size_t dim, Optimizer optimizer = {},
             embedding_init init = {}, cache_options cache = {});
+  /// Takes @p other's tensors, cache and buffers; @p other is left empty.
   embedding(embedding&&) noexcept;
+  /// Waits for this table's updates to end and frees its cache and tensors, then takes @p other's.
   embedding& operator=(embedding&&) noexcept;
   ~embedding();
 
+  /// Rows in all.
   [[nodiscard]] std::size_t rows() const noexcept { return weights_.rows(); }
+  /// Values per row.
   [[nodiscard]] std::size_t dim() const noexcept { return weights_.cols(); }
+  /// The optimizer's hyper-parameters.
   [[nodiscard]] Optimizer const& optimizer() const noexcept { return opt_; }
   /// The weight tensor (e.g. to load weights from files or read local rows). With a
   /// `read_write` cache, rows in dirty lines are newer than the tensor: `flush()` first. On a

@@ -35,6 +35,7 @@ class logic_error : public std::logic_error {
 /** @brief A CUDA runtime or driver call failed. */
 class cuda_error : public std::runtime_error {
  public:
+  /// @param what the message; @param code the `cudaError_t` (or `CUresult`) value
   cuda_error(std::string const& what, int code) : std::runtime_error{what}, code_{code} {}
   [[nodiscard]] int code() const noexcept { return code_; }  ///< the CUDA error code
 

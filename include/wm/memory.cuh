@@ -7,16 +7,14 @@
  * Location: `wm::host` (pinned host memory mapped into every GPU) or `wm::device`.
  * Layout: `wm::continuous` (every rank maps the whole range at one pointer), `wm::chunked`
  * (every rank maps every rank's part: one pointer per rank), `wm::distributed` (a rank reaches
- * only its own part; others need explicit communication). The six combinations are allocated as
- * whole-memory-implementation describes:
- *
- * | | allocated by | how |
- * |---|---|---|
- * | continuous·device | each rank | driver VMM: `cuMemCreate`, fd export over the node channel,
- * import, `cuMemMap` into one reserved range | | chunked·device | each rank | `cudaMalloc` + CUDA
- * IPC handles | | continuous·host, chunked·host | first rank | `memfd_create` shared with every
- * rank, `mmap` + `cudaHostRegister(Mapped)` | | distributed·device | each rank | `cudaMalloc` | |
- * distributed·host | each rank | `cudaMallocHost` |
+ * only its own part; others need explicit communication). The six combinations are allocated
+ * so (docs/design.md, "Memory kinds"):
+ * - continuous·device: each rank; driver VMM: `cuMemCreate`, fd export over the node channel,
+ *   import, `cuMemMap` into one reserved range;
+ * - chunked·device: each rank; `cudaMalloc` + CUDA IPC handles;
+ * - continuous·host, chunked·host: the first rank; `memfd_create` shared with every rank, `mmap`
+ *   + `cudaHostRegister(Mapped)` on every rank;
+ * - distributed·device: each rank, `cudaMalloc`; distributed·host: each rank, `cudaMallocHost`.
  *
  * Mapped layouts (continuous, chunked) need every rank on one node; distributed works anywhere.
  * Views are trivially copyable and are passed to kernels by value. A view that a layout cannot
@@ -59,19 +57,19 @@ struct memory_impl;
 
 /** @brief Location policy: pinned host memory, mapped into every GPU's address space. */
 struct host {
-  static constexpr bool is_host     = true;
-  static constexpr char const* name = "host";
+  static constexpr bool is_host     = true;    ///< pinned host memory
+  static constexpr char const* name = "host";  ///< for messages
 };
 /** @brief Location policy: GPU memory. */
 struct device {
-  static constexpr bool is_host     = false;
-  static constexpr char const* name = "device";
+  static constexpr bool is_host     = false;     ///< GPU memory
+  static constexpr char const* name = "device";  ///< for messages
 };
 
 /** @brief Layout policy: one pointer reaches the whole memory on every rank. */
 struct continuous {
-  static constexpr bool mapped      = true;
-  static constexpr char const* name = "continuous";
+  static constexpr bool mapped      = true;          ///< peers' parts are mapped on every rank
+  static constexpr char const* name = "continuous";  ///< for messages
   /// device: driver VMM, every rank's GPU memory mapped into one range; host: a shared memfd.
   template <class Location>
   using resource =
@@ -79,8 +77,8 @@ struct continuous {
 };
 /** @brief Layout policy: every rank maps every rank's part; one pointer per rank. */
 struct chunked {
-  static constexpr bool mapped      = true;
-  static constexpr char const* name = "chunked";
+  static constexpr bool mapped      = true;       ///< peers' parts are mapped on every rank
+  static constexpr char const* name = "chunked";  ///< for messages
   /// device: cudaMalloc + CUDA IPC handles; host: a shared memfd.
   template <class Location>
   using resource =
@@ -88,8 +86,8 @@ struct chunked {
 };
 /** @brief Layout policy: each rank reaches only its own part. */
 struct distributed {
-  static constexpr bool mapped      = false;
-  static constexpr char const* name = "distributed";
+  static constexpr bool mapped      = false;          ///< no peer maps this rank's part
+  static constexpr char const* name = "distributed";  ///< for messages
   /// device: cudaMalloc; host: cudaMallocHost. No peer maps it.
   template <class Location>
   using resource = detail::private_resource<Location::is_host>;
@@ -120,6 +118,7 @@ struct local_view {
   std::size_t entries{};      ///< number of local entries
   std::size_t granularity{};  ///< bytes per entry
 
+  /// Bytes of this rank's part.
   [[nodiscard]] WM_HOST_DEVICE std::size_t bytes() const noexcept { return entries * granularity; }
   /// Address of global entry @p e, which must be local.
   [[nodiscard]] WM_HOST_DEVICE std::byte* entry(std::size_t e) const noexcept {
@@ -148,6 +147,7 @@ struct continuous_view {
   std::size_t entries{};      ///< total entries
   std::size_t granularity{};  ///< bytes per entry
 
+  /// Bytes of the whole memory.
   [[nodiscard]] WM_HOST_DEVICE std::size_t bytes() const noexcept { return entries * granularity; }
   /// Address of global entry @p e.
   [[nodiscard]] WM_HOST_DEVICE std::byte* entry(std::size_t e) const noexcept {
@@ -157,8 +157,9 @@ struct continuous_view {
 
 /** @brief A half-open range [begin, end). */
 struct index_range {
-  std::size_t begin{};
-  std::size_t end{};
+  std::size_t begin{};  ///< first index
+  std::size_t end{};    ///< one past the last index
+  /// `end - begin`.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return end - begin; }
   friend constexpr bool operator==(index_range, index_range) = default;
 };
@@ -179,8 +180,8 @@ struct index_range {
 template <location Location, layout Layout>
 class memory {
  public:
-  using location_type = Location;
-  using layout_type   = Layout;
+  using location_type = Location;  ///< `wm::host` or `wm::device`
+  using layout_type   = Layout;    ///< `wm::continuous`, `wm::chunked` or `wm::distributed`
 
   /**
    * @brief Allocates collectively with the default block partition.
@@ -201,7 +202,9 @@ class memory {
   memory(communicator& comm, std::size_t total_bytes, std::size_t granularity, Location, Layout)
       : memory(comm, total_bytes, granularity) {}
 
+  /// Takes @p other's allocation; @p other is left empty (its destructor frees nothing).
   memory(memory&&) noexcept;
+  /// Frees this memory (collective, as the destructor), then takes @p other's allocation.
   memory& operator=(memory&&) noexcept;
   memory(memory const&)            = delete;
   memory& operator=(memory const&) = delete;
@@ -226,7 +229,9 @@ class memory {
   [[nodiscard]] index_range entry_range(int rank) const;
   /// Bytes owned by @p rank (offsets into the whole memory).
   [[nodiscard]] index_range byte_range(int rank) const;
+  /// Entries owned by this rank.
   [[nodiscard]] index_range local_entry_range() const { return entry_range(rank()); }
+  /// Bytes owned by this rank (offsets into the whole memory).
   [[nodiscard]] index_range local_byte_range() const { return byte_range(rank()); }
 
   /// This rank's part (every layout).
@@ -250,6 +255,7 @@ class memory {
    * a multiple of the granularity, or the sizes do not add up to `total_bytes()`
    */
   void load(std::span<std::filesystem::path const> files);
+  /// As above, from one file.
   void load(std::filesystem::path const& file) { load(std::span{&file, 1}); }
 
   /**
@@ -270,6 +276,8 @@ class memory {
   std::unique_ptr<detail::memory_impl<Location, Layout>> r_;
 };
 
+/// Deduces `wm::memory<Location, Layout>` from tag objects: `wm::memory m{comm, n, g, wm::device{},
+/// wm::chunked{}};`.
 template <location Location, layout Layout>
 memory(communicator&, std::size_t, std::size_t, Location, Layout) -> memory<Location, Layout>;
 

@@ -37,12 +37,16 @@ struct update_step {
 
 /** @brief Plain SGD: w -= lr (g + wd w). */
 struct sgd {
-  static constexpr char const* name = "sgd";
-  static constexpr int states       = 0;
-  float weight_decay{0.0f};
+  static constexpr char const* name = "sgd";  ///< recorded in checkpoints
+  static constexpr int states       = 0;      ///< no state
+  float weight_decay{0.0f};                   ///< L2 decay wd, added to the gradient
 
+  /// No step counts.
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  /// Unused (no state slots).
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
+  /// Updates weight @p w with the summed gradient @p g (F = float on the device, double for
+  /// host references).
   template <class F>
   WM_HOST_DEVICE void update(F& w, F g, F*, update_step<F> s) const noexcept {
     g += static_cast<F>(weight_decay) * w;
@@ -79,20 +83,28 @@ enum class adam_epsilon {
  * `{bias_correction = global_step, epsilon = sparse_adam}` on any batches.
  */
 struct adam {
-  static constexpr char const* name = "adam";
-  static constexpr int states       = 2;  // m, v
+  static constexpr char const* name = "adam";  ///< recorded in checkpoints
+  static constexpr int states       = 2;       ///< m, v
+  /// Decay of the first moment m.
   float beta1{0.9f};
+  /// Decay of the second moment v.
   float beta2{0.999f};
+  /// Added to the denominator, placed as `epsilon` says.
   float eps{1e-8f};
+  /// Weight decay: L2 (added to the gradient), or decoupled (AdamW) with `decoupled`.
   float weight_decay{0.0f};
+  /// true: AdamW, w -= lr · wd · w before the step; false: L2 decay as torch.optim.Adam.
   bool decoupled{false};
+  /// Per-row (lazy) or global step counts.
   adam_bias_correction bias_correction{adam_bias_correction::per_row};
+  /// Where eps enters the step: torch's Adam/AdamW or SparseAdam.
   adam_epsilon epsilon{adam_epsilon::torch_adam};
 
   /// Lazy Adam counts each row's updates; global-step Adam uses the table's step.
   [[nodiscard]] constexpr bool needs_steps() const noexcept {
     return bias_correction == adam_bias_correction::per_row;
   }
+  /// Moments start at 0.
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
   /// The settings that give the stored moments and steps their meaning (checked by `load`).
   [[nodiscard]] std::string checkpoint_tag() const {
@@ -101,6 +113,8 @@ struct adam {
            " epsilon=" + (epsilon == adam_epsilon::torch_adam ? "torch_adam" : "sparse_adam");
   }
 
+  /// Updates weight @p w with the summed gradient @p g (F = float on the device, double for
+  /// host references). @p state: m, v.
   template <class F>
   WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     F const b1 = beta1;
@@ -143,14 +157,21 @@ struct adam {
 
 /** @brief RMSProp: v = a v + (1-a) g²; w -= lr g / (sqrt(v) + eps). */
 struct rmsprop {
-  static constexpr char const* name = "rmsprop";
-  static constexpr int states       = 1;
+  static constexpr char const* name = "rmsprop";  ///< recorded in checkpoints
+  static constexpr int states       = 1;          ///< v
+  /// Decay of the mean square v.
   float alpha{0.99f};
+  /// Added to sqrt(v).
   float eps{1e-8f};
+  /// L2 decay, added to the gradient.
   float weight_decay{0.0f};
 
+  /// No step counts.
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  /// v starts at 0.
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
+  /// Updates weight @p w with the summed gradient @p g (F = float on the device, double for
+  /// host references). @p state: v.
   template <class F>
   WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     using std::sqrt;
@@ -163,14 +184,21 @@ struct rmsprop {
 
 /** @brief AdaGrad: s += g²; w -= lr g / (sqrt(s) + eps); s starts at `initial_accumulator`. */
 struct adagrad {
-  static constexpr char const* name = "adagrad";
-  static constexpr int states       = 1;
+  static constexpr char const* name = "adagrad";  ///< recorded in checkpoints
+  static constexpr int states       = 1;          ///< s, the sum of squared gradients
+  /// Added to sqrt(s).
   float eps{1e-10f};
+  /// The value s starts at.
   float initial_accumulator{0.0f};
+  /// L2 decay, added to the gradient.
   float weight_decay{0.0f};
 
+  /// No step counts.
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  /// s starts at `initial_accumulator`.
   [[nodiscard]] constexpr float initial_state() const noexcept { return initial_accumulator; }
+  /// Updates weight @p w with the summed gradient @p g (F = float on the device, double for
+  /// host references). @p state: s.
   template <class F>
   WM_HOST_DEVICE void update(F& w, F g, F* state, update_step<F> s) const noexcept {
     using std::sqrt;
@@ -183,9 +211,11 @@ struct adagrad {
 
 /** @brief No optimizer: an inference-only table; `apply_gradients` does not compile. */
 struct no_optimizer {
-  static constexpr char const* name = "none";
-  static constexpr int states       = 0;
+  static constexpr char const* name = "none";  ///< recorded in checkpoints
+  static constexpr int states       = 0;       ///< no state
+  /// No step counts.
   [[nodiscard]] constexpr bool needs_steps() const noexcept { return false; }
+  /// Unused (no state slots).
   [[nodiscard]] constexpr float initial_state() const noexcept { return 0.0f; }
 };
 

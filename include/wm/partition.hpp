@@ -3,8 +3,9 @@
  * @file partition.hpp
  * @brief How a whole-memory allocation's entries are split over ranks.
  *
- * `wm::block_partition` is the plan of DESIGN.md §3: `per_rank = ceil(entries / world)`, rank r
- * owns `[min(r·per_rank, entries), min((r+1)·per_rank, entries))`; 15 entries over 4 ranks give
+ * `wm::block_partition` is the plan of docs/design.md, "Partition plan":
+ * `per_rank = ceil(entries / world)`, rank r owns
+ * `[min(r·per_rank, entries), min((r+1)·per_rank, entries))`; 15 entries over 4 ranks give
  * 4,4,4,3 and 9 over 8 give 2,2,2,2,1,0,0,0 (trailing ranks may own nothing). A user-given list
  * of per-rank entry counts replaces the plan. `partition_ref` is its trivially copyable device
  * form. Host and device code; compiles with a plain C++20 compiler too.
@@ -99,15 +100,21 @@ class block_partition {
     }
   }
 
+  /// Total entries.
   [[nodiscard]] std::size_t entries() const noexcept { return entries_; }
+  /// Number of ranks.
   [[nodiscard]] int world() const noexcept { return world_; }
+  /// First entry of @p rank. @throw std::out_of_range unless 0 <= rank < world()
   [[nodiscard]] std::size_t begin(int rank) const {
     return starts_.at(static_cast<std::size_t>(rank));
   }
+  /// One past the last entry of @p rank. @throw std::out_of_range unless 0 <= rank < world()
   [[nodiscard]] std::size_t end(int rank) const {
     return starts_.at(static_cast<std::size_t>(rank) + 1);
   }
+  /// Entries @p rank owns: `end(rank) - begin(rank)`.
   [[nodiscard]] std::size_t count(int rank) const { return end(rank) - begin(rank); }
+  /// The `world() + 1` ascending starts: rank r owns `[starts()[r], starts()[r + 1])`.
   [[nodiscard]] std::vector<std::size_t> const& starts() const noexcept { return starts_; }
   /// Block size of the uniform plan (also when a user-given list equals it), 0 otherwise.
   [[nodiscard]] std::size_t per_rank() const noexcept { return per_rank_; }
@@ -141,8 +148,8 @@ class block_partition {
 
 /// Where a row lives: its owner rank and its row index inside the owner's part.
 struct row_location {
-  int rank;
-  std::size_t local;
+  int rank;           ///< the owner rank
+  std::size_t local;  ///< the row's index inside the owner's part
 };
 
 /**
@@ -186,8 +193,8 @@ concept contiguous_mapping = mapping<T> && requires {
  * Row k lives on `owner(k)` at local row `k - begin(owner(k))`.
  */
 struct block {
-  static constexpr char const* name = "block";
-  static constexpr bool contiguous  = true;
+  static constexpr char const* name = "block";  ///< for messages
+  static constexpr bool contiguous  = true;     ///< rank r owns the range [begin(r), end(r))
   /// Rows each rank owns under this mapping.
   [[nodiscard]] static std::vector<std::size_t> counts(std::size_t rows, int world) {
     block_partition const p{rows, world};
@@ -197,26 +204,33 @@ struct block {
   }
   /// Owner through the partition (a division for the uniform plan).
   struct ref_type {
-    partition_ref part;
+    partition_ref part;  ///< the block partition of the rows
+    /// Rows in all.
     [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept { return part.entries; }
+    /// The rank that owns row @p k.
     [[nodiscard]] WM_HOST_DEVICE int owner(std::size_t k) const noexcept { return part.owner(k); }
+    /// Row @p k's index in its owner's part: `k - begin(owner(k))`.
     [[nodiscard]] WM_HOST_DEVICE std::size_t local(std::size_t k) const noexcept {
       return k - part.begin(part.owner(k));
     }
+    /// Owner and local row of row @p k, with one owner lookup.
     [[nodiscard]] WM_HOST_DEVICE row_location locate(std::size_t k) const noexcept {
       int const r = part.owner(k);
       return {r, k - part.begin(r)};
     }
   };
+  /// The mapping over @p part (the partition of `counts`).
   [[nodiscard]] static ref_type make_ref(partition_ref part) noexcept { return {part}; }
 };
 
 /**
- * @brief Mapping policy: rows dealt round-robin, as in the model-parallel lookup of
- * sok-dispatch: row k lives on rank `k % world` at local row `k / world`.
+ * @brief Mapping policy: rows dealt round-robin, as in a model-parallel embedding lookup: row k
+ * lives on rank `k % world` at local row `k / world`.
  */
 struct cyclic {
-  static constexpr char const* name = "cyclic";
+  static constexpr char const* name = "cyclic";  ///< for messages
+  /// Rows each rank owns: `rows / world`, one more for the first `rows % world` ranks.
+  /// @throw wm::logic_error if world < 1
   [[nodiscard]] static std::vector<std::size_t> counts(std::size_t rows, int world) {
     WM_EXPECTS(world >= 1, "the rank count must be at least 1");
     std::vector<std::size_t> c(static_cast<std::size_t>(world));
@@ -224,17 +238,22 @@ struct cyclic {
     for (std::size_t r = 0; r < w; ++r) { c[r] = rows / w + (r < rows % w ? 1 : 0); }
     return c;
   }
+  /// Owner `k % world`, local row `k / world`: no table needed.
   struct ref_type {
-    std::size_t n_rows;
-    int world;
+    std::size_t n_rows;  ///< rows in all
+    int world;           ///< number of ranks
+    /// Rows in all.
     [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept { return n_rows; }
+    /// The rank that owns row @p k: `k % world`.
     [[nodiscard]] WM_HOST_DEVICE int owner(std::size_t k) const noexcept {
       return static_cast<int>(k % static_cast<std::size_t>(world));
     }
+    /// Row @p k's index in its owner's part: `k / world`.
     [[nodiscard]] WM_HOST_DEVICE std::size_t local(std::size_t k) const noexcept {
       return k / static_cast<std::size_t>(world);
     }
   };
+  /// The mapping over @p part's rows and ranks.
   [[nodiscard]] static ref_type make_ref(partition_ref part) noexcept {
     return {part.entries, part.world};
   }
@@ -255,6 +274,7 @@ template <mapping Mapping>
 struct mapping_ref {
   typename Mapping::ref_type impl;  ///< the mapping's own ref
 
+  /// Rows in all (valid indices are below it).
   [[nodiscard]] WM_HOST_DEVICE std::size_t rows() const noexcept { return impl.rows(); }
   /// The rank that owns row @p k (k < rows()).
   [[nodiscard]] WM_HOST_DEVICE int owner(std::size_t k) const noexcept { return impl.owner(k); }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 /**
  * @file swap.cuh
- * @brief Swap scopes (tensor-swap-design): buffers paged out to pinned host memory and back,
- * asynchronously, with the scope as an RAII context.
+ * @brief Swap scopes (docs/design.md, "Swap state machine"): buffers paged out to pinned host
+ * memory and back, asynchronously, with the scope as an RAII context.
  *
  * - `wm::swap_scope` (construction = create_swap_env, destruction = wait and close) owns a device
  *   pool (the residency budget: one `cudaMalloc`), a pinned host slab (one `cudaHostAlloc`), both
@@ -81,6 +81,7 @@ struct swap_options {
   /// used, everything it recorded them for; e.g. PyTorch's pool streams, which live as long as
   /// the process, when tensors are `record_stream`-ed on them). Non-blocking streams expected.
   cudaStream_t pageout_stream{nullptr};
+  /// The page-in copy stream to use with `pageout_stream` (the same rules).
   cudaStream_t pagein_stream{nullptr};
 };
 
@@ -217,10 +218,12 @@ class swap_scope {
 template <class T>
 class swappable {
  public:
-  using value_type = T;
+  using value_type = T;  ///< the element type
 
   swappable() = default;
+  /// Takes @p other's buffer; @p other is left empty (`operator bool` false).
   swappable(swappable&& other) noexcept;
+  /// Returns this buffer's memory (as `reset()`), then takes @p other's.
   swappable& operator=(swappable&& other) noexcept;
   swappable(swappable const&)            = delete;
   swappable& operator=(swappable const&) = delete;
@@ -283,7 +286,9 @@ class swappable {
   void reset() noexcept;
 
   [[nodiscard]] std::size_t size() const noexcept { return count_; }  ///< elements
+  /// `size() * sizeof(T)`.
   [[nodiscard]] std::size_t bytes() const noexcept { return count_ * sizeof(T); }
+  /// Whether it holds a buffer (false: default-made, moved from or reset).
   [[nodiscard]] explicit operator bool() const noexcept { return core_ != nullptr; }
 
  private:

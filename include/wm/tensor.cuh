@@ -7,7 +7,7 @@
  * - Mapped layouts (continuous, chunked): one kernel reads or writes the rows directly through
  *   the per-rank mappings (NVLink/PCIe do the transport), 16-byte accesses where alignment
  *   allows, several rows in flight per group of lanes. Not collective.
- * - Distributed layout: the model-parallel path of sok-dispatch — indices are bucketed by owner,
+ * - Distributed layout: the model-parallel lookup — indices are bucketed by owner,
  *   counts and indices exchanged with NCCL, rows gathered by their owners and sent back, then put
  *   back in the caller's order; scatter is the mirror image. Collective: every rank calls, with
  *   its own (possibly empty) batch; the call synchronizes the stream once to size its buffers.
@@ -72,7 +72,9 @@ struct matrix_view {
   std::size_t rows{};    ///< number of rows
   std::size_t cols{};    ///< elements per row
   std::size_t stride{};  ///< elements between row starts
+  /// First element of row @p r.
   [[nodiscard]] WM_HOST_DEVICE T* row(std::size_t r) const noexcept { return data + r * stride; }
+  /// Element @p c of row @p r.
   [[nodiscard]] WM_HOST_DEVICE T& operator()(std::size_t r, std::size_t c) const noexcept {
     return data[r * stride + c];
   }
@@ -93,9 +95,9 @@ struct matrix_view {
 template <class T, layout Layout, mapping Mapping>
 class tensor_ref {
  public:
-  using value_type   = T;
-  using layout_type  = Layout;
-  using mapping_type = Mapping;
+  using value_type   = T;        ///< the element type (`const` for a read-only ref)
+  using layout_type  = Layout;   ///< the tensor's layout policy
+  using mapping_type = Mapping;  ///< the tensor's mapping policy
 
   tensor_ref() = default;
   /// Made by `tensor::ref()`. @p parts: device array of each rank's part (mapped layouts;
@@ -166,10 +168,10 @@ template <class T, location Location = device, layout Layout = chunked, mapping 
 requires std::is_trivially_copyable_v<T>
 class tensor {
  public:
-  using value_type    = T;
-  using location_type = Location;
-  using layout_type   = Layout;
-  using mapping_type  = Mapping;
+  using value_type    = T;         ///< the element type
+  using location_type = Location;  ///< `wm::host` or `wm::device`
+  using layout_type   = Layout;    ///< `wm::continuous`, `wm::chunked` or `wm::distributed`
+  using mapping_type  = Mapping;   ///< which rank owns which row
 
   /**
    * @brief Allocates collectively.
@@ -182,7 +184,9 @@ class tensor {
    */
   tensor(communicator& comm, std::size_t rows, std::size_t cols = 1, std::size_t stride = 0);
 
+  /// Takes @p other's memory and buffers; @p other is left empty.
   tensor(tensor&&) noexcept;
+  /// Waits for this tensor's last call to end (as `store` does), frees it, then takes @p other's.
   tensor& operator=(tensor&&) noexcept;
   ~tensor();
 
@@ -199,13 +203,18 @@ class tensor {
   [[nodiscard]] tensor<U, Location, Layout, Mapping> view_columns(std::size_t byte_offset,
                                                                   std::size_t cols);
 
+  /// Rows in all.
   [[nodiscard]] std::size_t rows() const noexcept { return rows_; }
+  /// Elements per row.
   [[nodiscard]] std::size_t cols() const noexcept { return cols_; }
+  /// Elements between row starts (>= cols()).
   [[nodiscard]] std::size_t stride() const noexcept { return stride_; }
+  /// The owning group.
   [[nodiscard]] communicator& comm() const noexcept { return *comm_; }
   /// The underlying memory (entries are rows of `stride * sizeof(T)` bytes).
   /// (A `view_columns` tensor's columns start `column_offset()` bytes into each entry.)
   [[nodiscard]] memory<Location, Layout>& storage() noexcept { return *mem_; }
+  /// Read-only form of `storage()`.
   [[nodiscard]] memory<Location, Layout> const& storage() const noexcept { return *mem_; }
   /// Bytes into each row where this tensor's columns start (0 but for `view_columns`).
   [[nodiscard]] std::size_t column_offset() const noexcept { return offset_; }
@@ -272,6 +281,7 @@ class tensor {
    * add up to `rows × cols` elements in whole rows
    */
   void load(std::span<std::filesystem::path const> files);
+  /// As above, from one file.
   void load(std::filesystem::path const& file) { load(std::span{&file, 1}); }
 
   /**

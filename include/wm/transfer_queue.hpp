@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 /**
  * @file transfer_queue.hpp
- * @brief `wm::transfer_queue`: the task queue of a swap scope (tensor-swap-design §5.3), one per
- * direction, drained by its own worker thread through a copier policy.
+ * @brief `wm::transfer_queue`: the task queue of a swap scope (docs/design.md, "Swap state
+ * machine"), one per direction, drained by its own worker thread through a copier policy.
  *
  * A task names a buffer (`id`) and its size. `enqueue` puts it at the back (page-outs, active
  * prefetch), `enqueue_front` at the front (a passive page-in: highest priority), `erase` takes a
@@ -104,8 +104,8 @@ struct transfer_queue_options {
 template <transfer_copier Copier>
 class transfer_queue {
  public:
-  using ticket_type = typename Copier::ticket_type;
-  using clock       = std::chrono::steady_clock;
+  using ticket_type = typename Copier::ticket_type;  ///< what the copier returns per batch
+  using clock       = std::chrono::steady_clock;     ///< the clock of the deadlines
 
   /** @brief A queue feeding @p copier; the worker thread starts here, idle until tasks come. */
   explicit transfer_queue(Copier& copier, transfer_queue_options options = {});

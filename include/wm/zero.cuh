@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 /**
  * @file zero.cuh
- * @brief ZeRO data parallelism (issue 20, DESIGN.md §8): `wm::zero_optimizer`, a sharded
+ * @brief ZeRO data parallelism (docs/design.md, "ZeRO memory"): `wm::zero_optimizer`, a sharded
  * mixed-precision optimizer over one contiguous arena, stages 1, 2 and 3 on the GPU.
  *
  * Layout (`wm::detail::zero::make_plan`, detail/zero/plan.hpp): the parameters, in backward
@@ -116,7 +116,8 @@
 namespace wm {
 
 /**
- * @brief Sharded data-parallel mixed-precision optimizer over one arena (issue 20, DESIGN.md §8).
+ * @brief Sharded data-parallel mixed-precision optimizer over one arena (docs/design.md,
+ * "ZeRO memory").
  *
  * Every rank holds the compute weights (bf16, fp16 or fp32 per parameter) that forward and
  * backward use (stage 3: only while a group is gathered), and the fp32 master weights and

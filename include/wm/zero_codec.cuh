@@ -83,6 +83,7 @@ struct zero_codec {
    * @param nonzeros receives the number of nonzero elements (an address the GPU can write: device
    * memory or pinned host memory), the call's last write
    * @param scratch, scratch_bytes device memory of at least `scratch_bytes(n)` bytes
+   * @param stream where the kernels run
    * @throw wm::logic_error on null pointers (n > 0; @p nonzeros always), a misaligned @p src or
    * @p dst, or a scratch smaller than `scratch_bytes(n)` (the message names the size needed)
    */
@@ -97,6 +98,7 @@ struct zero_codec {
    * @param n elements
    * @param dst the elements (aligned to `sizeof(Word)`; 16-byte aligned is fastest)
    * @param scratch, scratch_bytes device memory of at least `scratch_bytes(n)` bytes
+   * @param stream where the kernels run
    * @throw wm::logic_error on null pointers (n > 0), a misaligned @p src or @p dst, or a scratch
    * smaller than `scratch_bytes(n)` (the message names the size needed)
    */

@@ -19,7 +19,7 @@ namespace wm {
 
 /**
  * @brief ZeRO stage N: 1 partitions the optimizer states, 2 also the gradients, 3 also the
- * weights (DESIGN.md §8).
+ * weights (docs/design.md, "ZeRO memory").
  * @tparam N 1, 2 or 3
  */
 template <int N>
@@ -29,7 +29,7 @@ requires(N >= 1 && N <= 3) struct zero_stage {
 
 /// Optimizer states, master weights and the update stay on the GPU.
 struct no_offload {
-  static constexpr bool host = false;
+  static constexpr bool host = false;  ///< nothing on the host
 };
 
 /// fp32 master weights and Adam moments in pinned host memory, updated by the CPU Adam
@@ -38,7 +38,7 @@ struct no_offload {
 /// are all-gathered while the CPU updates the next bucket. `wm::zero_optimizer` takes it with
 /// `wm::adam` only.
 struct offload_host {
-  static constexpr bool host = true;
+  static constexpr bool host = true;  ///< masters and moments on the host
 };
 
 /// A ZeRO stage policy: `wm::zero_stage<1>`, `<2>` or `<3>`.
@@ -164,7 +164,8 @@ struct zero_memory {
                        ///< `zero_options::offload_pipeline` the spare regions of
                        ///< `offload_spare_fraction`); not part of total()
 
-  /// The terms of the formula of DESIGN.md §8 (weights, gradients, master weights, states).
+  /// The terms of the ZeRO memory formula (docs/design.md, "ZeRO memory"): weights,
+  /// gradients, master weights and optimizer states.
   [[nodiscard]] constexpr std::size_t model_states() const noexcept {
     return weights + gradients + master_weights + optimizer_states;
   }
