@@ -8,8 +8,10 @@
 #include <wm/error.hpp>
 #include <wm/launch.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,6 +19,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <sys/stat.h>
 #include <system_error>
 #include <thread>
 #include <unistd.h>
@@ -107,11 +110,54 @@ struct id_file_contents {
   return c;
 }
 
+/// Why `read_id_file` did not take a file that is there, or empty when it took it.
+struct id_file_read {
+  std::optional<id_file_contents> contents;
+  std::string refused;  ///< set when a file is there but must not be trusted
+};
+
+/**
+ * @brief Reads an id file, trusting it only as its owner wrote it: a regular file (not a
+ * symbolic link) owned by this process's effective user and writable by nobody else. The id
+ * lets whoever holds it join the group, so a file another local user wrote or could change is
+ * refused, with the reason.
+ */
+[[nodiscard]] inline id_file_read read_id_file_checked(std::filesystem::path const& p) {
+  int const fd = ::open(p.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    if (errno == ELOOP) { return {std::nullopt, "it is a symbolic link"}; }
+    return {};
+  }
+  struct close_fd {
+    int fd;
+    ~close_fd() { ::close(fd); }
+  } const closer{fd};
+  struct ::stat st {};
+  if (::fstat(fd, &st) != 0) { return {}; }
+  if (!S_ISREG(st.st_mode)) { return {std::nullopt, "it is not a regular file"}; }
+  if (st.st_uid != ::geteuid()) {
+    return {std::nullopt, "it is owned by uid " + std::to_string(st.st_uid) + ", not by uid " +
+                              std::to_string(::geteuid()) + " that runs this rank"};
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return {std::nullopt,
+            "it is writable by group or others (mode " + std::to_string((st.st_mode >> 6) & 7) +
+                std::to_string((st.st_mode >> 3) & 7) + std::to_string(st.st_mode & 7) + ")"};
+  }
+  std::string text;
+  char buf[4096];
+  for (;;) {
+    auto const n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) { continue; }
+    if (n <= 0) { break; }
+    text.append(buf, static_cast<std::size_t>(n));
+    if (text.size() > (1u << 16)) { return {std::nullopt, "it is too large for an id file"}; }
+  }
+  return {parse_id_file(text), {}};
+}
+
 [[nodiscard]] inline std::optional<id_file_contents> read_id_file(std::filesystem::path const& p) {
-  std::ifstream in{p};
-  if (!in) { return std::nullopt; }
-  std::string text{std::istreambuf_iterator<char>{in}, std::istreambuf_iterator<char>{}};
-  return parse_id_file(text);
+  return read_id_file_checked(p).contents;
 }
 
 /**
@@ -129,15 +175,29 @@ class id_file_lease {
     std::random_device rd;
     fs::path const tmp =
         path_.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
-    {
-      std::ofstream out{tmp, std::ios::trunc};
-      out << format_id_file(contents);
-      out.flush();
-      if (!out) {
-        std::error_code ec;
-        fs::remove(tmp, ec);
-        throw io_error{"wm: cannot write the unique id to '" + tmp.string() + "'"};
-      }
+    // Readable by this user only (the id admits whoever holds it), created here and now
+    // (O_EXCL: never an existing file or a link planted under this name), durable before the
+    // rename publishes it.
+    int const fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      throw io_error{"wm: cannot create '" + tmp.string() +
+                     "' for the unique id: " + std::system_category().message(errno)};
+    }
+    std::string const text = format_id_file(contents);
+    bool ok                = ::fchmod(fd, 0600) == 0;
+    for (std::size_t done = 0; ok && done < text.size();) {
+      auto const n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) { continue; }
+      ok = n > 0;
+      if (ok) { done += static_cast<std::size_t>(n); }
+    }
+    int const err = ok ? (::fsync(fd) == 0 ? 0 : errno) : errno;
+    ::close(fd);
+    if (!ok || err != 0) {
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      throw io_error{"wm: cannot write the unique id to '" + tmp.string() +
+                     "': " + std::system_category().message(err != 0 ? err : errno)};
     }
     std::error_code ec;
     fs::rename(tmp, path_, ec);
@@ -208,7 +268,9 @@ struct id_file_exchange {
   auto const deadline = deadline_after(timeout);
   std::string stale;  // why the last file seen was not taken
   while (true) {
-    if (auto c = read_id_file(path)) {
+    if (auto r = read_id_file_checked(path); !r.refused.empty()) {
+      stale = "not trusted: " + r.refused;
+    } else if (auto const& c = r.contents) {
       if (c->job != env.job) {
         stale = "it holds job '" + c->job + "', this run is job '" + env.job + "'";
       } else if (env.job.empty() && c->written_ms < not_before) {
@@ -219,13 +281,16 @@ struct id_file_exchange {
       }
     }
     if (clock_type::now() >= deadline) {
-      throw comm_error{
-          "wm: rank " + std::to_string(env.rank) + " waited " + timeout_text(timeout) +
-          " for the id file '" + path.string() + "' that rank 0 writes" +
-          (stale.empty() ? std::string{}
-                         : "; the file there is from another run (" + stale +
-                               "): stale from an earlier run? Set WM_JOB_ID to a value unique to "
-                               "each run")};
+      throw comm_error{"wm: rank " + std::to_string(env.rank) + " waited " + timeout_text(timeout) +
+                       " for the id file '" + path.string() + "' that rank 0 writes" +
+                       (stale.empty() ? std::string{}
+                        : stale.starts_with("not trusted")
+                            ? "; the file there is " + stale +
+                                  ": rank 0 writes it with mode 0600 as the "
+                                  "user that runs the job"
+                            : "; the file there is from another run (" + stale +
+                                  "): stale from an earlier run? Set WM_JOB_ID "
+                                  "to a value unique to each run")};
     }
     std::this_thread::sleep_for(std::chrono::milliseconds{20});
   }
