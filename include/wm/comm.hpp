@@ -35,6 +35,7 @@
  */
 #pragma once
 
+#include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/posix.hpp>
 #include <wm/error.hpp>
 

@@ -2,6 +2,8 @@
 // Host tests of the shared deadline arithmetic (every wait in wm computes its deadline with
 // detail::deadline_after), the WM_TIMEOUT_S parser, and the keyed hash that names sockets.
 #include <wm/comm.hpp>
+#include <wm/detail/base/deadline.hpp>
+#include <wm/detail/base/hash.hpp>
 
 #include <chrono>
 #include <cstdlib>

@@ -40,16 +40,17 @@
 
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/base/workspace.cuh>
 #include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/line_word.hpp>
 #include <wm/detail/cache/lines.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
-#include <wm/detail/base/resources.hpp>
-#include <wm/detail/base/cuda.cuh>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/move.cuh>
-#include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/rows/views.cuh>
 #include <wm/error.hpp>
 #include <wm/memory.cuh>
 

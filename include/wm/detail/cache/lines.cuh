@@ -30,14 +30,14 @@
 #pragma once
 
 #include <wm/cache.hpp>
+#include <wm/detail/base/cuda.cuh>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/base/workspace.cuh>
 #include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
-#include <wm/detail/base/resources.hpp>
-#include <wm/detail/base/cuda.cuh>
 #include <wm/detail/rows/distinct.cuh>
-#include <wm/detail/rows/move.cuh>
-#include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/rows/views.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 
 #include <cub/device/device_radix_sort.cuh>

@@ -24,20 +24,11 @@
 // without an inverse hash.
 #pragma once
 
-#if __has_include(<wm/config.hpp>)
 #include <wm/config.hpp>
-#endif
+#include <wm/detail/base/hash.hpp>
 
 #include <cstddef>
 #include <cstdint>
-
-#ifndef WM_HOST_DEVICE
-#if defined(__CUDACC__)
-#define WM_HOST_DEVICE __host__ __device__
-#else
-#define WM_HOST_DEVICE
-#endif
-#endif
 
 namespace wm::detail::cache {
 
@@ -69,17 +60,8 @@ inline constexpr std::uint32_t full_warp = 0xffffffffu;  ///< __*_sync mask
 // 32-bit keys) then a multiply-shift range reduction, so the set count need not be a power of
 // two. Consecutive ids (renumbered hot rows) land on unrelated sets.
 
-/// Bijective 32-bit mix of @p key under @p seed.
-[[nodiscard]] WM_HOST_DEVICE constexpr std::uint32_t mix32(std::uint32_t key,
-                                                           std::uint32_t seed = 0) noexcept {
-  std::uint32_t x = key ^ (seed * 0x9e3779b9u);
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
+/// The key mix: mix32 of wm's one hash family (detail/base/hash.hpp).
+using detail::mix32;
 
 /// The set of @p key in a cache of @p sets sets (sets >= 1).
 [[nodiscard]] WM_HOST_DEVICE constexpr std::uint32_t set_of(std::uint32_t key, std::uint32_t sets,

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/detail/base/deadline.hpp>
+#include <wm/detail/base/hash.hpp>
+#include <wm/detail/base/posix.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/detail/base/deadline.hpp>
+#include <wm/detail/base/hash.hpp>
 
 #include <array>
 #include <cstddef>

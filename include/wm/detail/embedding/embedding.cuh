@@ -5,13 +5,14 @@
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
+#include <wm/detail/base/hash.hpp>
+#include <wm/detail/embedding/kernels.cuh>
+#include <wm/detail/embedding/source.cuh>
+#include <wm/detail/embedding/update.cuh>
 #include <wm/detail/exchange/engine.cuh>
 #include <wm/detail/exchange/plan.cuh>
 #include <wm/detail/exchange/scratch.cuh>
-#include <wm/detail/embedding/kernels.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
-#include <wm/detail/embedding/source.cuh>
-#include <wm/detail/embedding/update.cuh>
 #include <wm/embedding.cuh>
 
 #include <cuda/cmath>
@@ -29,16 +30,11 @@ namespace wm {
 WM_HOST_DEVICE inline float embedding_init::value(std::size_t row, std::size_t col,
                                                   std::size_t dim) const noexcept {
   if (how == kind::zeros) { return 0.0f; }
-  auto hash = [](std::uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-  };
-  std::uint64_t const z = hash(seed ^ hash(row * dim + col));
+  using detail::splitmix64;
+  std::uint64_t const z = splitmix64(seed ^ splitmix64(row * dim + col));
   float const u1        = (static_cast<float>(z >> 40) + 1.0f) * (1.0f / 16777216.0f);  // (0, 1]
   if (how == kind::uniform) { return a + (b - a) * u1; }
-  float const u2 = static_cast<float>(hash(z) >> 40) * (1.0f / 16777216.0f);
+  float const u2 = static_cast<float>(splitmix64(z) >> 40) * (1.0f / 16777216.0f);
   return a + b * sqrtf(-2.0f * logf(u1)) * cosf(6.2831853071795864f * u2);
 }
 

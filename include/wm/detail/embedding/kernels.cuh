@@ -4,7 +4,7 @@
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/rows/move.cuh>
+#include <wm/detail/rows/views.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 #include <wm/embedding.cuh>
 #include <wm/optimizer.hpp>

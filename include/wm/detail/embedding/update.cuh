@@ -4,7 +4,7 @@
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/base/workspace.cuh>
 #include <wm/detail/embedding/kernels.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 

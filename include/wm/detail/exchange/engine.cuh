@@ -6,12 +6,13 @@
 
 #include <wm/comm.hpp>
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/rows/distinct.cuh>
-#include <wm/detail/rows/move.cuh>
 #include <wm/detail/exchange/mailbox.cuh>
 #include <wm/detail/exchange/plan.cuh>
 #include <wm/detail/exchange/plan.hpp>
 #include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/rows/distinct.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/rows/views.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
 

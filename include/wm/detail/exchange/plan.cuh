@@ -7,7 +7,7 @@
 
 #include <wm/comm.hpp>
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/rows/move.cuh>
+#include <wm/detail/exchange/owners.cuh>
 #include <wm/detail/exchange/plan.hpp>
 #include <wm/detail/exchange/scratch.cuh>
 #include <wm/partition.hpp>

@@ -5,12 +5,11 @@
 #pragma once
 
 #include <wm/comm.hpp>
-#include <wm/detail/base/posix.hpp>
+#include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/resources.hpp>
+#include <wm/detail/base/workspace.cuh>
 #include <wm/detail/exchange/plan.hpp>
 #include <wm/memory.cuh>
-
-#include <cuda/cmath>
 
 #include <cuda_runtime_api.h>
 
@@ -24,52 +23,6 @@
 #include <vector>
 
 namespace wm::detail {
-
-/// Device memory reused across calls; grows (stream-ordered) when a call needs more.
-class workspace {
- public:
-  workspace()                            = default;
-  workspace(workspace const&)            = delete;
-  workspace& operator=(workspace const&) = delete;
-  ~workspace() {
-    if (ptr_ != nullptr) { (void)cudaFree(ptr_); }
-  }
-  /// At least @p bytes of device memory, valid for work ordered after this on @p stream.
-  [[nodiscard]] std::byte* reserve(std::size_t bytes, cudaStream_t stream) {
-    if (bytes > bytes_) {
-      if (ptr_ != nullptr) { WM_CUDA_TRY(cudaFreeAsync(ptr_, stream)); }
-      ptr_                    = nullptr;
-      bytes_                  = 0;
-      std::size_t const grown = cuda::round_up(bytes + bytes / 4, std::size_t{1} << 20);
-      WM_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), grown, stream));
-      bytes_ = grown;
-    }
-    return ptr_;
-  }
-
- private:
-  std::byte* ptr_{};
-  std::size_t bytes_{};
-};
-
-/// Carves aligned arrays out of a workspace: first `add` every array, then `reserve`, then `take`.
-class carver {
- public:
-  template <class T>
-  std::size_t add(std::size_t n) {
-    std::size_t const at = total_;
-    total_               = cuda::round_up(total_ + n * sizeof(T), std::size_t{256});
-    return at;
-  }
-  [[nodiscard]] std::size_t total() const noexcept { return total_ == 0 ? 256 : total_; }
-  template <class T>
-  T* take(std::byte* base, std::size_t offset) const {
-    return reinterpret_cast<T*>(base + offset);
-  }
-
- private:
-  std::size_t total_{};
-};
 
 /// Streams and events for the distributed gather, made on first use. The side stream (highest
 /// priority) moves rows between ranks and puts arrived pieces in the caller's order while the

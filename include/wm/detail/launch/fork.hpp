@@ -4,6 +4,7 @@
 // the children do is up to the body.
 #pragma once
 
+#include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/posix.hpp>
 #include <wm/error.hpp>
 #include <wm/launch.hpp>

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <wm/comm.hpp>
-#include <wm/detail/base/posix.hpp>
+#include <wm/detail/base/deadline.hpp>
 #include <wm/error.hpp>
 #include <wm/launch.hpp>
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/detail/base/posix.hpp>
 #include <wm/detail/launch/fork.hpp>
 #include <wm/detail/launch/id_file.hpp>
 #include <wm/error.hpp>

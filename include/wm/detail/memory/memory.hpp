@@ -6,6 +6,7 @@
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/detail/base/hash.hpp>
 #include <wm/detail/memory/collective.hpp>
 #include <wm/detail/memory/io.hpp>
 #include <wm/detail/memory/ipc.hpp>

@@ -6,8 +6,8 @@
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
+#include <wm/detail/base/workspace.cuh>
 #include <wm/detail/rows/move.cuh>
-#include <wm/detail/exchange/scratch.cuh>
 #include <wm/error.hpp>
 
 #include <cub/device/device_for.cuh>

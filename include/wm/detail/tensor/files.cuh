@@ -2,9 +2,9 @@
 // wm::tensor's file I/O (declared in <wm/tensor.cuh>): rows between raw files and the tensor.
 #pragma once
 
-#include <wm/detail/base/resources.hpp>
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/base/posix.hpp>
+#include <wm/detail/base/resources.hpp>
 #include <wm/tensor.cuh>
 
 #include <cuda_runtime_api.h>

@@ -5,8 +5,8 @@
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/rows/move.cuh>
-#include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/base/workspace.cuh>
+#include <wm/detail/rows/views.cuh>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_transform.cuh>

@@ -4,14 +4,15 @@
 // exchange engine (detail/dispatch). File I/O is in files.cuh.
 #pragma once
 
-#include <wm/detail/base/resources.hpp>
 #include <wm/detail/base/cuda.cuh>
-#include <wm/detail/rows/distinct.cuh>
+#include <wm/detail/base/resources.hpp>
 #include <wm/detail/exchange/engine.cuh>
-#include <wm/detail/rows/move.cuh>
 #include <wm/detail/exchange/plan.cuh>
 #include <wm/detail/exchange/scratch.cuh>
 #include <wm/detail/memory/plan.hpp>
+#include <wm/detail/rows/distinct.cuh>
+#include <wm/detail/rows/move.cuh>
+#include <wm/detail/rows/views.cuh>
 #include <wm/detail/tensor/mapped.cuh>
 #include <wm/tensor.cuh>
 

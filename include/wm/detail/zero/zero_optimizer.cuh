@@ -2,8 +2,9 @@
 // Bodies of wm::zero_optimizer (declared in <wm/zero.cuh>).
 #pragma once
 
-#include <wm/detail/base/posix.hpp>
 #include <wm/detail/base/cuda.cuh>
+#include <wm/detail/base/deadline.hpp>
+#include <wm/detail/base/hash.hpp>
 #include <wm/detail/zero/kernels.cuh>
 #include <wm/zero.cuh>
 
