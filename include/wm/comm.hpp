@@ -37,6 +37,7 @@
 
 #include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/posix.hpp>
+#include <wm/detail/comm/nccl.hpp>
 #include <wm/error.hpp>
 
 #include <cuda/stream_ref>
@@ -534,6 +535,8 @@ class communicator {
 
 }  // namespace wm
 
-#include <wm/detail/comm/communicator.hpp>
+#include <wm/detail/comm/agreement.hpp>
+#include <wm/detail/comm/collectives.hpp>
+#include <wm/detail/comm/lifecycle.hpp>
 #include <wm/detail/comm/node_channel.hpp>
 #include <wm/detail/comm/unique_id.hpp>

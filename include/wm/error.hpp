@@ -5,7 +5,8 @@
  *
  * - `WM_EXPECTS(cond, what)` validates user input and throws `wm::logic_error`.
  * - `WM_CUDA_TRY(call)` checks a CUDA runtime call and throws `wm::cuda_error`.
- * - `WM_NCCL_TRY(call)` checks an NCCL call and throws `wm::comm_error`.
+ * - `WM_NCCL_TRY(call)` checks an NCCL call and throws `wm::comm_error` (with <wm/comm.hpp>:
+ *   this header needs no NCCL).
  *
  * Every message carries the file and line where the check failed and says what was expected.
  * This header compiles with a plain host compiler as well as with nvcc.
@@ -13,16 +14,10 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include <nccl.h>
 
 #include <stdexcept>
 #include <string>
 #include <string_view>
-
-// The oldest NCCL wm supports; cmake/wm-dependencies.cmake checks the same at configure time.
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 19, 0)
-#error "wm needs NCCL 2.19 or newer (this nccl.h is older)"
-#endif
 
 namespace wm {
 
@@ -78,12 +73,6 @@ namespace detail {
                        static_cast<int>(code)};
 }
 
-[[noreturn]] inline void throw_nccl_error(char const* file, int line, char const* call,
-                                          ncclResult_t code) {
-  throw wm::comm_error{"wm: NCCL error " + std::to_string(static_cast<int>(code)) + " (" +
-                       ncclGetErrorString(code) + ") in `" + call + "` at " + where(file, line)};
-}
-
 }  // namespace detail
 }  // namespace wm
 
@@ -107,12 +96,3 @@ namespace detail {
 
 /** @brief Checks the last kernel launch (configuration and launch errors). */
 #define WM_CHECK_LAUNCH() WM_CUDA_TRY(cudaPeekAtLastError())
-
-/** @brief Runs an NCCL call and throws `wm::comm_error` unless it succeeded or is in progress. */
-#define WM_NCCL_TRY(call)                                                         \
-  do {                                                                            \
-    ncclResult_t const wm_nccl_status_ = (call);                                  \
-    if (wm_nccl_status_ != ncclSuccess && wm_nccl_status_ != ncclInProgress) {    \
-      ::wm::detail::throw_nccl_error(__FILE__, __LINE__, #call, wm_nccl_status_); \
-    }                                                                             \
-  } while (0)

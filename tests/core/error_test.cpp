@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <wm/detail/comm/nccl.hpp>
 #include <wm/error.hpp>
 
 #include <string>

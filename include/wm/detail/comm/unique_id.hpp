@@ -5,6 +5,7 @@
 #include <wm/comm.hpp>
 #include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/hash.hpp>
+#include <wm/detail/comm/nccl.hpp>
 
 #include <array>
 #include <cstddef>
