@@ -3,7 +3,7 @@
 // swap scope's host slab and device pool: queue order (passive at the front, prefetch at the
 // back), erase, wait against wait_and_stop, deadlines, many producer threads, coalescing of small
 // tasks, the in-flight and lookahead limits, deferred tasks, close with copies in flight.
-#include <wm/detail/memory/range_allocator.hpp>
+#include <wm/detail/base/range_allocator.hpp>
 #include <wm/transfer_queue.hpp>
 
 #include <algorithm>
