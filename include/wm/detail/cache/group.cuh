@@ -8,8 +8,8 @@
 //
 // Who writes what: only the holder writes its lines and its set metadata (tags, replacement
 // states, headers: private to the holder, kept by the set code of set.hpp under the set locks of
-// lines.cuh). Peers only read lines, add to per-line hit counters and append miss hints, both with
-// system-scope atomics.
+// warp_rows.cuh). Peers only read lines, add to per-line hit counters and append miss hints, both
+// with system-scope atomics.
 //
 // A gather (group_lines::gather), on every rank alone:
 // 1. the batch's distinct keys (the distinct-row plan of detail/rows/distinct.cuh);
@@ -45,9 +45,9 @@
 #include <wm/detail/base/workspace.cuh>
 #include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/line_word.hpp>
-#include <wm/detail/cache/lines.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
+#include <wm/detail/cache/warp_rows.cuh>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/move.cuh>
 #include <wm/detail/rows/views.cuh>

@@ -78,7 +78,7 @@ struct set_header {
   std::uint32_t valid{};  ///< bit w: way w holds a row
   std::uint32_t dirty{};  ///< bit w: way w differs from the table (a subset of valid)
   std::uint32_t clock{};  ///< LRU: last stamp given in this set
-  std::uint32_t lock{};   ///< the kernels' set lock (detail/cache/lines.cuh); 0: free
+  std::uint32_t lock{};   ///< the kernels' set lock (detail/cache/warp_rows.cuh); 0: free
   std::uint32_t batch{};  ///< bit w: way w was hit or admitted by batch `epoch`
   std::uint32_t epoch{};  ///< the batch that `batch` belongs to
 };

@@ -7,7 +7,9 @@
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
 #include <wm/detail/cache/group.cuh>
-#include <wm/detail/cache/lines.cuh>
+#include <wm/detail/cache/line_reader.cuh>
+#include <wm/detail/cache/line_storage.cuh>
+#include <wm/detail/cache/lines_ref.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 #include <wm/embedding.cuh>
 #include <wm/error.hpp>

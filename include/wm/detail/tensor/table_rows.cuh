@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Where the owner-side update (and a cache's admissions and write-backs) find one row's values:
 // the weight row, its optimizer state and its step. The update kernel is written against a row
-// locator (table_rows here; a cache's line_locator in detail/cache/lines.cuh), so the arithmetic
-// is the same code whether a row lives in the table or in a cache line.
+// locator (table_rows here; a cache's line_locator in detail/cache/lines_ref.cuh), so the
+// arithmetic is the same code whether a row lives in the table or in a cache line.
 #pragma once
 
 #include <wm/tensor.cuh>
