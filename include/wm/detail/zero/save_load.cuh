@@ -1,0 +1,164 @@
+// SPDX-License-Identifier: Apache-2.0
+// Checkpoints of wm::zero_optimizer (declared in <wm/zero.cuh>): save writes this rank's
+// masters and states with their fragment table; load reads the fragments that intersect this
+// rank's shard from any rank count, bucket size or stage (file format: checkpoint.hpp); every
+// rank learns whether any rank failed.
+#pragma once
+
+#include <wm/detail/zero/checkpoint.hpp>
+#include <wm/detail/zero/kernels.cuh>
+#include <wm/detail/zero/reshard.hpp>
+#include <wm/zero.cuh>
+
+#include <cub/device/device_for.cuh>
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace wm {
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::agree(std::string const& error, char const* what) {
+  // Every rank learns whether any rank failed, so that none goes on to the collectives alone.
+  auto const ok = comm_->all_gather(error.empty() ? 1 : 0);
+  for (std::size_t r = 0; r < ok.size(); ++r) {
+    if (ok[r] == 0) {
+      throw io_error{error.empty() ? "wm: zero_optimizer::" + std::string{what} +
+                                         " failed on rank " + std::to_string(r)
+                                   : error};
+    }
+  }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const& dir,
+                                                     cuda::stream_ref stream) {
+  namespace z                   = detail::zero;
+  std::size_t const n           = plan_.state_elements;
+  constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  expect_usable("save");
+  complete_tail(stream);
+  gather_host_copies();
+  if (masters_stale_) { widen_masters(stream.get()); }
+  read_counters(stream);  // waits for the stream (with the communicator's deadline)
+  std::int64_t const applied = host_counters_[0];
+  std::vector<std::vector<float>> data(streams, std::vector<float>(n));
+  for (std::size_t k = 0; k < streams && n > 0; ++k) {
+    WM_CUDA_TRY(cudaMemcpyAsync(data[k].data(), k == 0 ? master_ : states_ + (k - 1) * n,
+                                n * sizeof(float), cudaMemcpyDefault, stream.get()));
+  }
+  comm_->synchronize(stream, "zero_optimizer::save");
+  std::string error;
+  try {
+    std::filesystem::create_directories(dir);
+    z::shard_header const h{static_cast<std::uint64_t>(world_),
+                            static_cast<std::uint64_t>(rank_),
+                            n,
+                            streams,
+                            applied,
+                            Optimizer::name,
+                            checkpoint_tag(opt_),
+                            {},
+                            0};
+    std::vector<std::span<float const>> spans(data.begin(), data.end());
+    z::write_shard(z::shard_file(dir, rank_), h, z::fragment_table_of(plan_, rank_), spans);
+  } catch (std::exception const& e) {
+    error = "wm: zero_optimizer::save on rank " + std::to_string(rank_) + ": " + e.what();
+  }
+  agree(error, "save");
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const& dir,
+                                                     cuda::stream_ref stream) {
+  namespace z                   = detail::zero;
+  cudaStream_t const s          = stream.get();
+  std::size_t const n           = plan_.state_elements;
+  constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
+  expect_usable("load");
+  if constexpr (Offload::host) {  // the pipeline's jobs of a step begun before the load end
+    complete_tail(stream);
+    if (spec_.active) {
+      decision_.store(2, std::memory_order_release);
+      finish_pipeline(stream);
+      end_speculation(false);
+    }
+    spec_      = {};
+    step_open_ = false;
+    gather_host_copies();  // every chunk at its place, which load writes (or keeps if it fails)
+  }
+  if constexpr (Stage::value == 3) {
+    WM_EXPECTS(!residency_.any_held(),
+               "zero_optimizer::load (stage 3): release every gathered group first");
+    residency_.drop_prefetch();
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
+  }
+  std::vector<std::vector<float>> data(streams, std::vector<float>(n, 0.0f));
+  std::int64_t applied = 0;
+  std::string error;
+  try {
+    auto const h0 = z::read_shard_header(z::shard_file(dir, 0));
+    std::vector<std::filesystem::path> files;
+    std::vector<z::shard_header> headers;
+    std::vector<z::fragment_table> tables;
+    for (std::uint64_t r = 0; r < h0.world; ++r) {
+      files.push_back(z::shard_file(dir, static_cast<int>(r)));
+      headers.push_back(r == 0 ? h0 : z::read_shard_header(files.back()));
+      auto const& h           = headers.back();
+      std::string const where = files.back().string();
+      if (h.world != h0.world || h.rank != r || h.applied != h0.applied) {
+        throw io_error{"'" + where + "' belongs to another save than shard-0 (world " +
+                       std::to_string(h.world) + ", rank " + std::to_string(h.rank) + ")"};
+      }
+      if (h.streams != streams || h.optimizer != Optimizer::name) {
+        throw io_error{"'" + where + "' holds the states of optimizer '" + h.optimizer + "' (" +
+                       std::to_string(h.streams) + " streams); this one is '" + Optimizer::name +
+                       "' (" + std::to_string(streams) + ")"};
+      }
+      if (h.tag != checkpoint_tag(opt_)) {
+        throw io_error{"'" + where + "' was saved with optimizer settings '" + h.tag +
+                       "'; this optimizer has '" + checkpoint_tag(opt_) + "'"};
+      }
+      tables.push_back(h.table);
+    }
+    auto const reads = z::plan_shard_reads(tables, plan_, rank_);
+    std::vector<std::span<float>> spans(data.begin(), data.end());
+    z::read_shards(files, headers, reads, spans);
+    applied = h0.applied;
+  } catch (std::exception const& e) {
+    error = "wm: zero_optimizer::load on rank " + std::to_string(rank_) + ": " + e.what();
+  }
+  agree(error, "load");
+  comm_->synchronize(stream, "zero_optimizer::load");  // host_counters_ and the buffers are free
+  for (std::size_t k = 0; k < streams && n > 0; ++k) {
+    WM_CUDA_TRY(cudaMemcpyAsync(k == 0 ? master_ : states_ + (k - 1) * n, data[k].data(),
+                                n * sizeof(float), cudaMemcpyDefault, s));
+  }
+  host_counters_[0] = applied;
+  host_counters_[1] = 0;
+  host_counters_[2] = 0;
+  if constexpr (!Offload::host) {
+    WM_CUDA_TRY(cudaMemcpyAsync(counters_, host_counters_, 3 * sizeof(std::int64_t),
+                                cudaMemcpyHostToDevice, s));
+  }
+  // The compute weights of this rank's shard from the masters, then (stages 1-2) everyone's.
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    auto const& bk = plan_.buckets[b];
+    z::with_element_type(bk.type, [&](auto tag) {
+      using T = decltype(tag);
+      WM_CUDA_TRY(cub::DeviceFor::Bulk(
+          bk.shard_elements,
+          z::narrow_op<T>{master_ + bk.state_offset, static_cast<T*>(shard_weights(b))}, s));
+    });
+    if constexpr (Stage::value < 3) { all_gather_bucket(b, weights_ + bk.byte_offset, stream); }
+  }
+  masters_stale_ = false;
+  comm_->synchronize(stream, "zero_optimizer::load");  // `data` and host_counters_ are read
+}
+
+}  // namespace wm
