@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host tests: block, cyclic and a user-written (hashed) mapping, and the dispatch plan, against
 // plain references.
-#include <wm/detail/tensor/plan.hpp>
+#include <wm/detail/exchange/plan.hpp>
 #include <wm/partition.hpp>
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "dispatch_model.hpp"
 #include "hashed_mapping.hpp"
 
 namespace {
@@ -146,7 +147,7 @@ TEST_CASE("the dispatch plan through a user-written mapping matches its ref", "[
   auto const m = wm::make_mapping_ref<wm_test::hashed>(part.ref(part.starts().data()));
   std::vector<std::int64_t> idx(500);
   for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % rows); }
-  auto const p   = wm::detail::plan_dispatch<wm_test::hashed, std::int64_t>(idx, m, world);
+  auto const p   = wm_test::plan_dispatch<wm_test::hashed, std::int64_t>(idx, m, world);
   std::size_t at = 0;
   for (int r = 0; r < world; ++r) {
     for (std::size_t j = 0; j < p.send_counts[static_cast<std::size_t>(r)]; ++j, ++at) {
@@ -173,7 +174,7 @@ TEMPLATE_TEST_CASE("the dispatch plan groups indices by owner, stably", "[host]"
                                       : static_cast<Index>(rng() % rows);
       }
       auto const c = cyclic_ref(rows, world);
-      auto const p = wm::detail::plan_dispatch<wm::cyclic, Index>(idx, c, world);
+      auto const p = wm_test::plan_dispatch<wm::cyclic, Index>(idx, c, world);
       // Reference: walk owners in order, positions ascending within each owner.
       std::vector<std::size_t> order;
       std::vector<Index> keys;
@@ -203,7 +204,7 @@ TEMPLATE_TEST_CASE("the dispatch plan groups indices by owner, stably", "[host]"
   }
   // A batch whose rows all live on one rank: the others receive nothing.
   std::vector<Index> const only_zero{0, 4, 8, 4};
-  auto const p = wm::detail::plan_dispatch<wm::cyclic, Index>(only_zero, cyclic_ref(12, 4), 4);
+  auto const p = wm_test::plan_dispatch<wm::cyclic, Index>(only_zero, cyclic_ref(12, 4), 4);
   CHECK(p.send_counts == std::vector<std::size_t>{4, 0, 0, 0});
   CHECK(p.send_keys == std::vector<Index>{0, 1, 2, 1});
 }

@@ -43,10 +43,10 @@
 #include <wm/detail/base/cuda.cuh>
 #include <wm/detail/base/resources.hpp>
 #include <wm/detail/base/workspace.cuh>
-#include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/line_word.hpp>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
+#include <wm/detail/cache/statistics.hpp>
 #include <wm/detail/cache/warp_rows.cuh>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/move.cuh>

@@ -10,10 +10,10 @@
 #include <wm/detail/base/workspace.cuh>
 #include <wm/detail/cache/admit_kernels.cuh>
 #include <wm/detail/cache/hit_first_kernels.cuh>
-#include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/lines_ref.cuh>
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
+#include <wm/detail/cache/statistics.hpp>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/views.cuh>
 #include <wm/detail/tensor/table_rows.cuh>

@@ -8,8 +8,8 @@
 #pragma once
 
 #include <wm/config.hpp>
-#include <wm/detail/cache/kernels.cuh>
 #include <wm/detail/cache/set.hpp>
+#include <wm/detail/cache/statistics.hpp>
 #include <wm/detail/tensor/table_rows.cuh>
 
 #include <cstddef>

@@ -299,33 +299,13 @@ struct cache_ref {
   }
 };
 
-/// What one access did (see access(), batch_access()).
+/// What one access did (see batch_access()).
 struct access_result {
   bool hit{false};
   int way{no_way};       ///< no_way only when bypassed
   admission admitted{};  ///< on a miss
   bool bypassed{false};  ///< batch_access: a miss with every way used by the batch; not admitted
 };
-
-/**
- * One access with write-allocate: a hit touches the line; a miss admits the key. With
- * @p write the line is marked dirty.
- */
-template <class Impl>
-WM_HOST_DEVICE access_result access(set_ref<Impl> const& s, std::uint32_t key,
-                                    bool write) noexcept {
-  access_result r;
-  r.way = s.find(key);
-  r.hit = r.way != no_way;
-  if (r.hit) {
-    s.touch(r.way);
-  } else {
-    r.admitted = s.admit(key);
-    r.way      = r.admitted.way;
-  }
-  if (write) { s.mark_dirty(r.way); }
-  return r;
-}
 
 /**
  * One access of batch @p epoch with write-allocate: starts the batch in the set (begin_batch);

@@ -97,24 +97,6 @@ __device__ admission warp_admit(set_ref<Impl> const& s, std::uint32_t key, unsig
   return a;
 }
 
-/// One access with write-allocate (access() in set.hpp), by the whole warp.
-template <class Impl>
-__device__ access_result warp_access(set_ref<Impl> const& s, std::uint32_t key, bool write,
-                                     unsigned lane) noexcept {
-  access_result r;
-  r.way = warp_find(s, key, lane);
-  r.hit = r.way != no_way;
-  if (r.hit) {
-    warp_touch(s, r.way, lane);
-  } else {
-    r.admitted = warp_admit(s, key, lane);
-    r.way      = r.admitted.way;
-  }
-  if (write && lane == 0) { s.mark_dirty(r.way); }
-  __syncwarp();
-  return r;
-}
-
 /// Starts batch @p epoch in the set (set_ref::begin_batch), by lane 0.
 template <class Impl>
 __device__ void warp_begin_batch(set_ref<Impl> const& s, std::uint32_t epoch,

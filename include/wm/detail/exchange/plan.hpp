@@ -1,56 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host form of the model-parallel dispatch plan (sok-dispatch input dispatcher): which rank owns
-// each index, the caller's positions grouped by owner (stable), the per-peer counts and the local
-// rows each peer is asked for. The device path (plan_dispatch_device) computes the same arrays;
-// the GPU tests compare the two, and the host tests check this one against a reference.
+// What the exchange engine's ranks agree on before rows move: how a peer's rows are cut into
+// pieces (both ends compute the same cut from the same count), and the header each rank sends
+// beside its counts (operation, fault, index width, row bytes, batch, invalid indices), checked on
+// every rank after the count exchange so that a call one rank cannot make, or that the ranks make
+// differently, fails on every rank. Host-only.
 #pragma once
-
-#include <wm/partition.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
-#include <type_traits>
-#include <vector>
 
 namespace wm::detail {
-
-template <class Index>
-struct dispatch_plan {
-  std::vector<std::size_t> send_counts;  ///< per owner rank
-  std::vector<std::size_t> order;        ///< positions grouped by owner; invalid indices last
-  std::vector<Index> send_keys;  ///< local row asked of the owner, for the sent prefix of order
-  std::size_t invalid{};         ///< number of indices outside [0, rows)
-};
-
-template <class Mapping, class Index>
-[[nodiscard]] dispatch_plan<Index> plan_dispatch(std::span<Index const> idx,
-                                                 mapping_ref<Mapping> map, int world) {
-  auto const w = static_cast<std::size_t>(world);
-  std::vector<std::vector<std::size_t>> buckets(w + 1);
-  for (std::size_t i = 0; i < idx.size(); ++i) {
-    Index const k = idx[i];
-    bool const ok =
-        (!std::is_signed_v<Index> || k >= 0) && static_cast<std::size_t>(k) < map.rows();
-    buckets[ok ? static_cast<std::size_t>(map.locate(static_cast<std::size_t>(k)).rank) : w]
-        .push_back(i);
-  }
-  dispatch_plan<Index> p;
-  for (std::size_t r = 0; r <= w; ++r) {
-    if (r < w) { p.send_counts.push_back(buckets[r].size()); }
-    for (std::size_t i : buckets[r]) {
-      p.order.push_back(i);
-      if (r < w) {
-        p.send_keys.push_back(
-            static_cast<Index>(map.locate(static_cast<std::size_t>(idx[i])).local));
-      }
-    }
-  }
-  p.invalid = buckets[w].size();
-  return p;
-}
 
 /// Most pieces the distributed gather cuts one peer's rows into (see `pieces_of`).
 inline constexpr int max_pieces = 6;

@@ -471,19 +471,4 @@ void read_distinct(Rows rows, distinct_batch<Index, Pos> const& b, std::size_t c
       blocks_per_sm);
 }
 
-/**
- * A gather that reads each distinct row once: out row i = rows.row(idx[i]) for i < n (@p out:
- * packed rows of @p row_bytes). @p bits: the key bits that order every valid key (row_bits);
- * @p ws: the plan's room. See plan_distinct and read_distinct.
- */
-template <class Rows, class Index, class Fresh>
-void gather_distinct(Rows rows, Index const* idx, std::size_t n, int bits, workspace& ws,
-                     std::byte* out, std::size_t row_bytes, std::uintptr_t rows_alignment,
-                     unsigned* err, cudaStream_t s, Fresh fresh, int blocks_per_sm = 8) {
-  if (n == 0) { return; }
-  auto const b = plan_distinct(idx, n, bits, ws, s);
-  read_distinct(rows, b, static_cast<std::size_t const*>(nullptr), packed_rows{out, row_bytes},
-                row_bytes, rows_alignment, err, s, fresh, blocks_per_sm);
-}
-
 }  // namespace wm::detail

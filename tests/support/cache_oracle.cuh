@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Cache kernels: the batch probe (a warp per key, one ballot over the set's 32 tags) and the
-// device statistics counters it adds to. The gather / update paths build on these.
+// Test oracles of the cache's warp code (detail/cache/warp.cuh): the warp form of one plain
+// access (against cache_oracle.hpp's sequential one), and a batch probe kernel (a warp per key,
+// one ballot over the set's 32 tags) that counts into the device statistics.
 #pragma once
 
-#include <wm/cache.hpp>
 #include <wm/detail/cache/set.hpp>
+#include <wm/detail/cache/statistics.hpp>
+#include <wm/detail/cache/warp.cuh>
 #include <wm/error.hpp>
 
 #include <cuda/cmath>
@@ -16,27 +18,27 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cache_oracle.hpp"
+
 namespace wm::detail::cache {
 
-/// Statistics counters in device memory (added to with atomics; see wm::cache_statistics).
-struct device_statistics {
-  unsigned long long requests{};
-  unsigned long long distinct_keys{};
-  unsigned long long hits{};
-  unsigned long long misses{};
-  unsigned long long evictions{};
-  unsigned long long write_backs{};
-  unsigned long long bytes_from_host{};
-  unsigned long long bytes_from_peers{};
-  unsigned long long bypasses{};
-  unsigned long long bypass_rows{};
-
-  /// The host-side form.
-  [[nodiscard]] wm::cache_statistics to_public() const noexcept {
-    return {requests,        distinct_keys,    hits,     misses,     evictions, write_backs,
-            bytes_from_host, bytes_from_peers, bypasses, bypass_rows};
+/// One access with write-allocate (access() in set.hpp), by the whole warp.
+template <class Impl>
+__device__ access_result warp_access(set_ref<Impl> const& s, std::uint32_t key, bool write,
+                                     unsigned lane) noexcept {
+  access_result r;
+  r.way = warp_find(s, key, lane);
+  r.hit = r.way != no_way;
+  if (r.hit) {
+    warp_touch(s, r.way, lane);
+  } else {
+    r.admitted = warp_admit(s, key, lane);
+    r.way      = r.admitted.way;
   }
-};
+  if (write && lane == 0) { s.mark_dirty(r.way); }
+  __syncwarp();
+  return r;
+}
 
 inline constexpr int probe_block = 256;  ///< threads per block of the probe (8 warps)
 
