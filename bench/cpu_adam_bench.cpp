@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * cpu_adam_bench (issue 20): the CPU AdamW of wm::zero_optimizer's host offload in parameters per
+ * cpu_adam_bench: the CPU AdamW of wm::zero_optimizer's host offload in parameters per
  * second, against the host's memory copy bandwidth measured in the same run, both counted at 28
  * bytes per parameter (read master, m, v and a 4-byte fp32 gradient, write master, m, v: 16 + 12;
  * or read a bf16 gradient and write a bf16 weight copy too: 14 + 14). The copy moves the same
@@ -34,7 +34,7 @@
  *   k-th CPU (thread_pool's pinning; the calling thread, which starts the peer, stays unpinned).
  *   --peer runs bench/peers/torch_cpu_adam.py on the same size and thread count (torch's
  *   AdamW default, foreach and fused on CPU tensors) and prints the ratio to torch fused.
- * Targets (issue 20): ≥ 1.1 × torch fused, ≥ 0.80 of the copy bandwidth at 28 B/param.
+ * Targets: ≥ 1.1 × torch fused, ≥ 0.80 of the copy bandwidth at 28 B/param.
  */
 #include <wm/detail/zero/cpu_adam.hpp>
 

@@ -8,10 +8,10 @@
  * a bf16 SGD in place, no optimizer state: the floor that the model's compute sets).
  * Columns: median step ms (forward + backward with per-bucket reductions + step; CUDA events,
  * after 2 warm-ups); ratio to ZeRO-2; the model states the optimizer holds per GPU (weights,
- * gradients, fp32 masters and Adam moments) against the formula of DESIGN §8 and their ratio;
- * the communication buffers (staging buckets, stage-3 pool); the device memory the optimizer and
- * model allocated (cudaMemGetInfo before and after, activations included); pinned host bytes.
- * Offload rows: the pipeline (the default pool of spare regions, zero_options::
+ * gradients, fp32 masters and Adam moments) against the memory formula of docs/design.md, "ZeRO
+ * memory", and their ratio; the communication buffers (staging buckets, stage-3 pool); the device
+ * memory the optimizer and model allocated (cudaMemGetInfo before and after, activations included);
+ * pinned host bytes. Offload rows: the pipeline (the default pool of spare regions, zero_options::
  * offload_spare_fraction, or --spare-fraction), the same with zero_options::offload_overlap_forward
  * (the next forward beside the end of the CPU Adam, weights_ready per layer; its step ms is the
  * median interval between a step's first and last enqueued work, which in steady state takes in
@@ -86,7 +86,7 @@ struct row {
   std::string name;
   double ms{};
   double states{};   // model states held (bytes)
-  double formula{};  // DESIGN §8
+  double formula{};  // docs/design.md, "ZeRO memory"
   double buffers{};
   double allocated{};
   double host{};

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 /*
- * Example 07: data-parallel training with ZeRO stage 2 (issue 20, DESIGN.md §8).
+ * Example 07: data-parallel training with ZeRO stage 2 (docs/design.md, "ZeRO memory").
  *
  * What it teaches:
  *  - `wm::zero_optimizer<wm::zero_stage<2>, wm::adam>` takes the model's parameter list (names,

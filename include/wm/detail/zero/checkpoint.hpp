@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host-only checkpoint files of wm::zero_optimizer (issue 20, DESIGN.md §8): one file per rank,
-// `shard-<rank>.zero`, holding the rank's fp32 state buffer as it is (master weights, then each
-// optimizer state, padding included) after a header and the fragment table that names what each
-// range holds. Loading into any rank count, bucket size or stage reads every file's table and
+// Host-only checkpoint files of wm::zero_optimizer (docs/design.md, "ZeRO memory"): one file per
+// rank, `shard-<rank>.zero`, holding the rank's fp32 state buffer as it is (master weights, then
+// each optimizer state, padding included) after a header and the fragment table that names what
+// each range holds. Loading into any rank count, bucket size or stage reads every file's table and
 // intersects it with the new plan (reshard.hpp). Tested in tests/zero/checkpoint_test.cpp.
 //
 // Format (little-endian, as the host writes it): "wm-zero1", then u64 world, rank,

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CPU Adam of wm::zero_optimizer's host offload (issue 20, DESIGN.md §8): fp32 master
+// The CPU Adam of wm::zero_optimizer's host offload (docs/design.md, "ZeRO memory"): fp32 master
 // weights, m and v in host memory, fp32 or bf16 gradients in, fp32 master and (optionally) a bf16
 // copy out. Multi-threaded over a wm::detail::zero::thread_pool, vectorized with AVX-512 or
 // AVX2 + FMA chosen at run time (__builtin_cpu_supports), with a scalar fallback; each ISA can be

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host-only layout of wm::zero_optimizer (issue 20, DESIGN.md §8): the one contiguous arena of
-// compute weights (and gradients), its buckets in backward order, each rank's equal shard of each
-// bucket and the parameter fragments a shard holds; and the memory formula of DESIGN.md §8.
+// Host-only layout of wm::zero_optimizer (docs/design.md, "ZeRO memory"): the one contiguous arena
+// of compute weights (and gradients), its buckets in backward order, each rank's equal shard of
+// each bucket and the parameter fragments a shard holds; and the memory formula of that section.
 // Compiles with a plain C++20 compiler; tests/zero/plan_test.cpp checks it on the CPU.
 //
 // Layout rules (Megatron's distributed optimizer is the anchor):
@@ -218,16 +218,16 @@ struct plan {
   return pl;
 }
 
-/// Device and host bytes per rank that the formula of DESIGN.md §8 gives.
+/// Device and host bytes per rank that the memory formula gives (docs/design.md, "ZeRO memory").
 struct memory_estimate {
   double device_bytes{};  ///< weights + gradients + states kept on each GPU
   double host_bytes{};    ///< fp32 states (and the gradient shard) kept on the host (offload)
 };
 
 /**
- * @brief The memory formula of DESIGN.md §8 (the ZeRO paper's) for @p params parameters over
- * @p world ranks: stage 0 (plain data parallel) (w+g+K)Ψ, stage 1 (w+g)Ψ + KΨ/N, stage 2
- * wΨ + (g+K)Ψ/N, stage 3 (w+g+K)Ψ/N, with w = @p weight_bytes, g = @p grad_bytes and K =
+ * @brief The memory formula of docs/design.md, "ZeRO memory" (the ZeRO paper's), for @p params
+ * parameters over @p world ranks: stage 0 (plain data parallel) (w+g+K)Ψ, stage 1 (w+g)Ψ + KΨ/N,
+ * stage 2 wΨ + (g+K)Ψ/N, stage 3 (w+g+K)Ψ/N, with w = @p weight_bytes, g = @p grad_bytes and K =
  * @p state_bytes per parameter (2, 2 and 12 for bf16 weights and fp32 Adam). With @p offload
  * the KΨ/N term moves to the host, which also holds a gradient shard gΨ/N (the CPU update's
  * input). Communication buffers (the two buckets in flight) are not included.

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host-only checkpoint resharding of wm::zero_optimizer (issue 20, DESIGN.md §8): each rank
+// Host-only checkpoint resharding of wm::zero_optimizer (docs/design.md, "ZeRO memory"): each rank
 // stores its fp32 state buffer as it is (the shards of every bucket, padding included) with a
 // fragment table naming what each range holds; loading into any rank count, bucket size or
 // stage is a range intersection of the stored tables with the new plan's fragments. The state

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host-only bookkeeping of ZeRO stage 3's gathered weights (issue 20, DESIGN.md §8): which
+// Host-only bookkeeping of ZeRO stage 3's gathered weights (docs/design.md, "ZeRO memory"): which
 // buckets are gathered, where in the gather pool they lie, which groups hold them, and what a
 // prefetch may bring in without going over the pool. No CUDA here: the optimizer turns the loads
 // this returns into all-gathers; tests/zero/residency_test.cpp checks it on the CPU.

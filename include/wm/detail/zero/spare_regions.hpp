@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-only bookkeeping of the offload pipeline's spare host regions (wm::zero_optimizer with
-// wm::offload_host and zero_options::offload_pipeline, issue 20). No CUDA here; the optimizer
+// wm::offload_host and zero_options::offload_pipeline). No CUDA here; the optimizer
 // turns what this returns into CPU Adam calls; tests/zero/residency_test.cpp checks it on the CPU.
 //
 // The pipeline updates a bucket's shard in chunks as its gradients land, before `step` knows
