@@ -5,7 +5,7 @@
 // probe (kernels.cuh) finds exactly what the host finds after random admissions, and its device
 // statistics add up.
 #include <wm/cache.hpp>
-#include <wm/detail/cache/kernels.cuh>
+#include <wm/detail/cache/statistics.hpp>
 #include <wm/error.hpp>
 
 #include <cuda_runtime.h>
@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_oracle.cuh"
 #include "catch.hpp"
 
 namespace {
