@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// The word of a group-cache line (detail/cache/group.cuh) that readers on every GPU of the group
-// check before and after they copy the line's row: key + 1 in the low half while the line holds
-// that key's whole row (0: it holds none), a generation in the high half that the holder advances
-// each time it empties the line. A reader serves its copy only if the word it loaded after the copy
-// is the word it loaded before, and that word named its key: a copy made while the holder replaced
-// the row, even through other keys and back to the same one, is never served. Host and device: the
-// host tests (tests/cache/set_test.cpp) run the protocol on these functions.
+// The word of a group-cache line (detail/cache/group_ref.cuh) that readers on every GPU of the
+// group check before and after they copy the line's row: key + 1 in the low half while the line
+// holds that key's whole row (0: it holds none), a generation in the high half that the holder
+// advances each time it empties the line. A reader serves its copy only if the word it loaded after
+// the copy is the word it loaded before, and that word named its key: a copy made while the holder
+// replaced the row, even through other keys and back to the same one, is never served. Host and
+// device: the host tests (tests/cache/set_test.cpp) run the protocol on these functions.
 #pragma once
 
 #include <wm/config.hpp>

@@ -6,7 +6,7 @@
 
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
-#include <wm/detail/cache/group.cuh>
+#include <wm/detail/cache/group_lines.cuh>
 #include <wm/detail/cache/line_reader.cuh>
 #include <wm/detail/cache/line_storage.cuh>
 #include <wm/detail/cache/lines_ref.cuh>
