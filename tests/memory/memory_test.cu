@@ -788,7 +788,7 @@ TEST_CASE("ranks: memory kinds, tensors and splits made and destroyed 20 times l
   create_and_destroy_everything(wm::local_device_count());
 }
 
-// ---- teardown after a failure (issue 16, item 5) ------------------------------------------------
+// ---- teardown after a failure ------------------------------------------------------------------
 
 namespace {
 

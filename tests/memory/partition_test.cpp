@@ -15,7 +15,7 @@ std::vector<std::size_t> counts_of(wm::block_partition const& p) {
   return c;
 }
 
-// Reference plan written from DESIGN.md's formula, entry by entry.
+// Reference plan written from the formula of docs/design.md, "Partition plan", entry by entry.
 void check_against_reference(std::size_t entries, int world, wm::block_partition const& p) {
   std::size_t const per = (entries + world - 1) / world;
   for (int r = 0; r < world; ++r) {

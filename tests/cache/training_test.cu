@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU tests of the caches in wm::embedding on one rank (the embedding_cache_test program):
+// training through a read-write device cache (LFU and LRU, float and half, SGD, Adam and
+// global-step Adam) equals the uncached table bit for bit over several steps of fresh random keys
+// with repeats, also across flush(), invalidate(), prefetch() and a store() + load() into an
+// uncached table of another layout; the statistics add up; edge geometries (one set, ratio 1,
+// fewer rows than one set's 32 ways, many lines, wide rows).
+#include <wm/embedding.cuh>
+#include <wm/launch.hpp>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <unistd.h>
+
+#include "cache_common.cuh"
+#include "catch.hpp"
+#include "device_array.cuh"
+#include "rank_check.hpp"
+
+using namespace cache_tests;
+
+namespace {
+
+/// Table geometry and cache ratio of one scenario.
+struct geometry {
+  std::size_t rows, dim, batch;
+  double ratio;
+  char const* what;
+};
+
+std::filesystem::path fresh_dir(char const* what) {
+  auto const dir = std::filesystem::temp_directory_path() /
+                   ("wm-cache-" + std::string{what} + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+/**
+ * Trains a host table behind a read-write device cache and an uncached device table side by
+ * side on the same batches; gathers, tables (after flush), statistics and a checkpoint reloaded
+ * into an uncached table of another layout must agree bit for bit.
+ */
+template <class T, class R, class Opt>
+void train_bitwise(wm::communicator& comm, Opt opt, geometry g, std::uint64_t seed) {
+  std::string const what = std::string{g.what} + " T=" + std::to_string(sizeof(T)) + "B " +
+                           R::name + " " + Opt::name + " rows=" + std::to_string(g.rows) +
+                           " dim=" + std::to_string(g.dim) + " ratio=" + std::to_string(g.ratio);
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreate(&s));
+  std::mt19937_64 rng{seed};
+  cached_and_plain<T, R, Opt> tables{comm, g.rows, g.dim, opt, g.ratio, rng};
+  auto& cached = tables.cached;
+  auto& plain  = tables.plain;
+  RANK_REQUIRE_MSG(cached.cache_lines() >= 32 && cached.cache_lines() % 32 == 0, what);
+  double const wanted = g.ratio * static_cast<double>(g.rows);
+  RANK_REQUIRE_MSG(static_cast<double>(cached.cache_lines()) >= wanted &&
+                       static_cast<double>(cached.cache_lines()) < wanted + 32,
+                   what << ": " << cached.cache_lines() << " lines");
+  // A cached host table keeps each row's weight, state and step in one record of whole 128-byte
+  // pieces (the states and steps are views of the weight tensor's rows); without state or steps
+  // its weight rows are dense.
+  std::size_t const record = cached.weights().stride() * sizeof(T);
+  if (cached.states() == nullptr && cached.steps() == nullptr) {
+    RANK_REQUIRE_MSG(cached.weights().stride() == g.dim, what << ": record of " << record << " B");
+  } else {
+    RANK_REQUIRE_MSG(record % 128 == 0 && record >= line_payload<T>(opt, g.dim) &&
+                         record < line_payload<T>(opt, g.dim) + 128 + 16,
+                     what << ": record of " << record << " B");
+  }
+  if (cached.states() != nullptr) {
+    auto const& st = *cached.states();
+    RANK_REQUIRE_MSG(st.column_offset() >= g.dim * sizeof(T) && st.column_offset() % 16 == 0 &&
+                         st.stride() * sizeof(float) == record,
+                     what << ": states at " << st.column_offset());
+  }
+  if (cached.steps() != nullptr) {
+    auto const& sp = *cached.steps();
+    RANK_REQUIRE_MSG(sp.column_offset() + sizeof(std::int64_t) <= record &&
+                         sp.stride() * sizeof(std::int64_t) == record,
+                     what << ": steps at " << sp.column_offset());
+  }
+
+  std::uint64_t requests = 0, distinct = 0, prefetched = 0;
+  auto check_stats = [&](char const* when) {
+    auto const st = cached.cache_stats();
+    RANK_REQUIRE_MSG(st.requests == requests, what << " " << when << ": " << st.requests
+                                                   << " requests, " << requests << " made");
+    RANK_REQUIRE_MSG(st.distinct_keys == distinct, what << " " << when << ": " << st.distinct_keys
+                                                        << " distinct, " << distinct << " made");
+    RANK_REQUIRE_MSG(st.hits + st.misses == st.requests, what << " " << when);
+    RANK_REQUIRE_MSG(st.bytes_from_peers == 0, what);
+    // A gather loads each distinct missing row once (distinct misses <= misses); a prefetch
+    // loads at most its distinct keys.
+    std::size_t const payload = line_payload<T>(opt, g.dim);
+    // Bypassed keys (more than 32 of one set in a batch) read their weight rows only.
+    RANK_REQUIRE_MSG(st.bypasses <= st.misses, what << " " << when);
+    // A hit-first gather reads a bypassed key's row once per occurrence, other gathers once.
+    RANK_REQUIRE_MSG(st.bypasses <= st.bypass_rows, what << " " << when);
+    RANK_REQUIRE_MSG(st.bypass_rows <= st.misses, what << " " << when);
+    RANK_REQUIRE_MSG(st.hit_first_gathers != 0 || st.bypass_rows == st.bypasses,
+                     what << " " << when);
+    RANK_REQUIRE_MSG(st.bypass_rows * g.dim * sizeof(T) <= st.bytes_from_host, what << " " << when);
+    std::uint64_t const lines_in = st.bytes_from_host - st.bypass_rows * g.dim * sizeof(T);
+    RANK_REQUIRE_MSG(lines_in % payload == 0, what << " " << when << ": " << st.bytes_from_host
+                                                   << " bytes from host, " << st.bypass_rows
+                                                   << " bypass rows of " << g.dim * sizeof(T)
+                                                   << " B, payload " << payload);
+    RANK_REQUIRE_MSG(lines_in / payload <= st.misses + prefetched, what << " " << when);
+    RANK_REQUIRE_MSG(st.evictions <= lines_in / payload, what << " " << when);
+    return st;
+  };
+
+  int const steps = 8;
+  for (int k = 0; k < steps; ++k) {
+    auto const b = draw<T>(rng, g.rows, g.dim, g.batch + static_cast<std::size_t>(k) * 7, k);
+    if (k == 5) {  // prefetch: the gather after it sees every key that fits
+      device_array<std::int64_t> dk{b.keys};
+      cached.prefetch(std::span<std::int64_t const>{dk.ptr, b.keys.size()}, cuda::stream_ref{s});
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      prefetched += b.distinct;
+    }
+    auto const before = cached.cache_stats();
+    auto const got    = gather(cached, b, s);
+    RANK_REQUIRE_MSG(got == gather(plain, b, s), what << ": gather of step " << k << " differs");
+    requests += b.keys.size();
+    distinct += b.distinct;
+    auto const after = check_stats("after a gather");
+    if (k == 3) {  // just invalidated: every request misses
+      RANK_REQUIRE_MSG(after.hits == before.hits, what << ": hits right after invalidate()");
+    }
+    if (k == 5 && g.rows <= 32) {  // one set holds every row: the prefetched batch all hits
+      RANK_REQUIRE_MSG(after.hits - before.hits == b.keys.size(),
+                       what << ": a prefetched batch missed though every row fits");
+    }
+    apply(cached, b, s);
+    apply(plain, b, s);
+    if (k == 1 || k == 4) {
+      RANK_REQUIRE_MSG(flushed_equal(cached, plain, s),
+                       what << ": the flushed table differs after step " << k);
+      // Flushed lines are clean: a second flush writes nothing back.
+      auto const w0 = cached.cache_stats().write_backs;
+      cached.flush(cuda::stream_ref{s});
+      RANK_REQUIRE_MSG(cached.cache_stats().write_backs == w0, what << ": flush twice");
+    }
+    if (k == 2) {
+      cached.invalidate(cuda::stream_ref{s});
+      RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s),
+                       what << ": the table differs after invalidate()");
+    }
+  }
+  // A checkpoint: store() flushes first; the table loads into another layout, uncached.
+  auto const dir = fresh_dir("ckpt");
+  cached.store(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": after store()");
+  wm::embedding<T, wm::no_cache, Opt, wm::device, wm::distributed, wm::cyclic> loaded{
+      comm, g.rows, g.dim, opt, wm::embedding_init::zeros()};
+  loaded.load(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(loaded, s) == snapshot(plain, s), what << ": the reloaded table");
+  // And back into a cached table over stale lines: load() invalidates them.
+  auto const b = draw<T>(rng, g.rows, g.dim, g.batch, steps);
+  (void)gather(cached, b, s);
+  apply(cached, b, s);
+  cached.load(dir / "ck");
+  RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(plain, s), what << ": load() into the cache");
+  auto const again = draw<T>(rng, g.rows, g.dim, g.batch, steps + 1);
+  RANK_REQUIRE_MSG(gather(cached, again, s) == gather(plain, again, s),
+                   what << ": gather after load()");
+  apply(cached, again, s);
+  apply(plain, again, s);
+  RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), what << ": training after load()");
+  std::filesystem::remove_all(dir);
+  WM_CUDA_TRY(cudaStreamDestroy(s));
+}
+
+constexpr geometry geometries[] = {
+    {1000, 16, 400, 0.1, "many sets"},
+    {1000, 13, 300, 0.25, "odd dim"},
+    {20, 8, 40, 1.0, "fewer rows than 32 ways (one set)"},
+    {100, 8, 120, 1.0, "ratio 1"},
+    {3000, 32, 500, 0.01, "one set, many misses"},
+    // 75,000 lines and 70,000 keys: many victims staged per gather, sets past 32 keys.
+    {300000, 4, 70000, 0.25, "many lines"},
+    // Wide payloads: Adam rows of 192 floats (2,304 B with m and v), SGD's of 768 B.
+    {4000, 192, 600, 0.05, "wide rows"},
+};
+
+template <class T, class R, class Opt>
+void every_geometry(Opt opt) {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+    std::uint64_t sd = seed;
+    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++); }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("device cache: float, LFU, SGD trains bit for bit like no cache", "[gpu]") {
+  every_geometry<float, wm::lfu>(wm::sgd{});
+}
+TEST_CASE("device cache: float, LRU, Adam trains bit for bit like no cache", "[gpu]") {
+  every_geometry<float, wm::lru>(wm::adam{});
+}
+TEST_CASE("device cache: half, LFU, Adam trains bit for bit like no cache", "[gpu]") {
+  every_geometry<__half, wm::lfu>(wm::adam{});
+}
+TEST_CASE("device cache: half, LRU, SGD trains bit for bit like no cache", "[gpu]") {
+  every_geometry<__half, wm::lru>(wm::sgd{0.01f});
+}
+TEST_CASE("device cache: float, LRU, global-step Adam trains bit for bit like no cache", "[gpu]") {
+  wm::adam global;
+  global.bias_correction = wm::adam_bias_correction::global_step;
+  every_geometry<float, wm::lru>(global);
+}
