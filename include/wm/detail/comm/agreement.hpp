@@ -2,12 +2,11 @@
 // The host-side agreement of wm::communicator (declared in <wm/comm.hpp>): what each rank says
 // about every host-side collective (a descriptor: name, sequence number, arguments), the
 // exchange that compares the descriptors of every rank before any payload moves (so ranks that
-// call different collectives all throw instead of hanging), its teardown form agree_within, and
-// the node identity the ranks agree on at construction. Host-only.
+// call different collectives all throw instead of hanging), and its teardown form agree_within.
+// Host-only.
 #pragma once
 
 #include <wm/comm.hpp>
-#include <wm/detail/base/hash.hpp>
 #include <wm/detail/comm/nccl.hpp>
 #include <wm/error.hpp>
 
@@ -18,41 +17,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <span>
 #include <string>
 #include <string_view>
-#include <unistd.h>
 #include <vector>
 
 namespace wm {
 namespace detail {
-
-/// Identity of the node of rank @p rank: hostname and boot id (containers on one host share the
-/// boot id). Two overrides, for testing on one machine the paths a job of several hosts takes
-/// (no mapped memory, no shared host memory and no descriptor passing between nodes; rows
-/// travel through NCCL); real jobs set neither:
-/// - `WM_NODE_NAME` (not empty): the node's name; ranks with different names are different nodes;
-/// - else `WM_RANKS_PER_NODE=k` (k > 0): ranks r and s are one node when r / k == s / k.
-[[nodiscard]] inline std::uint64_t node_key(int rank) {
-  if (char const* name = std::getenv("WM_NODE_NAME"); name != nullptr && *name != '\0') {
-    return fnv1a(std::string_view{name}, fnv1a("wm node name"));
-  }
-  if (char const* per = std::getenv("WM_RANKS_PER_NODE"); per != nullptr && *per != '\0') {
-    char* end    = nullptr;
-    long const k = std::strtol(per, &end, 10);
-    WM_EXPECTS(end != per && *end == '\0' && k > 0,
-               std::string{"WM_RANKS_PER_NODE must be a positive integer, not '"} + per + "'");
-    return fnv1a(std::to_string(rank / k), fnv1a("wm ranks per node"));
-  }
-  char host[256]{};
-  ::gethostname(host, sizeof(host) - 1);
-  std::string boot;
-  std::ifstream{"/proc/sys/kernel/random/boot_id"} >> boot;
-  return fnv1a(boot, fnv1a(host));
-}
 
 /// What every rank contributes to each host-side collective; compared across ranks.
 struct collective_descriptor {

@@ -9,6 +9,7 @@
 #include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/hash.hpp>
 #include <wm/detail/comm/nccl.hpp>
+#include <wm/detail/comm/node_identity.hpp>
 #include <wm/error.hpp>
 
 #include <cuda_runtime_api.h>
