@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_oracle.hpp"
 #include "catch.hpp"
 
 namespace cache = wm::detail::cache;
