@@ -505,3 +505,30 @@ TEST_CASE("range_allocator: random allocations never overlap and free space is w
   CHECK(a.in_use() == 0);
   CHECK(a.largest_free() == a.capacity());
 }
+
+TEST_CASE("range_allocator: sizes that cannot be rounded fail instead of wrapping",
+          "[host][swap]") {
+  constexpr auto npos = wm::detail::range_allocator::npos;
+  wm::detail::range_allocator a{1000, 64};
+  std::size_t const huge = ~std::size_t{0} - 10;  // 2^64 - 11: rounding it up would wrap to 0
+  CHECK(a.round(huge) == npos);                   // not a size, so never <= a capacity
+  CHECK(a.round(~std::size_t{0}) == npos);
+  CHECK(a.round(~std::size_t{0} - 62) == npos);                  // 2^64 - 63: would be 2^64
+  CHECK(a.round(~std::size_t{0} - 63) == ~std::size_t{0} - 63);  // 2^64 - 64, a multiple of 64
+  CHECK(a.round(~std::size_t{0} - 64) == ~std::size_t{0} - 63);
+  CHECK(a.allocate(huge) == npos);
+  CHECK(a.allocate(~std::size_t{0}) == npos);
+  CHECK(a.allocate(a.capacity() + 1) == npos);
+  CHECK(a.in_use() == 0);
+  CHECK(a.allocations() == 0);
+  // The failed probes took nothing: the whole range is still there, once.
+  auto const x = a.allocate(960);
+  CHECK(x == 0);
+  CHECK(a.allocate(1) == npos);
+  CHECK_FALSE(a.fits_all(std::vector<std::size_t>{huge}));
+  // With an alignment of one nothing rounds, and the largest size is an ordinary one.
+  wm::detail::range_allocator b{100, 1};
+  CHECK(b.round(huge) == huge);
+  CHECK(b.allocate(huge) == npos);
+  CHECK(b.allocate(100) == 0);
+}

@@ -30,9 +30,10 @@ class range_allocator {
   }
 
   /// Offset of @p bytes (rounded up to the alignment; 0 counts as one unit), or npos if no free
-  /// range is large enough.
+  /// range is large enough (always for a size that cannot be rounded, see round()).
   [[nodiscard]] std::size_t allocate(std::size_t bytes) {
     std::size_t const size = round(bytes);
+    if (size == npos || size > capacity_) { return npos; }
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second >= size) {
         std::size_t const offset = it->first;
@@ -78,8 +79,12 @@ class range_allocator {
     return it == used_.end() ? 0 : it->second;
   }
 
+  /// @p bytes rounded up to the alignment (0 counts as one unit), or npos if that is past the
+  /// largest size_t: npos is larger than any capacity, so a size that cannot be rounded never
+  /// fits (rounded with wrap-around, 2^64 - 11 would be 0 and alias the next allocation).
   [[nodiscard]] std::size_t round(std::size_t bytes) const noexcept {
     std::size_t const b = bytes == 0 ? 1 : bytes;
+    if (b > npos - (alignment_ - 1)) { return npos; }
     return (b + alignment_ - 1) / alignment_ * alignment_;
   }
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
