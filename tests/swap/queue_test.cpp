@@ -15,6 +15,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -138,9 +139,27 @@ wm::transfer_queue_options no_coalescing(int in_flight = 4) {
   return o;
 }
 
+// A copier whose poll fails, as swap_core's does when an event reports an error: every task
+// starts, no ticket completes.
+struct failing_poll_copier {
+  using ticket_type = int;
+  std::atomic<int> polls{0};
+  std::atomic<int> completes{0};
+  std::optional<ticket_type> submit(std::span<wm::transfer_task> batch) {
+    for (auto& t : batch) { t.admission = wm::transfer_admission::start; }
+    return 1;
+  }
+  bool poll(ticket_type const&) {
+    ++polls;
+    throw std::runtime_error{"the copy's event failed"};
+  }
+  void complete(ticket_type const&) { ++completes; }
+};
+
 }  // namespace
 
 static_assert(wm::transfer_copier<fake_copier>);
+static_assert(wm::transfer_copier<failing_poll_copier>);
 
 TEST_CASE("transfer_queue: passive tasks at the front go first, back tasks in order once started",
           "[host][swap]") {
@@ -531,4 +550,21 @@ TEST_CASE("range_allocator: sizes that cannot be rounded fail instead of wrappin
   CHECK(b.round(huge) == huge);
   CHECK(b.allocate(huge) == npos);
   CHECK(b.allocate(100) == 0);
+}
+
+TEST_CASE("transfer_queue: an error from poll reaches the next drain; the ticket is not completed",
+          "[host][swap]") {
+  failing_poll_copier c;
+  {
+    wm::transfer_queue<failing_poll_copier> q{c, no_coalescing()};
+    REQUIRE(q.enqueue(task(1, mib)));
+    q.start();
+    CHECK_THROWS_WITH(q.wait(deadline()), "the copy's event failed");
+    CHECK(q.in_flight() == 0);  // the failed ticket is dropped, not polled for ever
+    // The worker goes on: the next failure is reported by the next drain.
+    REQUIRE(q.enqueue(task(2, mib)));
+    CHECK_THROWS_WITH(q.wait(deadline()), "the copy's event failed");
+  }  // close() with nothing in flight
+  CHECK(c.polls == 2);
+  CHECK(c.completes == 0);
 }

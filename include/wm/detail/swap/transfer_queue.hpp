@@ -5,6 +5,7 @@
 #include <wm/error.hpp>
 
 #include <algorithm>
+#include <exception>
 
 namespace wm {
 
@@ -267,10 +268,20 @@ void transfer_queue<Copier>::run() {
   std::unique_lock lock{mutex_};
   std::vector<ticket_type> done;
   while (true) {
-    // 1. Complete what has finished (outside the lock: the copier may call back).
+    // 1. Complete what has finished (outside the lock: the copier may call back). A poll that
+    // throws (the copy failed) drops its ticket uncompleted and the error goes to the next drain.
+    bool poll_failed = false;
     for (auto it = flights_.begin(); it != flights_.end();) {
-      if (copier_.poll(it->ticket)) {
-        done.push_back(std::move(it->ticket));
+      bool finished = false;
+      bool failed   = false;
+      try {
+        finished = copier_.poll(it->ticket);
+      } catch (...) {
+        if (!error_) { error_ = std::current_exception(); }
+        failed = poll_failed = true;
+      }
+      if (finished || failed) {
+        if (finished) { done.push_back(std::move(it->ticket)); }
         if (options_.release_on_completion) {
           lookahead_used_ -= std::min(it->lookahead_bytes, lookahead_used_);
         }
@@ -279,6 +290,7 @@ void transfer_queue<Copier>::run() {
         ++it;
       }
     }
+    if (poll_failed) { done_.notify_all(); }
     if (!done.empty()) {
       ++submitting_;  // not idle while completing
       lock.unlock();
