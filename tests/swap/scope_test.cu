@@ -546,3 +546,40 @@ TEST_CASE_METHOD(swap_fixture,
   bad.pagein_stream = st.s[1];  // the same stream twice
   CHECK_THROWS_AS(wm::swap_scope{bad}, wm::logic_error);
 }
+
+// swap_options::timeout = milliseconds::max() means no limit: every wait of the scope gets a
+// deadline at the clock's end (t0 + max() would wrap into the past and fail every wait at once).
+TEST_CASE_METHOD(swap_fixture, "swap: a timeout of milliseconds::max() means no limit",
+                 "[gpu][swap]") {
+  load_kernels();
+  std::size_t const words = mib;  // 4 MiB buffers; the pool holds one
+  wm::swap_options o      = small_scope(words * 4);
+  o.timeout               = std::chrono::milliseconds::max();
+  wm::swap_scope scope{o};
+  device_words src{words};
+  device_words dst{words};
+  std::uint64_t const sd = rng();
+  fill(src.p, words, sd, s0);
+  // pageout_from waits for its worker to issue the copy.
+  auto b = scope.pageout_from<std::uint32_t>(src.p, words, s0);
+  CHECK(b);
+  b.wait_pageout(s0);
+  b.pagein_to(dst.p, s0);
+  b.wait_pagein(s0);
+  CHECK(wrong_on_host(dst.p, words, sd, s0) == 0);
+  // allocate waits for room in the pool (a page-out frees the one block); data() of a paged-out
+  // buffer waits for its page-in to be issued; the drains wait for the queues.
+  std::uint64_t const sa = rng();
+  std::uint64_t const sc = rng();
+  auto a                 = filled(scope, words, sa, s0);
+  CHECK(a.pageout(s0));
+  auto c = filled(scope, words, sc, s1);
+  scope.wait_pageouts();
+  c.reset();
+  chk.check(a.data(s0), words, sa, s0);
+  scope.prefetch_init();
+  scope.prefetch_all();
+  scope.wait_prefetches();
+  CHECK(chk.wrong_checks() == 0);
+  CHECK(scope.options().timeout == std::chrono::milliseconds::max());
+}

@@ -121,7 +121,7 @@ inline std::uint64_t swap_core::promote_pageout(std::size_t bytes) {
 inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_lock<std::mutex>& lock,
                                               cudaStream_t stream) {
   auto const t0       = clock::now();
-  auto const deadline = t0 + options_.timeout;
+  auto const deadline = deadline_from(t0);
   bool waited         = false;
   auto cause          = wait_cause::worker;
   while (true) {
@@ -167,7 +167,7 @@ inline void swap_core::wait_issued(record& r, cudaStream_t stream,
   r.deferred    = false;
   auto const t0 = clock::now();
   bool const issued =
-      cv_.wait_until(lock, t0 + options_.timeout, [&] { return r.st != state::in_queued; });
+      cv_.wait_until(lock, deadline_from(t0), [&] { return r.st != state::in_queued; });
   count_wait(r.deferred ? wait_cause::pool : wait_cause::worker, t0);
   r.deferred = false;
   if (!issued) { throw_timeout("a page-in to be issued"); }

@@ -270,7 +270,7 @@ inline std::uint64_t swap_core::pageout_from(void const* src, std::size_t bytes,
   r.deferred    = false;
   auto const t0 = clock::now();
   bool const issued =
-      cv_.wait_until(lock, t0 + options_.timeout, [&] { return r.st != state::out_queued; });
+      cv_.wait_until(lock, deadline_from(t0), [&] { return r.st != state::out_queued; });
   count_wait(r.deferred ? wait_cause::slab : wait_cause::worker, t0);
   r.deferred = false;
   if (!issued) {
@@ -399,7 +399,7 @@ inline void swap_core::drop_kept(record& r) {
 
 inline void swap_core::drain(transfer_queue<copier>& q, char const* what) {
   auto const t0 = clock::now();
-  bool const ok = q.wait(t0 + options_.timeout);
+  bool const ok = q.wait(deadline_from(t0));
   {
     std::lock_guard lock{mutex_};
     count_wait(wait_cause::drain, t0);

@@ -15,6 +15,7 @@
 // Included by <wm/swap.cuh> (after wm::swap_options and wm::swap_statistics), not on its own.
 #pragma once
 
+#include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/range_allocator.hpp>
 #include <wm/error.hpp>
 #include <wm/transfer_queue.hpp>
@@ -102,7 +103,8 @@ class swap_core {
       : options_{options}, dev_alloc_{0, 256}, host_alloc_{0, 256} {
     WM_EXPECTS(options.host_bytes > 0, "swap_scope: the host slab must have a positive size");
     WM_EXPECTS(options.max_in_flight >= 1, "swap_scope: max_in_flight must be at least 1");
-    WM_EXPECTS(options.timeout.count() > 0, "swap_scope: the timeout must be positive");
+    WM_EXPECTS(options.timeout.count() > 0,
+               "swap_scope: the timeout must be positive (milliseconds::max(): no limit)");
     WM_EXPECTS((options.pageout_stream == nullptr) == (options.pagein_stream == nullptr),
                "swap_scope: give both copy streams or neither");
     WM_EXPECTS(options.pageout_stream == nullptr || options.pageout_stream != options.pagein_stream,
@@ -185,7 +187,7 @@ class swap_core {
 
  private:
   static constexpr std::size_t alignment = 256;
-  using clock                            = std::chrono::steady_clock;
+  using clock                            = clock_type;
 
   /// A pagein_to copy in flight: its timing events and the buffer it copied (the record's
   /// ext_in is cleared when the copy is collected, if it is still this copy).
@@ -209,10 +211,15 @@ class swap_core {
     return it->second;
   }
 
-  [[noreturn]] void throw_timeout(char const* what) const {
-    throw wm::cuda_error{"wm: swap_scope: gave up waiting for " + std::string{what} + " after " +
-                             std::to_string(options_.timeout.count()) + " ms",
-                         static_cast<int>(cudaErrorTimeout)};
+  [[noreturn]] void throw_timeout(std::string const& what) const {
+    throw wm::cuda_error{
+        "wm: swap_scope: gave up waiting for " + what + " after " + timeout_text(options_.timeout),
+        static_cast<int>(cudaErrorTimeout)};
+  }
+
+  /// The deadline of a wait that starts at @p t0 (saturating: `milliseconds::max()` is no limit).
+  [[nodiscard]] clock::time_point deadline_from(clock::time_point t0) const noexcept {
+    return deadline_after(options_.timeout, t0);
   }
 
   // ---- the device pool (swap_blocks.cuh) -------------------------------------------------------
