@@ -583,3 +583,33 @@ TEST_CASE_METHOD(swap_fixture, "swap: a timeout of milliseconds::max() means no 
   CHECK(chk.wrong_checks() == 0);
   CHECK(scope.options().timeout == std::chrono::milliseconds::max());
 }
+
+// A size that rounds past the largest size_t (2^64 - 11 bytes) is refused: rounded with
+// wrap-around it would be 0 bytes, fit anything and alias the next buffer. So is a buffer larger
+// than the whole pool while page-outs are in flight (no page-out can make room for it).
+TEST_CASE("swap: impossible sizes are refused at once, not wrapped or waited for", "[gpu][swap]") {
+  streams st{1};
+  cuda::stream_ref const s0{st.s[0]};
+  wm::swap_options o = small_scope(4 * mib);
+  o.host_bytes       = 4 * mib;
+  o.timeout          = std::chrono::milliseconds{20'000};
+  wm::swap_scope scope{o};
+  device_words mem{mib};
+  std::size_t const huge  = ~std::size_t{0} - 10;
+  auto const* const bytes = reinterpret_cast<std::byte const*>(mem.p);
+  auto const t0           = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS((void)scope.pageout_from(bytes, huge, s0), wm::logic_error);
+  CHECK_THROWS_AS((void)scope.allocate<std::byte>(huge, s0), wm::logic_error);
+  auto a = scope.allocate<std::byte>(mib, s0);
+  CHECK(a.pageout(s0));  // a page-out queued or in flight: a wait could free a block
+  CHECK_THROWS_AS((void)scope.allocate<std::byte>(4 * mib + 1, s0), wm::logic_error);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds{10});
+  // Nothing was handed out for them: two new buffers do not alias each other.
+  scope.wait_pageouts();
+  auto x = scope.allocate<std::byte>(256, s0);
+  auto y = scope.allocate<std::byte>(256, s0);
+  CHECK(x.data(s0) != y.data(s0));
+  auto const stats = scope.statistics();
+  CHECK(stats.resident_bytes == 512);
+  CHECK(stats.host_bytes_in_use == mib);  // a's range only
+}

@@ -120,6 +120,12 @@ inline std::uint64_t swap_core::promote_pageout(std::size_t bytes) {
 // have finished (a host-blocking sync, counted).
 inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_lock<std::mutex>& lock,
                                               cudaStream_t stream) {
+  // Larger than the whole pool (2^64 - 11 bytes included: round() does not wrap): no page-out
+  // or release can make room, so it fails now rather than at the deadline.
+  WM_EXPECTS(dev_alloc_.round(bytes) <= dev_alloc_.capacity(),
+             "swap_scope::allocate: a buffer of " + std::to_string(bytes) +
+                 " bytes cannot fit a device pool of " + std::to_string(dev_alloc_.capacity()) +
+                 " bytes");
   auto const t0       = clock::now();
   auto const deadline = deadline_from(t0);
   bool waited         = false;
