@@ -30,8 +30,10 @@
  * weight shard, a gradient shard, the two staging buffers and the gather pool.
  *
  * Checkpoints: `save(dir)` writes one file per rank, its fp32 shard with a fragment table
- * (parameter name, offset, length); `load(dir)` reads them into any rank count, bucket size or
- * stage by intersecting the tables with the new plan (detail/zero/reshard.hpp, checkpoint.hpp).
+ * (parameter name, offset, length), and a manifest that names them, all or nothing across the
+ * ranks (a failed or interrupted save leaves the previous checkpoint); `load(dir)` reads them into
+ * any rank count, bucket size or stage by intersecting the tables with the new plan
+ * (detail/zero/reshard.hpp, checkpoint.hpp).
  *
  * Offload (`wm::offload_host`, with `wm::adam`): the fp32 master weights and moments live in
  * pinned host memory; `reduce_gradients` sends each reduced gradient shard to the host at once
@@ -315,17 +317,22 @@ class zero_optimizer {
 
   /**
    * @brief Saves this rank's fp32 master weights and optimizer states, with the fragment table
-   * that names what each range holds, to `dir/shard-<rank>.zero` (collective; waits for
-   * @p stream; creates @p dir). A directory saved by any rank count, bucket size or stage loads
-   * into any other (`load`).
-   * @throw wm::io_error on every rank if any rank could not write its file
+   * that names what each range holds, to a file of @p dir (collective; waits for @p stream;
+   * creates @p dir). All or nothing across the ranks: every rank's file is written and flushed
+   * to the disk and the ranks agree before any is renamed into a new generation, which
+   * `dir/manifest`, written by rank 0 last, names (docs/design.md, "Checkpoints"). A failure or
+   * a crash at any point leaves the previous checkpoint in @p dir, or the new one, never a mix.
+   * A directory saved by any rank count, bucket size or stage loads into any other (`load`).
+   * @throw wm::io_error on every rank if any rank could not write its file, naming the ranks
+   * that failed and their errors; the previous checkpoint in @p dir still loads
    */
   void save(std::filesystem::path const& dir, cuda::stream_ref stream);
 
   /**
-   * @brief Loads a directory written by `save` (collective; waits for @p stream): this rank's
-   * master weights and states are read from the stored fragments that intersect its shard (any
-   * rank count, bucket size or stage saved it), the compute weights are made from the masters
+   * @brief Loads a directory written by `save` (collective; waits for @p stream): from the files
+   * its manifest names (no other file is read), this rank's master weights and states are read
+   * from the stored fragments that intersect its shard (any rank count, bucket size or stage
+   * saved it), the compute weights are made from the masters
    * (stages 1-2: all-gathered), and the step count is restored. Stage 3: no group may be
    * gathered.
    * @throw wm::io_error on every rank if any rank could not load: a file missing or malformed,

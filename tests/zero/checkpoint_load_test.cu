@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::zero_optimizer (the zero_test program): a checkpoint saved by stage 2 loads
-// into every stage and another bucket size and training continues bitwise identically; dynamic
+// into every stage and another bucket size and training continues bitwise identically; a save
+// that fails on one rank fails on every rank and the previous checkpoint still loads; dynamic
 // loss scaling follows GradScaler's rule on the device path and on the offload path.
 // Every case is [ranked]: it runs inside every rank (tests/support/ranks.hpp), with one rank
 // (ctest zero_ranked_gpu) and with one rank per GPU (zero_ranked_multi_gpu), so the same code
@@ -9,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -48,7 +50,8 @@ TEMPLATE_TEST_CASE(
   train_step(a, mp, seed, 0, loss_scale, comm, s);
   train_step(a, mp, seed, 1, loss_scale, comm, s);
   a.save(dir, s);
-  REQUIRE(std::filesystem::exists(wm::detail::zero::shard_file(dir, comm.rank())));
+  REQUIRE(std::filesystem::exists(wm::detail::zero::manifest_file(dir)));
+  REQUIRE(std::filesystem::exists(wm::detail::zero::shard_file(dir, comm.rank(), 1)));
 
   wm::zero_optimizer<TestType, wm::adam> b{comm, params, 4096, make_optimizer<wm::adam>(), options};
   b.load(dir, s);
@@ -70,6 +73,81 @@ TEMPLATE_TEST_CASE(
   wm::zero_optimizer<TestType, wm::sgd> c{comm, params, 4096, wm::sgd{}, options};
   REQUIRE_THROWS_AS(c.load(dir, s), wm::io_error);
   REQUIRE_THROWS_AS(b.load(dir / "missing", s), wm::io_error);
+  comm.barrier();
+  if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
+}
+
+// This rank's master weights and optimizer states, as bits (device shards: no offload).
+template <class O>
+std::vector<std::vector<std::uint32_t>> shard_bits(O& opt, wm::communicator& comm,
+                                                   stream_holder const& s) {
+  std::size_t const n = opt.layout().state_elements;
+  comm.synchronize(s);
+  std::vector<std::vector<std::uint32_t>> out;
+  for (int k = -1; k < wm::adam::states; ++k) {
+    out.emplace_back(n);
+    void const* const src = k < 0 ? opt.master_shard() : opt.state_shard(k);
+    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(out.back().data(), src, n * 4, cudaMemcpyDefault)); }
+  }
+  return out;
+}
+
+// The last rank cannot write (a directory has the name of its temporary file): the save throws
+// on every rank, naming that rank, and the directory still holds the checkpoint saved before,
+// whole: not the other ranks' new files beside the failing rank's old one.
+TEST_CASE(
+    "zero_optimizer checkpoint: a save that fails on one rank fails on every rank and "
+    "the previous checkpoint loads",
+    "[ranked]") {
+  auto& comm = wm_test::comm();
+  stream_holder s;
+  std::uint64_t const seed = shared_seed(comm);
+  auto const mp            = model(0);
+  auto const params        = zero_params(mp);
+  double const loss_scale  = 8;
+  wm::zero_options options;
+  options.loss_scale = static_cast<float>(loss_scale);
+  auto const dir     = std::filesystem::temp_directory_path() /
+                   ("wm-zero-ckpt-fail-" + std::to_string(seed % 1000000007));
+  using opt_type = wm::zero_optimizer<wm::zero_stage<2>, wm::adam>;
+  opt_type a{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  set_random_weights_of(mp, seed, comm, s, a);
+  train_step(a, mp, seed, 0, loss_scale, comm, s);
+  a.save(dir, s);
+  std::vector<std::vector<double>> saved;
+  for (std::size_t p = 0; p < mp.size(); ++p) { saved.push_back(read_param(a, p, mp[p], comm, s)); }
+  auto const saved_shard = shard_bits(a, comm, s);
+
+  train_step(a, mp, seed, 1, loss_scale, comm, s);
+  int const failing  = comm.size() - 1;
+  auto const blocker = dir / ("shard-" + std::to_string(failing) + ".zero.tmp");
+  if (comm.rank() == failing) { std::filesystem::create_directory(blocker); }
+  comm.barrier();
+  std::string error;
+  try {
+    a.save(dir, s);
+  } catch (wm::io_error const& e) { error = e.what(); }
+  INFO("rank " << comm.rank() << " got: " << error);
+  REQUIRE(error.find("rank " + std::to_string(failing) + ":") != std::string::npos);
+  REQUIRE(a.applied_steps(s) == 2);  // the optimizer itself goes on
+
+  opt_type b{comm, params, 1024, make_optimizer<wm::adam>(), options};
+  b.load(dir, s);
+  REQUIRE(b.applied_steps(s) == 1);
+  for (std::size_t p = 0; p < mp.size(); ++p) {
+    INFO("parameter " << mp[p].name);
+    REQUIRE(read_param(b, p, mp[p], comm, s) == saved[p]);
+  }
+  REQUIRE(shard_bits(b, comm, s) == saved_shard);
+
+  // Once the rank can write again, a save replaces the checkpoint whole.
+  comm.barrier();
+  if (comm.rank() == failing) { std::filesystem::remove(blocker); }
+  comm.barrier();
+  a.save(dir, s);
+  b.load(dir, s);
+  REQUIRE(b.applied_steps(s) == 2);
+  REQUIRE(shard_bits(b, comm, s) == shard_bits(a, comm, s));
   comm.barrier();
   if (comm.rank() == 0) { std::filesystem::remove_all(dir); }
 }

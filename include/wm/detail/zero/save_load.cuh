@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Checkpoints of wm::zero_optimizer (declared in <wm/zero.cuh>): save writes this rank's
-// masters and states with their fragment table; load reads the fragments that intersect this
-// rank's shard from any rank count, bucket size or stage (file format: checkpoint.hpp); every
-// rank learns whether any rank failed.
+// masters and states with their fragment table, all or nothing across the ranks (a new
+// generation of files that the manifest, written last, names: checkpoint.hpp); load reads the
+// fragments that intersect this rank's shard from the files the manifest names, saved by any
+// rank count, bucket size or stage. Every rank learns whether any rank failed.
 #pragma once
 
 #include <wm/detail/zero/checkpoint.hpp>
@@ -53,24 +54,21 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
                                 n * sizeof(float), cudaMemcpyDefault, stream.get()));
   }
   comm_->synchronize(stream, "zero_optimizer::save");
-  std::string error;
-  try {
-    std::filesystem::create_directories(dir);
-    z::shard_header const h{static_cast<std::uint64_t>(world_),
-                            static_cast<std::uint64_t>(rank_),
-                            n,
-                            streams,
-                            applied,
-                            Optimizer::name,
-                            checkpoint_tag(opt_),
-                            {},
-                            0};
-    std::vector<std::span<float const>> spans(data.begin(), data.end());
-    z::write_shard(z::shard_file(dir, rank_), h, z::fragment_table_of(plan_, rank_), spans);
-  } catch (std::exception const& e) {
-    error = "wm: zero_optimizer::save on rank " + std::to_string(rank_) + ": " + e.what();
-  }
-  agree(error, "save");
+  z::shard_header const h{static_cast<std::uint64_t>(world_),
+                          static_cast<std::uint64_t>(rank_),
+                          n,
+                          streams,
+                          applied,
+                          Optimizer::name,
+                          checkpoint_tag(opt_),
+                          {},
+                          0};
+  std::vector<std::span<float const>> spans(data.begin(), data.end());
+  // All or nothing across the ranks (checkpoint.hpp): they agree on each step's outcome through
+  // the communicator's checked all-gather, so a failure on any rank throws on every rank.
+  (void)z::save_shards(
+      dir, h, z::fragment_table_of(plan_, rank_), spans,
+      [this](std::span<std::byte const> mine) { return comm_->all_gather_bytes(mine); });
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -102,19 +100,12 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   std::int64_t applied = 0;
   std::string error;
   try {
-    auto const h0 = z::read_shard_header(z::shard_file(dir, 0));
-    std::vector<std::filesystem::path> files;
-    std::vector<z::shard_header> headers;
+    // The files the manifest names, each checked against it (world, rank, step).
+    auto const stored = z::read_checkpoint(dir);
     std::vector<z::fragment_table> tables;
-    for (std::uint64_t r = 0; r < h0.world; ++r) {
-      files.push_back(z::shard_file(dir, static_cast<int>(r)));
-      headers.push_back(r == 0 ? h0 : z::read_shard_header(files.back()));
-      auto const& h           = headers.back();
-      std::string const where = files.back().string();
-      if (h.world != h0.world || h.rank != r || h.applied != h0.applied) {
-        throw io_error{"'" + where + "' belongs to another save than shard-0 (world " +
-                       std::to_string(h.world) + ", rank " + std::to_string(h.rank) + ")"};
-      }
+    for (std::size_t r = 0; r < stored.files.size(); ++r) {
+      auto const& h           = stored.headers[r];
+      std::string const where = stored.files[r].string();
       if (h.streams != streams || h.optimizer != Optimizer::name) {
         throw io_error{"'" + where + "' holds the states of optimizer '" + h.optimizer + "' (" +
                        std::to_string(h.streams) + " streams); this one is '" + Optimizer::name +
@@ -128,8 +119,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
     }
     auto const reads = z::plan_shard_reads(tables, plan_, rank_);
     std::vector<std::span<float>> spans(data.begin(), data.end());
-    z::read_shards(files, headers, reads, spans);
-    applied = h0.applied;
+    z::read_shards(stored.files, stored.headers, reads, spans);
+    applied = stored.headers[0].applied;
   } catch (std::exception const& e) {
     error = "wm: zero_optimizer::load on rank " + std::to_string(rank_) + ": " + e.what();
   }
