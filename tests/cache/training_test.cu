@@ -4,18 +4,24 @@
 // global-step Adam) equals the uncached table bit for bit over several steps of fresh random keys
 // with repeats, also across flush(), invalidate(), prefetch() and a store() + load() into an
 // uncached table of another layout; the statistics add up; edge geometries (one set, ratio 1,
-// fewer rows than one set's 32 ways, many lines, wide rows).
+// fewer rows than one set's 32 ways, many lines, wide rows). And nothing is lost when a gather
+// runs out of device memory.
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <random>
+#include <set>
+#include <span>
 #include <string>
 #include <unistd.h>
+#include <vector>
 
 #include "cache_common.cuh"
 #include "catch.hpp"
@@ -216,4 +222,140 @@ TEST_CASE("device cache: float, LRU, global-step Adam trains bit for bit like no
   wm::adam global;
   global.bias_correction = wm::adam_bias_correction::global_step;
   every_geometry<float, wm::lru>(global);
+}
+
+// ---- failures: nothing a read-write cache holds is lost -----------------------------------------
+
+namespace {
+
+/// @p n keys drawn uniformly from [0, rows) (a batch only gathered: no gradients).
+std::vector<std::int64_t> random_keys(std::mt19937_64& rng, std::size_t rows, std::size_t n) {
+  std::vector<std::int64_t> k(n);
+  for (auto& x : k) { x = static_cast<std::int64_t>(rng() % rows); }
+  return k;
+}
+
+/// Device memory taken with cudaMalloc until none is left (1 GiB pieces, then 4 MiB ones) and
+/// given back one 4 MiB piece at a time.
+class device_filler {
+ public:
+  static constexpr std::size_t piece = std::size_t{4} << 20;
+  device_filler() {
+    for (std::size_t const bytes : {std::size_t{1} << 30, piece}) {
+      for (;;) {
+        void* p = nullptr;
+        if (cudaMalloc(&p, bytes) != cudaSuccess) {
+          (void)cudaGetLastError();  // out of memory is not sticky
+          break;
+        }
+        (bytes == piece ? small_ : big_).push_back(p);
+      }
+    }
+  }
+  device_filler(device_filler const&)            = delete;
+  device_filler& operator=(device_filler const&) = delete;
+  ~device_filler() {
+    for (void* p : small_) { (void)cudaFree(p); }
+    for (void* p : big_) { (void)cudaFree(p); }
+  }
+  /// Frees one more piece (a 1 GiB one once the small ones are gone); false when none is left.
+  bool give_back() {
+    auto& from = small_.empty() ? big_ : small_;
+    if (from.empty()) { return false; }
+    WM_CUDA_TRY(cudaFree(from.back()));
+    from.pop_back();
+    return true;
+  }
+
+ private:
+  std::vector<void*> big_, small_;
+};
+
+/// The default memory pool of the current device gives its unused memory back to the device.
+void trim_pool() {
+  int dev = 0;
+  WM_CUDA_TRY(cudaGetDevice(&dev));
+  cudaMemPool_t pool{};
+  WM_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, dev));
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  WM_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
+}
+
+}  // namespace
+
+// A one-rank gather stages its dirty victims (their lines cleaned) and writes them back after its
+// admissions. A gather larger than any before it grows its workspaces: the distinct-key plan's
+// before the admissions, the staged write-backs' sort's after them in the old code, so that with
+// the device full but for the plan's growth, the call threw after staging its victims, and the
+// next call overwrote the staging slots: those rows' updates were gone (the flushed table below
+// differs from the uncached one). Now every workspace of the call is reserved before the first
+// admission, so a call that runs out of memory fails with nothing admitted. The device is filled
+// and given back 4 MiB at a time, so that the big gather meets every amount of free memory: too
+// little for the plan, enough for the plan but not the sort, enough for both.
+TEST_CASE("device cache: a gather that runs out of device memory loses no dirty row", "[gpu]") {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreate(&s));
+    std::mt19937_64 rng{seed};
+    // 2^20 lines (as many as one call stages); training batches of 100,000 keys leave every line
+    // dirty and the workspaces sized for them; the big batch stages 2^20 victims (a sort of about
+    // 26 MiB beside a plan of about 53 MiB).
+    std::size_t const rows = std::size_t{1} << 22, dim = 4, n = 100000, big = 1500000;
+    auto const big_keys = random_keys(rng, rows, big);
+    device_array<std::int64_t> dk{big_keys};
+    device_array<float> out{std::vector<float>(big * dim, 0.0f)};
+    auto const big_gather = [&](auto& e) {
+      e.gather(std::span<std::int64_t const>{dk.ptr, big}, out.ptr, cuda::stream_ref{s});
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      return bytes_of(out.to_host());
+    };
+    {  // every kernel of the big gather loaded now (lazy loading allocates at the first launch)
+      cached_and_plain<float, wm::lru, wm::sgd> warm{comm, rows, dim, wm::sgd{}, 0.25, rng};
+      (void)big_gather(warm.cached);
+      warm.cached.flush(cuda::stream_ref{s});
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+    }
+    cached_and_plain<float, wm::lru, wm::sgd> tables{comm, rows, dim, wm::sgd{}, 0.25, rng};
+    auto& cached = tables.cached;
+    auto& plain  = tables.plain;
+    RANK_REQUIRE(cached.cache_lines() >= std::size_t{1} << 20);
+    for (int k = 0; k < 16; ++k) {
+      auto const b = draw<float>(rng, rows, dim, n, k);
+      RANK_REQUIRE_MSG(gather(cached, b, s) == gather(plain, b, s), "training step " << k);
+      apply(cached, b, s);
+      apply(plain, b, s);
+    }
+    auto const before = cached.cache_stats();
+    trim_pool();
+    int failures  = 0;
+    bool gathered = false;
+    {
+      device_filler fill;
+      for (int attempt = 0; attempt < 512 && !gathered; ++attempt) {
+        try {
+          cached.gather(std::span<std::int64_t const>{dk.ptr, big}, out.ptr, cuda::stream_ref{s});
+          WM_CUDA_TRY(cudaStreamSynchronize(s));
+          gathered = true;
+        } catch (wm::cuda_error const& e) {
+          RANK_REQUIRE_MSG(e.code() == cudaErrorMemoryAllocation, e.what());
+          (void)cudaGetLastError();  // not sticky
+          WM_CUDA_TRY(cudaStreamSynchronize(s));
+          ++failures;
+          if (!fill.give_back()) { break; }
+        }
+      }
+    }
+    RANK_REQUIRE_MSG(failures > 0, "the big gather never ran out of memory");
+    // With memory again: the gather's rows, then the table, equal the uncached ones.
+    RANK_REQUIRE_MSG(big_gather(cached) == big_gather(plain), "the big gather");
+    RANK_REQUIRE_MSG(cached.cache_stats().write_backs > before.write_backs,
+                     "the big gather wrote no dirty victim back");
+    RANK_REQUIRE_MSG(flushed_equal(cached, plain, s),
+                     "the flushed table differs: a gather that ran out of memory lost rows");
+    auto const b = draw<float>(rng, rows, dim, n, 16);
+    apply(cached, b, s);
+    apply(plain, b, s);
+    RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), "training after the failures");
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
 }

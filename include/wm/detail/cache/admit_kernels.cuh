@@ -188,7 +188,9 @@ __global__ void __launch_bounds__(line_block)
         // Staged: the victim goes to a device slot now and to the table after this kernel, in
         // ascending key order (scattered host writes cost far more than their bytes); the
         // protect pass made sure no key of this batch is a victim, so nothing here reads the
-        // table row before it is written. Without room: to the table at once.
+        // table row before it is written. Without room: to the table at once. Until then the
+        // slot holds the only copy of the row: the call reserved every workspace it needs
+        // before this kernel (line_storage::admit), so nothing between can fail for memory.
         unsigned slot = 0;
         if (c.stage_count != nullptr && lane == 0) { slot = atomicAdd(c.stage_count, 1u); }
         slot = __shfl_sync(full_warp, slot, 0);

@@ -159,6 +159,12 @@ class line_storage {
     auto const b = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
     // Staged write-backs: at most one victim per distinct key, so n slots are enough.
     std::size_t const sn = staged ? std::min(stage_cap_, n) : 0;
+    // Every allocation of the call comes before the admission kernel: from the moment it stages a
+    // dirty victim (and cleans its line) until write_back_staged has written it, the victim's row
+    // is in a staging slot only, which the next call overwrites. A call that fails for want of
+    // memory fails here, with nothing admitted.
+    stage_sort const sort{sn, s};
+    std::byte* const sort_base = sn != 0 ? stage_ws_.reserve(sort.bytes(), s) : nullptr;
     if (sn != 0) {
       c.stage_w     = stage_w_.data();
       c.stage_st    = st_cols_ != 0 ? stage_st_.data() : nullptr;
@@ -185,40 +191,53 @@ class line_storage {
       WM_CHECK_LAUNCH();
     });
     if (sn != 0) {  // the long runs' copies too
-      write_back_staged(c, table, sn, b, order, out, s);
+      write_back_staged(c, table, sn, sort, sort_base, b, order, out, s);
     } else if (out.base != nullptr) {
       replicate_runs_to(b, order, out, dim_ * sizeof(T), fused_copies, s);
     }
   }
 
+  /// The layout of write_back_staged's sort of @p sn staging slots in its workspace (stage_ws_):
+  /// the slots' keys sorted, their slots before and after the sort, CUB's temporary storage.
+  struct stage_sort {
+    carver k;
+    std::size_t cub_bytes{};
+    std::size_t skeys{}, slots{}, sslots{}, cub{};
+    stage_sort(std::size_t sn, cudaStream_t s) {
+      if (sn == 0) { return; }
+      WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+          nullptr, cub_bytes, static_cast<std::uint32_t const*>(nullptr),
+          static_cast<std::uint32_t*>(nullptr), static_cast<unsigned const*>(nullptr),
+          static_cast<unsigned*>(nullptr), sn, 0, 32, s));
+      skeys  = k.add<std::uint32_t>(sn);
+      slots  = k.add<unsigned>(sn);
+      sslots = k.add<unsigned>(sn);
+      cub    = k.add<std::byte>(cub_bytes);
+    }
+    [[nodiscard]] std::size_t bytes() const noexcept { return k.total(); }
+  };
+
   /// The staged victims of the last admission (view @p c, @p sn slots) to @p table in ascending
   /// key order: the slots' keys sorted (slots past the count hold the sentinel key 2^32 - 1 and
   /// sort last; the kernel stops at the count), then one warp per row; with an output (@p out.base
-  /// not null) the same kernel replicates batch @p b's long runs (staged_write_back_kernel).
+  /// not null) the same kernel replicates batch @p b's long runs (staged_write_back_kernel). The
+  /// sort's workspace (@p sort, at @p base) was reserved before the admission: nothing here
+  /// allocates.
   template <class Index>
   void write_back_staged(lines_ref<T, Impl> const& c, table_rows<T> const& table, std::size_t sn,
-                         distinct_batch<Index> const& b, std::size_t const* order, packed_rows out,
-                         cudaStream_t s) {
-    std::size_t cub_bytes = 0;
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
-        nullptr, cub_bytes, static_cast<std::uint32_t const*>(nullptr),
-        static_cast<std::uint32_t*>(nullptr), static_cast<unsigned const*>(nullptr),
-        static_cast<unsigned*>(nullptr), sn, 0, 32, s));
-    carver k;
-    auto const o_skeys  = k.add<std::uint32_t>(sn);
-    auto const o_slots  = k.add<unsigned>(sn);
-    auto const o_sslots = k.add<unsigned>(sn);
-    auto const o_cub    = k.add<std::byte>(cub_bytes);
-    std::byte* base     = stage_ws_.reserve(k.total(), s);
-    auto* sorted_keys   = k.take<std::uint32_t>(base, o_skeys);
-    auto* slots         = k.take<unsigned>(base, o_slots);
-    auto* sorted_slots  = k.take<unsigned>(base, o_sslots);
+                         stage_sort const& sort, std::byte* base, distinct_batch<Index> const& b,
+                         std::size_t const* order, packed_rows out, cudaStream_t s) {
+    carver const& k    = sort.k;
+    auto* sorted_keys  = k.take<std::uint32_t>(base, sort.skeys);
+    auto* slots        = k.take<unsigned>(base, sort.slots);
+    auto* sorted_slots = k.take<unsigned>(base, sort.sslots);
     // Slots the kernel did not take keep the sentinel (set here, after the kernel, for the
     // slots at or past the count: a kernel-side fill would need the count on the host).
     fill_sentinels_kernel<<<static_cast<unsigned>(elementwise_blocks(sn)), 256, 0, s>>>(
         c.stage_keys, c.stage_count, sn, slots);
     WM_CHECK_LAUNCH();
-    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(k.take<std::byte>(base, o_cub), cub_bytes,
+    std::size_t cub_bytes = sort.cub_bytes;
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(k.take<std::byte>(base, sort.cub), cub_bytes,
                                                 c.stage_keys, sorted_keys, slots, sorted_slots, sn,
                                                 0, 32, s));
     std::size_t const steps =
