@@ -5,7 +5,8 @@
 // with repeats, also across flush(), invalidate(), prefetch() and a store() + load() into an
 // uncached table of another layout; the statistics add up; edge geometries (one set, ratio 1,
 // fewer rows than one set's 32 ways, many lines, wide rows). And nothing is lost when a gather
-// runs out of device memory.
+// runs out of device memory, or when store() or load() follow a gather still running on a
+// non-blocking stream.
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
@@ -224,7 +225,7 @@ TEST_CASE("device cache: float, LRU, global-step Adam trains bit for bit like no
   every_geometry<float, wm::lru>(global);
 }
 
-// ---- failures: nothing a read-write cache holds is lost -----------------------------------------
+// ---- failures and calls still running: nothing a read-write cache holds is lost ---------------
 
 namespace {
 
@@ -280,6 +281,30 @@ void trim_pool() {
   WM_CUDA_TRY(cudaDeviceSynchronize());
   WM_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
 }
+
+/// Sleeps on the device for about @p ns nanoseconds (what a stream waits behind).
+__global__ void sleep_kernel(unsigned long long ns) {
+  unsigned long long start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    unsigned long long now = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start >= ns) { break; }
+    __nanosleep(10000);
+  }
+}
+
+/// A non-blocking stream of the highest priority: its blocks start before those of work already
+/// queued on the legacy stream.
+cudaStream_t urgent_stream() {
+  int least = 0, greatest = 0;
+  WM_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+  return s;
+}
+
+using plain_adam = wm::embedding<float, wm::no_cache, wm::adam, wm::device, wm::chunked>;
 
 }  // namespace
 
@@ -356,6 +381,96 @@ TEST_CASE("device cache: a gather that runs out of device memory loses no dirty 
     apply(cached, b, s);
     apply(plain, b, s);
     RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), "training after the failures");
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
+// store() flushes on the legacy stream, which does not wait for a cudaStreamNonBlocking stream.
+// In the old code a one-rank gather on one returned with its admissions running, and the flush
+// ran beside them: it read a set's dirty ways and tags while admissions replaced them, and wrote
+// a line's row under another key, or half of one (the gather's stream has the highest priority,
+// so its admissions start as soon as the sort of its 4M keys ends, beside the flush's blocks).
+// The checkpoint, loaded into an uncached table, then differed from the uncached twin. Now store
+// waits for every gather and prefetch the cache has issued before it flushes.
+TEST_CASE("device cache: store() right after a gather on a non-blocking stream holds every update",
+          "[gpu]") {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+    cudaStream_t const s = urgent_stream();
+    std::mt19937_64 rng{seed};
+    // 2^19 lines of Adam rows (200-byte payloads), dirty; a pending gather of 4M keys evicts them.
+    std::size_t const rows = std::size_t{1} << 21, dim = 16, n = 300000, big = std::size_t{1} << 22;
+    cached_and_plain<float, wm::lfu, wm::adam> tables{comm, rows, dim, wm::adam{}, 0.25, rng};
+    auto& cached = tables.cached;
+    auto& plain  = tables.plain;
+    plain_adam loaded{comm, rows, dim, wm::adam{}, wm::embedding_init::zeros()};
+    auto const dir = fresh_dir("pending-store");
+    device_array<float> out{std::vector<float>(big * dim, 0.0f)};
+    for (int round = 0; round < 3; ++round) {
+      for (int k = 0; k < 2; ++k) {
+        auto const b = draw<float>(rng, rows, dim, n, 2 * round + k);
+        RANK_REQUIRE(gather(cached, b, s) == gather(plain, b, s));
+        apply(cached, b, s);
+        apply(plain, b, s);
+      }
+      device_array<std::int64_t> dk{random_keys(rng, rows, big)};
+      cached.gather(std::span<std::int64_t const>{dk.ptr, big}, out.ptr, cuda::stream_ref{s});
+      cached.store(dir / "ck");  // at once: the gather's admissions are still running
+      loaded.load(dir / "ck");
+      RANK_REQUIRE_MSG(snapshot(loaded, s) == snapshot(plain, s),
+                       "round " << round << ": the checkpoint differs from the uncached table");
+      auto const got = bytes_of(out.to_host());
+      plain.gather(std::span<std::int64_t const>{dk.ptr, big}, out.ptr, cuda::stream_ref{s});
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+      RANK_REQUIRE_MSG(got == bytes_of(out.to_host()), "round " << round << ": the gather");
+      RANK_REQUIRE_MSG(flushed_equal(cached, plain, s), "round " << round << ": the table");
+    }
+    std::filesystem::remove_all(dir);
+    WM_CUDA_TRY(cudaStreamDestroy(s));
+  });
+}
+
+// load() empties the lines on the legacy stream, which does not wait for a cudaStreamNonBlocking
+// stream. In the old code a one-rank gather still queued there (behind 200 ms of sleep) admitted
+// its rows after the lines were emptied: they stayed cached, clean, with the values from before
+// the load, and the next gather returned them (and training updated them). Now load waits for
+// every gather and prefetch the cache has issued before it empties the lines.
+TEST_CASE("device cache: load() right after a gather on a non-blocking stream leaves no stale line",
+          "[gpu]") {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+    cudaStream_t s{};
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::mt19937_64 rng{seed};
+    std::size_t const rows = std::size_t{1} << 21, dim = 16, n = 200000, big = std::size_t{1} << 22;
+    cached_and_plain<float, wm::lru, wm::adam> tables{comm, rows, dim, wm::adam{}, 0.25, rng};
+    auto& cached = tables.cached;
+    // The checkpoint to load: another table, other values, trained a step.
+    plain_adam source{comm, rows, dim, wm::adam{},
+                      wm::embedding_init::uniform(-1.0f, 1.0f, static_cast<std::uint32_t>(rng()))};
+    auto const first = draw<float>(rng, rows, dim, n, 0);
+    apply(source, first, s);
+    auto const dir = fresh_dir("pending-load");
+    source.store(dir / "ck");
+    // The cache dirty and full before the load.
+    RANK_REQUIRE(gather(cached, first, s) == gather(tables.plain, first, s));
+    apply(cached, first, s);
+    device_array<std::int64_t> dk{random_keys(rng, rows, big)};
+    device_array<float> out{std::vector<float>(big * dim, 0.0f)};
+    sleep_kernel<<<1, 1, 0, s>>>(200ull * 1000 * 1000);
+    WM_CHECK_LAUNCH();
+    cached.gather(std::span<std::int64_t const>{dk.ptr, big}, out.ptr, cuda::stream_ref{s});
+    cached.load(dir / "ck");  // at once: the gather has not started yet
+    RANK_REQUIRE_MSG(snapshot(cached, s) == snapshot(source, s), "the loaded table");
+    // The big batch's first keys (admitted by the pending gather), then a training step.
+    batch<float> again                   = draw<float>(rng, rows, dim, n, 1);
+    std::vector<std::int64_t> const head = dk.to_host();
+    std::copy(head.begin(), head.begin() + static_cast<std::ptrdiff_t>(n / 2), again.keys.begin());
+    again.distinct = std::set<std::int64_t>(again.keys.begin(), again.keys.end()).size();
+    RANK_REQUIRE_MSG(gather(cached, again, s) == gather(source, again, s),
+                     "a gather after load() returned rows from before it");
+    apply(cached, again, s);
+    apply(source, again, s);
+    RANK_REQUIRE_MSG(flushed_equal(cached, source, s), "training after load()");
+    std::filesystem::remove_all(dir);
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }

@@ -6,6 +6,7 @@
 // last, so that a checkpoint either loads whole or is refused.
 #pragma once
 
+#include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/posix.hpp>
 #include <wm/detail/embedding/checkpoint_meta.hpp>
 #include <wm/embedding.cuh>
@@ -52,6 +53,23 @@ inline void sync_file(std::filesystem::path const& file) {
   }
 }
 
+/**
+ * Before store or load use the table: every gather and prefetch that @p source (a cache) has
+ * issued is done, on whatever stream it ran (store's flush and load's invalidate run on the legacy
+ * stream, which a non-blocking stream's work does not precede: a pending admission would move
+ * rows in and out of lines beside them). Waits at most the communicator's timeout.
+ * @throw wm::comm_error on every rank if a rank's calls did not end in time
+ */
+template <class Source>
+void wait_for_cache_calls(communicator& comm, Source const& source, std::string const& what) {
+  collective_step<comm_error>(
+      comm, what + " (waiting for the cache's gathers and prefetches)", [&] {
+        if (!source.wait_for_calls(comm.timeout())) {
+          throw comm_error{"they did not end within " + timeout_text(comm.timeout())};
+        }
+      });
+}
+
 /// Renames @p from to @p to. @throw wm::io_error if it cannot
 inline void rename_file(std::filesystem::path const& from, std::filesystem::path const& to) {
   if (std::rename(from.c_str(), to.c_str()) != 0) {
@@ -70,7 +88,9 @@ inline void rename_file(std::filesystem::path const& from, std::filesystem::path
 WM_CHECKPOINT_TEMPLATE
 void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
   if constexpr (detail::caching_policy<CachePolicy>) {
-    // Every update is in the table before it is written (lines stay cached, now clean).
+    // Every update is in the table before it is written (lines stay cached, now clean), and no
+    // admission still moves rows between lines and the table while the flush runs.
+    detail::wait_for_cache_calls(*comm_, source_, "embedding store");
     cudaStream_t const s{};
     flush(cuda::stream_ref{s});
     WM_CUDA_TRY(cudaDeviceSynchronize());
@@ -156,7 +176,9 @@ void WM_CHECKPOINT_EMBEDDING::load(std::filesystem::path const& prefix) {
   std::string const p = prefix.string();
   if constexpr (detail::caching_policy<CachePolicy>) {
     // Lines would be stale after the read: flushed (a refused load leaves the table whole) and
-    // emptied first.
+    // emptied first, after every admission already issued (one still running would fill lines
+    // with rows of the table before the read).
+    detail::wait_for_cache_calls(comm, source_, "embedding load");
     cudaStream_t const s{};
     invalidate(cuda::stream_ref{s});
     WM_CUDA_TRY(cudaDeviceSynchronize());

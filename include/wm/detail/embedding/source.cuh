@@ -6,6 +6,8 @@
 
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
+#include <wm/detail/base/deadline.hpp>
+#include <wm/detail/base/resources.hpp>
 #include <wm/detail/cache/group_lines.cuh>
 #include <wm/detail/cache/line_reader.cuh>
 #include <wm/detail/cache/line_storage.cuh>
@@ -17,11 +19,82 @@
 #include <cuda/std/bit>
 #include <cuda/stream_ref>
 
+#include <cuda_runtime_api.h>
+
+#include <chrono>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace wm::detail {
+
+/**
+ * The ends of a cache's calls that return before their work is done (one-rank gathers and
+ * prefetches, a group cache's): one event per stream they were issued on, recorded after each
+ * call. What a call on another stream waits for before it writes lines back or empties them
+ * (flush, invalidate, and so store and load, whose work runs on the legacy stream, which a
+ * non-blocking stream's work does not precede). A mark whose work is done serves the next stream,
+ * so they are as many as the streams with calls in flight. A call captured in a CUDA graph
+ * records nothing: its replays are ordered by whoever launches the graph.
+ */
+class call_marks {
+ public:
+  /// The end of the work issued on @p s so far.
+  void record(cudaStream_t s) {
+    if (capturing(s)) { return; }
+    mark* at = nullptr;
+    for (auto& m : marks_) {
+      if (m.stream == s) { at = &m; }
+    }
+    for (auto& m : marks_) {
+      if (at == nullptr && cudaEventQuery(m.done.get()) != cudaErrorNotReady) { at = &m; }
+    }
+    if (at == nullptr) { at = &marks_.emplace_back(mark{s, unique_event::make()}); }
+    at->stream = s;
+    WM_CUDA_TRY(cudaEventRecord(at->done.get(), s));
+  }
+  /// As `record`, errors ignored (a call that is failing: what it enqueued is marked if it can be).
+  void record_if_possible(cudaStream_t s) noexcept {
+    try {
+      record(s);
+    } catch (...) {  // the call's own error is the one to report
+    }
+  }
+  /// Makes @p s wait for every marked call (not while @p s is captured: a graph's order is its
+  /// launcher's).
+  void order_before(cudaStream_t s) const {
+    if (capturing(s)) { return; }
+    for (auto const& m : marks_) {
+      if (m.stream != s) { WM_CUDA_TRY(cudaStreamWaitEvent(s, m.done.get(), 0)); }
+    }
+  }
+  /// Waits on the host until every marked call is done, at most @p timeout (the communicator's);
+  /// false past it.
+  [[nodiscard]] bool wait(std::chrono::milliseconds timeout) const {
+    auto const deadline = deadline_after(timeout);
+    backoff pause{std::chrono::microseconds{20}};
+    for (auto const& m : marks_) {
+      while (cudaEventQuery(m.done.get()) == cudaErrorNotReady) {
+        if (clock_type::now() >= deadline) { return false; }
+        pause.pause();
+      }
+    }
+    return true;
+  }
+
+ private:
+  struct mark {
+    cudaStream_t stream;
+    unique_event done;
+  };
+  [[nodiscard]] static bool capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus capture{};
+    WM_CUDA_TRY(cudaStreamIsCapturing(s, &capture));
+    return capture != cudaStreamCaptureStatusNone;
+  }
+  std::vector<mark> marks_;
+};
 
 /// No cache: gathers read the table (the embedding calls the tensor's own gather), the update
 /// writes the table.
@@ -121,14 +194,14 @@ class row_source<CachePolicy, T> {
   template <class Table, class Index>
   void group_gather(Table const& table, std::size_t rows, std::span<Index const> indices, T* out,
                     unsigned* err, cudaStream_t s) {
-    group_->gather(table, rows, indices, out, err, s);
+    marked(s, [&] { group_->gather(table, rows, indices, out, err, s); });
   }
 
   /// A group cache's prefetch: misses hinted to their holders, this rank's hints admitted.
   template <class Table, class Index>
   void group_prefetch(Table const& table, std::size_t rows, std::span<Index const> keys,
                       unsigned* err, cudaStream_t s) {
-    group_->prefetch(table, rows, keys, err, s);
+    marked(s, [&] { group_->prefetch(table, rows, keys, err, s); });
   }
 
   /// The gather of this rank's rows (one rank: every row): hits from lines, misses admitted
@@ -137,10 +210,12 @@ class row_source<CachePolicy, T> {
   template <class Index>
   void gather(table_rows<T> const& table, std::size_t rows, std::span<Index const> indices, T* out,
               unsigned* err, cudaStream_t s) {
-    lines_->admit(table, rows, indices.data(), indices.size(),
-                  static_cast<std::size_t const*>(nullptr),
-                  packed_rows{reinterpret_cast<std::byte*>(out), table.w.cols * sizeof(T)}, true,
-                  err, false, s, 8, true);
+    marked(s, [&] {
+      lines_->admit(table, rows, indices.data(), indices.size(),
+                    static_cast<std::size_t const*>(nullptr),
+                    packed_rows{reinterpret_cast<std::byte*>(out), table.w.cols * sizeof(T)}, true,
+                    err, false, s, 8, true);
+    });
   }
   /// The exchange engine's owner-side reader (several ranks): this rank's rows through its
   /// cache; calls on @p s use the first workspace, calls beside it the second.
@@ -154,15 +229,19 @@ class row_source<CachePolicy, T> {
   template <class Index>
   void prefetch(table_rows<T> const& table, std::size_t rows, std::span<Index const> keys,
                 unsigned* err, cudaStream_t s) {
-    lines_->admit(table, rows, keys.data(), keys.size(), static_cast<std::size_t const*>(nullptr),
-                  packed_rows{nullptr, 0}, false, err, true, s);
+    marked(s, [&] {
+      lines_->admit(table, rows, keys.data(), keys.size(), static_cast<std::size_t const*>(nullptr),
+                    packed_rows{nullptr, 0}, false, err, true, s);
+    });
   }
   /// The update's row locator: the row's line, else the table.
   [[nodiscard]] cache::line_locator<T, impl_type> locator(table_rows<T> const& table) const {
     return lines_->locator(table);
   }
-  /// Dirty lines written back; with @p drop every line emptied.
+  /// Dirty lines written back; with @p drop every line emptied. After every gather and prefetch
+  /// this cache has issued, on whatever stream (call_marks).
   void write_back(table_rows<T> const& table, bool drop, cudaStream_t s) {
+    marks_.order_before(s);
     if (group_) {  // read-only: nothing to write back
       if (drop) { group_->invalidate(s); }
       return;
@@ -176,10 +255,28 @@ class row_source<CachePolicy, T> {
   [[nodiscard]] std::size_t lines() const noexcept {
     return group_ ? group_->lines() : lines_ ? lines_->lines() : 0;
   }
+  /// Waits on the host until every gather and prefetch this cache has issued is done, at most
+  /// @p timeout; false past it.
+  [[nodiscard]] bool wait_for_calls(std::chrono::milliseconds timeout) const {
+    return marks_.wait(timeout);
+  }
 
  private:
+  /// Runs the call @p f issued on @p s and marks its end, also when it throws.
+  template <class F>
+  void marked(cudaStream_t s, F&& f) {
+    try {
+      f();
+    } catch (...) {
+      marks_.record_if_possible(s);
+      throw;
+    }
+    marks_.record(s);
+  }
+
   std::unique_ptr<cache::line_storage<T, impl_type>> lines_;
   std::unique_ptr<cache::group_lines<T, impl_type>> group_;  // a group cache on several ranks
+  call_marks marks_;  // the ends of gathers and prefetches that return before their work is done
 };
 
 }  // namespace wm::detail
