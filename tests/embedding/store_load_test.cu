@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // GPU tests of wm::embedding on one rank ([gpu]): a user-written optimizer against float64, exact
-// checkpoint round trips with every optimizer (the user-written one too) and store leaving no
-// temporaries, and checkpoints that do not fit refused with the table unchanged.
+// checkpoint round trips with every optimizer (the user-written one too), into a prefix with or
+// without a directory, and store leaving no temporaries, and checkpoints that do not fit refused
+// with the table unchanged.
 #include <wm/launch.hpp>
 
 #include <cmath>
@@ -227,6 +228,23 @@ TEST_CASE("one rank: a checkpoint round trip is exact, and store leaves no tempo
     round_trip(wm::sgd{0.01f}, "sgd");
     round_trip(wm::adagrad{1e-10f, 0.1f, 0.0f}, "adagrad");
     round_trip(user_momentum{}, "user");
+    // A prefix without a directory: store renames in the working directory and flushes it.
+    {
+      struct in_dir {
+        std::filesystem::path back = std::filesystem::current_path();
+        explicit in_dir(std::filesystem::path const& d) { std::filesystem::current_path(d); }
+        ~in_dir() { std::filesystem::current_path(back); }
+      } const here{dir};
+      wm::embedding<float, wm::no_cache, wm::sgd> d{comm, 10, 4, wm::sgd{},
+                                                    wm::embedding_init::uniform(-1.0f, 1.0f, 7)};
+      apply_batch(d, draw_batch(rng, 10, 4, 0), s);
+      d.store("relative");
+      RANK_REQUIRE(std::filesystem::exists(dir / "relative.meta"));
+      RANK_REQUIRE_MSG(!has_temporaries(dir), "store with a relative prefix left .tmp files");
+      wm::embedding<float, wm::no_cache, wm::sgd> e{comm, 10, 4};
+      e.load("relative");
+      RANK_REQUIRE_MSG(snapshot(d, s) == snapshot(e, s), "a relative prefix's round trip");
+    }
     // A store that cannot write: io_error, and nothing left behind.
     wm::embedding<float, wm::no_cache, wm::adam> c{comm, 10, 4};
     std::string msg;

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <fcntl.h>
@@ -50,6 +51,32 @@ inline void sync_file(std::filesystem::path const& file) {
   unique_fd fd{::open(file.c_str(), O_RDONLY | O_CLOEXEC)};
   if (!fd.valid() || ::fsync(fd.get()) != 0) {
     throw io_error{"cannot flush '" + file.string() + "' to the disk: " + errno_text()};
+  }
+}
+
+/// Flushes the entries of the directory @p dir (the renames and removals in it) to the disk: a
+/// renamed file is only durable under its new name once its directory is. An empty path is the
+/// working directory. A file system that cannot flush directories (EINVAL) has nothing to flush.
+/// @throw wm::io_error if it cannot
+inline void sync_directory(std::filesystem::path const& dir) {
+  std::filesystem::path const d = dir.empty() ? std::filesystem::path{"."} : dir;
+  unique_fd fd{::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
+  if (!fd.valid()) {
+    throw io_error{"cannot open the directory '" + d.string() + "': " + errno_text()};
+  }
+  if (::fsync(fd.get()) != 0 && errno != EINVAL) {
+    throw io_error{"cannot flush the directory '" + d.string() + "' to the disk: " + errno_text()};
+  }
+}
+
+/// Flushes every directory that holds one of @p files (each once). @throw wm::io_error
+inline void sync_directories(std::vector<std::filesystem::path> const& files) {
+  std::vector<std::filesystem::path> done;
+  for (auto const& f : files) {
+    auto const dir = f.parent_path();
+    if (std::find(done.begin(), done.end(), dir) != done.end()) { continue; }
+    sync_directory(dir);
+    done.push_back(dir);
   }
 }
 
@@ -150,23 +177,31 @@ void WM_CHECKPOINT_EMBEDDING::store(std::filesystem::path const& prefix) {
     throw;
   }
   // 3. From here a crash leaves no .meta (the checkpoint is refused) until the new one is in
-  //    place: the old meta goes first, then every rank's parts, then the new meta.
+  //    place: the old meta goes first, then every rank's parts, then the new meta. Each step's
+  //    directory entries are on the disk before the next step starts (the files themselves
+  //    were flushed in step 2), so the disk never holds a later step without the earlier ones.
   detail::collective_step<io_error>(
       comm, "embedding store (replacing '" + meta.string() + "')", [&] {
         std::error_code ec;
         if (me == 0 && !std::filesystem::remove(meta, ec) && ec) {
           throw io_error{"cannot remove the old '" + meta.string() + "': " + ec.message()};
         }
+        if (me == 0) { detail::sync_directory(meta.parent_path()); }
       });
   detail::collective_step<io_error>(comm, "embedding store (renaming the parts of '" + p + "')",
                                     [&] {
+                                      std::vector<std::filesystem::path> finals;
                                       for (auto const& [tmp, final_name] : mine) {
                                         detail::rename_file(tmp, final_name);
+                                        finals.push_back(final_name);
                                       }
+                                      detail::sync_directories(finals);
                                     });
   detail::collective_step<io_error>(comm, "embedding store (renaming '" + meta_tmp.string() + "')",
                                     [&] {
-                                      if (me == 0) { detail::rename_file(meta_tmp, meta); }
+                                      if (me != 0) { return; }
+                                      detail::rename_file(meta_tmp, meta);
+                                      detail::sync_directory(meta.parent_path());
                                     });
 }
 
