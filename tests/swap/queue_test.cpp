@@ -2,7 +2,8 @@
 // Host tests of wm::transfer_queue (driven by a fake copier) and of the range allocator behind a
 // swap scope's host slab and device pool: queue order (passive at the front, prefetch at the
 // back), erase, wait against wait_and_stop, deadlines, many producer threads, coalescing of small
-// tasks, the in-flight and lookahead limits, deferred tasks, close with copies in flight.
+// tasks, the in-flight and lookahead limits, deferred tasks, close with copies in flight, a poll
+// that throws; the allocator's sizes that cannot be rounded.
 #include <wm/detail/base/range_allocator.hpp>
 #include <wm/transfer_queue.hpp>
 

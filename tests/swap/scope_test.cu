@@ -6,7 +6,9 @@
 // pinned buffers stay resident; small buffers travel together; the scope is destroyed with
 // transfers in flight; statistics. Page-outs from caller memory and page-ins into caller memory
 // (pageout_from / pagein_to) ordered after their producers and consumers, slab reuse without
-// allocations or host syncs, their edge cases and errors, copy streams given in swap_options.
+// allocations or host syncs, their edge cases and errors, copy streams given in swap_options. A
+// timeout of milliseconds::max() (no limit), sizes that cannot be rounded or exceed the pool, a
+// full host slab named at once; and, run alone, a copy whose event reports an error.
 #include <wm/swap.cuh>
 
 #include <algorithm>
@@ -612,4 +614,57 @@ TEST_CASE("swap: impossible sizes are refused at once, not wrapped or waited for
   auto const stats = scope.statistics();
   CHECK(stats.resident_bytes == 512);
   CHECK(stats.host_bytes_in_use == mib);  // a's range only
+}
+
+// A page-out from caller memory that finds the slab full of live buffers (no copy in flight
+// frees a range: only a release would) fails at once and names the slab, its size and the bytes
+// asked for; before, it waited the whole timeout and blamed the worker.
+TEST_CASE("swap: a full host slab is named at once, with its size and the request", "[gpu][swap]") {
+  streams st{1};
+  cuda::stream_ref const s0{st.s[0]};
+  wm::swap_options o = small_scope(4 * mib);
+  o.host_bytes       = mib;
+  o.timeout          = std::chrono::milliseconds{20'000};
+  wm::swap_scope scope{o};
+  device_words mem{mib};
+  auto a        = scope.pageout_from(mem.p, mib / 4, s0);  // the whole slab, for a's life
+  auto const t0 = std::chrono::steady_clock::now();
+  try {
+    (void)scope.pageout_from(mem.p, 1000, s0);
+    FAIL("pageout_from into a full slab did not throw");
+  } catch (wm::logic_error const& e) {
+    std::string const what = e.what();
+    CHECK_THAT(what, Catch::Contains("host slab"));
+    CHECK_THAT(what, Catch::Contains("4000 bytes asked for"));
+    CHECK_THAT(what, Catch::Contains("of " + std::to_string(mib) + " bytes in use"));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds{5});
+  // Released, the range is free again and the next page-out goes.
+  a.reset();
+  auto b = scope.pageout_from(mem.p, 1000, s0);
+  CHECK(b);
+  b.wait_pageout(s0);
+  CHECK(scope.statistics().host_bytes_in_use == 4096);
+}
+
+namespace {
+__global__ void fault_kernel() {
+  __trap();
+}
+}  // namespace
+
+// A copy whose end event reports an error has failed, not completed: the worker's poll throws and
+// the next drain reports it (before, the page-out was booked as done and the drain returned).
+// Hidden, and tagged apart from [gpu]: the fault is sticky, every later CUDA call of the process
+// fails, so it runs alone: swap_test "[swap_sticky]".
+TEST_CASE("swap: a copy whose event reports an error fails the drain", "[.][swap_sticky]") {
+  streams st{1};
+  cuda::stream_ref const s0{st.s[0]};
+  wm::swap_scope scope{small_scope(16 * mib)};
+  load_kernels();
+  auto a = filled(scope, mib, 1, s0);
+  spin(200, s0);  // the fault comes after the page-out's copy is enqueued behind it
+  fault_kernel<<<1, 1, 0, st.s[0]>>>();
+  REQUIRE(a.pageout(s0));
+  CHECK_THROWS_AS(scope.wait_pageouts(), wm::cuda_error);
 }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 
 namespace wm::detail {
@@ -97,6 +98,51 @@ inline std::size_t swap_core::take_host_range(std::size_t bytes, cudaStream_t st
   return npos;
 }
 
+// Gives back the block that submit() took for a page-in of @p r whose copy was not issued (a
+// CUDA call failed): a pending block after the work queued so far on @p stream, the copy stream,
+// which already waits for the block's previous user; free at once after a host wait if no event
+// can be recorded there. Without it the block would stay with a buffer that never got it.
+inline void swap_core::return_block(record& r, cudaStream_t stream) noexcept {
+  if (r.dev == npos) { return; }
+  try {
+    cudaEvent_t const ev = take_event(false);
+    if (cudaEventRecord(ev, stream) == cudaSuccess) {
+      pending_frees_.push_back(pending_free{ev, r.dev, stream});
+    } else {
+      give_event(ev, false);
+      (void)cudaStreamSynchronize(stream);
+      dev_alloc_.free(r.dev);
+    }
+  } catch (...) {
+    (void)cudaStreamSynchronize(stream);
+    try {
+      dev_alloc_.free(r.dev);
+    } catch (...) {}
+  }
+  r.dev = npos;
+  try {
+    notify_room();
+  } catch (...) {}
+}
+
+// The host slab has no room for @p bytes and none comes without a release: every range in use
+// belongs to a live buffer (a destroyed buffer's range comes free when its copy completes, or is
+// taken over by take_host_range). The slab never waits on the GPU for room then, only on the
+// user.
+inline bool swap_core::slab_stuck(std::size_t bytes) const {
+  if (host_alloc_.largest_free() >= host_alloc_.round(bytes)) { return false; }
+  return std::none_of(records_.begin(), records_.end(),
+                      [](auto const& kv) { return kv.second.destroyed && kv.second.host != npos; });
+}
+
+// "the host slab (full: ...)", for messages about a page-out of @p bytes that finds no room.
+inline std::string swap_core::slab_full_text(std::size_t bytes) const {
+  return "room in the host slab (full: " + std::to_string(bytes) + " bytes asked for, " +
+         std::to_string(host_alloc_.in_use()) + " of " + std::to_string(host_alloc_.capacity()) +
+         " bytes in use, the largest free range " + std::to_string(host_alloc_.largest_free()) +
+         " bytes)";
+}
+
 // A page-out still queued that would free a block for @p bytes goes to the front of the page-out
 // queue (its worker issues it next, past the in-flight limit): then take_block can take its block.
 // Returns its id, or 0 if there is none.
@@ -126,10 +172,11 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
              "swap_scope::allocate: a buffer of " + std::to_string(bytes) +
                  " bytes cannot fit a device pool of " + std::to_string(dev_alloc_.capacity()) +
                  " bytes");
-  auto const t0       = clock::now();
-  auto const deadline = deadline_from(t0);
-  bool waited         = false;
-  auto cause          = wait_cause::worker;
+  auto const t0        = clock::now();
+  auto const deadline  = deadline_from(t0);
+  bool waited          = false;
+  auto cause           = wait_cause::worker;
+  std::size_t slab_for = 0;  // cause slab: the bytes of the page-out that waits for the slab
   while (true) {
     std::size_t const off = take_block(bytes, stream, true);
     if (off != npos) {
@@ -151,8 +198,16 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
     } else {
       records_.at(promoted).deferred = false;  // set if its worker finds no room in the slab
     }
+    if (auto const failure = copier_failure()) {  // the page-out it waits for may never go
+      if (waited) { count_wait(cause, t0); }
+      std::rethrow_exception(failure);
+    }
     if (clock::now() >= deadline) {
       count_wait(cause, t0);
+      if (cause == wait_cause::slab) {
+        throw_timeout("room in the device pool: the page-out that would free a block waits for " +
+                      slab_full_text(slab_for));
+      }
       throw_timeout("room in the device pool");
     }
     waited = true;
@@ -161,7 +216,10 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
     cv_.wait_until(lock, std::min(deadline, clock::now() + std::chrono::microseconds{200}));
     if (promoted != 0) {
       auto const it = records_.find(promoted);
-      if (it != records_.end() && it->second.deferred) { cause = wait_cause::slab; }
+      if (it != records_.end() && it->second.deferred) {
+        cause    = wait_cause::slab;
+        slab_for = it->second.bytes;
+      }
     }
   }
 }
@@ -170,13 +228,21 @@ inline std::size_t swap_core::allocate_device(std::size_t bytes, std::unique_loc
 // GPU too if it was deferred meanwhile for lack of room), then @p stream waits for its copy.
 inline void swap_core::wait_issued(record& r, cudaStream_t stream,
                                    std::unique_lock<std::mutex>& lock) {
-  r.deferred    = false;
-  auto const t0 = clock::now();
-  bool const issued =
-      cv_.wait_until(lock, deadline_from(t0), [&] { return r.st != state::in_queued; });
-  count_wait(r.deferred ? wait_cause::pool : wait_cause::worker, t0);
+  r.deferred          = false;
+  auto const t0       = clock::now();
+  auto const deadline = deadline_from(t0);
+  std::exception_ptr failure;
+  while (r.st == state::in_queued && !(failure = copier_failure()) && clock::now() < deadline) {
+    cv_.wait_until(lock, std::min(deadline, clock::now() + failure_poll));
+  }
+  bool const deferred = r.deferred;
+  count_wait(deferred ? wait_cause::pool : wait_cause::worker, t0);
   r.deferred = false;
-  if (!issued) { throw_timeout("a page-in to be issued"); }
+  if (failure) { std::rethrow_exception(failure); }
+  if (r.st == state::in_queued) {
+    throw_timeout(deferred ? "a page-in to be issued (deferred: no room in the device pool)"
+                           : "a page-in to be issued");
+  }
   used(r);
   if (r.st == state::in_issued) { consumer_wait(stream, r.copy); }
 }

@@ -9,7 +9,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <mutex>
+#include <string>
 #include <utility>
 
 namespace wm::detail {
@@ -267,15 +269,27 @@ inline std::uint64_t swap_core::pageout_from(void const* src, std::size_t bytes,
     throw;
   }
   // Wait for the worker to issue it (on the GPU too if the slab is full until copies finish).
-  r.deferred    = false;
-  auto const t0 = clock::now();
-  bool const issued =
-      cv_.wait_until(lock, deadline_from(t0), [&] { return r.st != state::out_queued; });
-  count_wait(r.deferred ? wait_cause::slab : wait_cause::worker, t0);
+  // If the worker defers it and the slab has no room that copies in flight would free (every
+  // range belongs to a live buffer: only a release makes room), it fails at once.
+  r.deferred          = false;
+  auto const t0       = clock::now();
+  auto const deadline = deadline_from(t0);
+  std::exception_ptr failure;
+  bool stuck = false;
+  while (r.st == state::out_queued && !(failure = copier_failure()) &&
+         !(stuck = r.deferred && slab_stuck(bytes)) && clock::now() < deadline) {
+    cv_.wait_until(lock, std::min(deadline, clock::now() + failure_poll));
+  }
+  bool const deferred = r.deferred;
+  count_wait(deferred ? wait_cause::slab : wait_cause::worker, t0);
   r.deferred = false;
-  if (!issued) {
+  if (r.st == state::out_queued) {
+    std::string const slab = slab_full_text(bytes);
     drop();
-    throw_timeout("a page-out from caller memory to be issued");
+    if (failure) { std::rethrow_exception(failure); }
+    WM_EXPECTS(!stuck, "swap_scope::pageout_from: no " + slab +
+                           " and none comes until buffers are released");
+    throw_timeout(deferred ? slab : std::string{"a page-out from caller memory to be issued"});
   }
   ++stats_.pageouts_from;
   return id;
@@ -397,14 +411,24 @@ inline void swap_core::drop_kept(record& r) {
   }
 }
 
+// A page-out deferred for lack of room in the slab is named in the timeout's message.
 inline void swap_core::drain(transfer_queue<copier>& q, char const* what) {
   auto const t0 = clock::now();
   bool const ok = q.wait(deadline_from(t0));
+  std::string slab;
   {
     std::lock_guard lock{mutex_};
     count_wait(wait_cause::drain, t0);
+    if (!ok) {
+      for (auto const& [id, r] : records_) {
+        if (r.st == state::out_queued && r.deferred) {
+          slab = " (a page-out waits for " + slab_full_text(r.bytes) + ")";
+          break;
+        }
+      }
+    }
   }
-  if (!ok) { throw_timeout(what); }
+  if (!ok) { throw_timeout(what + slab); }
 }
 
 inline swap_statistics swap_core::statistics() {

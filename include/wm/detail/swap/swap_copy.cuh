@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The copiers of a swap_core, called by the transfer queues' worker threads: submit issues the
-// copies of a batch (taking pool blocks stream-ordered for page-ins), poll asks an event, complete
-// books what finished. None of them blocks on CUDA.
+// copies of a batch (taking pool blocks stream-ordered for page-ins), poll asks an event (and
+// throws its error), complete books what finished. None of them blocks on CUDA.
 #pragma once
 
 #include <wm/detail/swap/swap_blocks.cuh>
@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -30,6 +31,25 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
       std::size_t bytes;
     };
     std::vector<piece> pieces;
+    // What this call took, given back if a CUDA call below throws: the pool blocks of page-ins
+    // whose copies were not issued (else their records would keep them), the ticket's events.
+    struct rollback {
+      swap_core& core;
+      cudaStream_t stream;
+      std::vector<std::uint64_t> blocks;  // ids of records given a block here
+      ticket* t;
+      bool done{false};
+      ~rollback() {
+        if (done) { return; }
+        for (std::uint64_t const id : blocks) {
+          auto const it = core.records_.find(id);
+          if (it != core.records_.end()) { core.return_block(it->second, stream); }
+        }
+        if (t->start != nullptr) { core.give_event(t->start, true); }
+        if (t->end != nullptr) { core.give_event(t->end, true); }
+      }
+    } undo{*this, s, {}, &t};
+    undo.blocks.reserve(batch.size());  // no allocation between taking a block and noting it
     bool deferring = false;
     for (auto& x : batch) {
       auto const it = records_.find(x.id);
@@ -50,6 +70,7 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
           r.deferred  = true;
           x.admission = transfer_admission::defer;
           deferring   = true;
+          cv_.notify_all();  // a pageout_from waiting for it names the full slab
           continue;
         }
         WM_CUDA_TRY(cudaStreamWaitEvent(s, r.producer, 0));
@@ -63,7 +84,10 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
         r.ext = nullptr;  // issued: its completion needs no source
       } else {
         // The copy stream waits for the block's previous user (a page-out copy or a release).
-        if (r.dev == npos) { r.dev = take_block(r.bytes, s, false); }
+        if (r.dev == npos) {
+          r.dev = take_block(r.bytes, s, false);
+          if (r.dev != npos) { undo.blocks.push_back(x.id); }
+        }
         if (r.dev == npos) {
           // A queued page-out would free a block: promoted, it goes next and this retries (a
           // wait on the other worker). Else only the GPU (or the user) can make room.
@@ -80,7 +104,10 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
       x.admission = transfer_admission::start;
       t.ids.push_back(x.id);
     }
-    if (t.ids.empty()) { return std::nullopt; }
+    if (t.ids.empty()) {
+      undo.done = true;
+      return std::nullopt;
+    }
     t.start = take_event(true);
     t.end   = take_event(true);
     WM_CUDA_TRY(cudaEventRecord(t.start, s));
@@ -100,6 +127,7 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
       i = j;
     }
     WM_CUDA_TRY(cudaEventRecord(t.end, s));
+    undo.done = true;  // issued: the blocks are the copies', the events the ticket's
     for (auto const& x : batch) {
       if (x.admission != transfer_admission::start) { continue; }
       record& r = records_.at(x.id);
@@ -119,9 +147,29 @@ inline std::optional<swap_core::ticket> swap_core::submit(bool out,
   return result;
 }
 
+inline void swap_core::copier_failed(std::exception_ptr e) noexcept {
+  {
+    std::lock_guard lock{failure_mutex_};
+    if (!failure_) { failure_ = std::move(e); }
+  }
+  cv_.notify_all();  // without mutex_: a waiter may miss it, and finds it within failure_poll
+}
+
+inline std::exception_ptr swap_core::copier_failure() const {
+  std::lock_guard lock{failure_mutex_};
+  return failure_;
+}
+
+// An error is not a completion (the copies may not have run): it is thrown, and the transfer
+// queue reports it to its next drain without completing the ticket.
 inline bool swap_core::poll(ticket const& t) {
   cudaError_t const e = cudaEventQuery(t.end);
-  return e != cudaErrorNotReady;  // an error: done; the next checked call reports it
+  if (e == cudaErrorNotReady) { return false; }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // a non-sticky error is not left for an unrelated call to find
+    ::wm::detail::throw_cuda_error(__FILE__, __LINE__, "cudaEventQuery(end of a swap copy)", e);
+  }
+  return true;
 }
 
 inline void swap_core::complete(bool out, ticket const& t) {

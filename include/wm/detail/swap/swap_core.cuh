@@ -26,6 +26,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -87,16 +88,36 @@ class swap_core {
     std::vector<std::uint64_t> ids;
   };
 
-  /// The copier of one direction (wm::transfer_copier).
+  /// The copier of one direction (wm::transfer_copier). What it throws goes to the queue (its
+  /// next drain) and to the core (the user threads waiting for a copy; see copier_failed).
   struct copier {
     using ticket_type = ticket;
     swap_core* core;
     bool out;
     std::optional<ticket> submit(std::span<transfer_task> batch) {
-      return core->submit(out, batch);
+      try {
+        return core->submit(out, batch);
+      } catch (...) {
+        core->copier_failed(std::current_exception());
+        throw;
+      }
     }
-    bool poll(ticket const& t) { return core->poll(t); }
-    void complete(ticket const& t) { core->complete(out, t); }
+    bool poll(ticket const& t) {
+      try {
+        return core->poll(t);
+      } catch (...) {
+        core->copier_failed(std::current_exception());
+        throw;
+      }
+    }
+    void complete(ticket const& t) {
+      try {
+        core->complete(out, t);
+      } catch (...) {
+        core->copier_failed(std::current_exception());
+        throw;
+      }
+    }
   };
 
   explicit swap_core(swap_options const& options)
@@ -188,6 +209,9 @@ class swap_core {
  private:
   static constexpr std::size_t alignment = 256;
   using clock                            = clock_type;
+  /// How often a user thread waiting for a worker looks for a copier failure (which cannot wake
+  /// it: see copier_failed).
+  static constexpr std::chrono::milliseconds failure_poll{10};
 
   /// A pagein_to copy in flight: its timing events and the buffer it copied (the record's
   /// ext_in is cleared when the copy is collected, if it is still this copy).
@@ -222,10 +246,21 @@ class swap_core {
     return deadline_after(options_.timeout, t0);
   }
 
+  // ---- failures of the copiers (swap_copy.cuh) -------------------------------------------------
+  // A copier threw on a worker thread (a CUDA call or an event failed): the first error is kept
+  // and every later wait of a user thread on a copy throws it, since the copy it waits for may
+  // never be issued or completed. The worker calls this under its queue's lock (poll), so it
+  // takes failure_mutex_ only, never mutex_; waiters therefore poll for it (failure_poll).
+  void copier_failed(std::exception_ptr e) noexcept;
+  [[nodiscard]] std::exception_ptr copier_failure() const;
+
   // ---- the device pool (swap_blocks.cuh) -------------------------------------------------------
   [[nodiscard]] bool fits(std::size_t off, std::size_t bytes) const noexcept;
   std::size_t take_block(std::size_t bytes, cudaStream_t stream, bool consumer);
   std::size_t take_host_range(std::size_t bytes, cudaStream_t stream);
+  void return_block(record& r, cudaStream_t stream) noexcept;
+  [[nodiscard]] bool slab_stuck(std::size_t bytes) const;
+  [[nodiscard]] std::string slab_full_text(std::size_t bytes) const;
   std::uint64_t promote_pageout(std::size_t bytes);
   std::size_t allocate_device(std::size_t bytes, std::unique_lock<std::mutex>& lock,
                               cudaStream_t stream);
@@ -289,7 +324,9 @@ class swap_core {
   std::vector<cudaEvent_t> timing_free_;
   std::vector<cudaEvent_t> sync_free_;
   mutable std::mutex mutex_;
-  std::condition_variable cv_;  // a copy was issued or completed, a block was given back
+  std::condition_variable cv_;  // a copy was issued, deferred or completed, a block was given back
+  mutable std::mutex failure_mutex_;  // guards failure_ only (taken last, under any other lock)
+  std::exception_ptr failure_;        // the first error a copier threw
   std::unordered_map<std::uint64_t, record> records_;
   std::uint64_t next_id_{1};
   std::vector<pending_free> pending_frees_;
