@@ -19,6 +19,7 @@
  * raises Python exceptions with a message that says what was expected.
  */
 #include <wm/comm.hpp>
+#include <wm/detail/base/deadline.hpp>
 #include <wm/error.hpp>
 #include <wm/swap.cuh>
 
@@ -812,7 +813,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
   /// The host waits for @p e (polling, within the scope's timeout); counted when it had to.
   void wait_host(cudaEvent_t e, char const* what) {
     auto const t0       = std::chrono::steady_clock::now();
-    auto const deadline = t0 + scope_->options().timeout;
+    auto const deadline = wm::detail::deadline_after(scope_->options().timeout, t0);  // saturates
     bool waited         = false;
     for (;;) {
       cudaError_t const r = cudaEventQuery(e);
@@ -821,8 +822,7 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
       waited = true;
       if (std::chrono::steady_clock::now() > deadline) {
         throw wm::cuda_error{"wm_torch: SwapHooks gave up waiting for " + std::string{what} +
-                                 " after " + std::to_string(scope_->options().timeout.count()) +
-                                 " ms",
+                                 " after " + wm::detail::timeout_text(scope_->options().timeout),
                              static_cast<int>(cudaErrorTimeout)};
       }
       std::this_thread::sleep_for(std::chrono::microseconds{20});
