@@ -12,8 +12,6 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <optional>
 #include <random>
 #include <set>
 #include <span>
@@ -193,7 +191,7 @@ TEST_CASE(
     "previous checkpoint",
     "[host]") {
   int const world      = GENERATE(1, 2, 3);
-  int const failing    = GENERATE_COPY(filter([=](int r) { return r < world; }, values({0, 2})));
+  int const failing    = GENERATE_COPY(values({0, world - 1}));  // the first, the last
   bool const same_step = GENERATE(false, true);  // the mix could not be told from the step count
   INFO("world " << world << ", rank " << failing << " fails, same step " << same_step);
   auto const plan = z::make_plan(model(), 1024, world);
