@@ -302,6 +302,10 @@ TEST_CASE("zero checkpoint: a directory saved before manifests loads", "[host]")
 TEST_CASE("zero checkpoint: a shard that cannot be written in full is removed", "[host]") {
   // /dev/full takes the open and fails every write (ENOSPC): write_shard throws and removes
   // what it began, here the link.
+  if (!std::filesystem::exists("/dev/full")) {
+    WARN("no /dev/full here: the case is not run");
+    return;
+  }
   auto const dir = fresh_dir("enospc");
   std::filesystem::create_directories(dir);
   auto const file = dir / "shard-0.zero.tmp";
