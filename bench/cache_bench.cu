@@ -50,7 +50,7 @@
  * Exit status: 0, or 1 if a case or the peer failed, 2 for wrong arguments.
  */
 #include <wm/cache.hpp>
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
 
 #include <algorithm>
 #include <chrono>

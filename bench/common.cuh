@@ -13,7 +13,8 @@
  */
 #pragma once
 
-#include <wm/wm.cuh>
+#include <wm/comm.hpp>
+#include <wm/launch.hpp>
 
 #include <algorithm>
 #include <array>

@@ -44,7 +44,7 @@
  * gradients of known sign per column and checks that rows 0 and 5 moved against the summed
  * gradient in every column and row 1 did not move (throws otherwise). Output ends with one table.
  */
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
 
 #include <algorithm>
 #include <chrono>

@@ -60,7 +60,7 @@
  * from, or ../../bench/peers beside the executable) and prints one JSON line. Output ends with
  * one table.
  */
-#include <wm/wm.cuh>
+#include <wm/tensor.cuh>
 
 #include <algorithm>
 #include <chrono>

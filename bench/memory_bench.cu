@@ -21,7 +21,7 @@
  * run each. Each kernel copy is checked once against the fill pattern, and each memory after load,
  * so a broken path cannot report a fast time. Output: one table, printed by rank 0.
  */
-#include <wm/wm.cuh>
+#include <wm/memory.cuh>
 
 #include <algorithm>
 #include <chrono>

@@ -23,7 +23,6 @@
  * Usage: swap_bench [--layers L] [--width W] [--batch B] [--steps S]   (defaults 16 8192 16384 6)
  */
 #include <wm/swap.cuh>
-#include <wm/wm.cuh>
 
 #include <algorithm>
 #include <cstdio>

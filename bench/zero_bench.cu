@@ -41,7 +41,6 @@
  *                   [--offload-only] [--spare-fraction F] [--pin]
  *        (defaults: every GPU, 16 8192 8192 5, the option's default fraction)
  */
-#include <wm/wm.cuh>
 #include <wm/zero.cuh>
 
 #include <algorithm>

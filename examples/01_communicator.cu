@@ -14,7 +14,8 @@
  *
  * Run: ./01_communicator            (uses every GPU of this machine)
  */
-#include <wm/wm.cuh>
+#include <wm/comm.hpp>
+#include <wm/launch.hpp>
 
 #include <cstdio>
 #include <exception>

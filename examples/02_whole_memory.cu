@@ -15,7 +15,8 @@
  *
  * Run: ./02_whole_memory            (uses every GPU of this machine)
  */
-#include <wm/wm.cuh>
+#include <wm/launch.hpp>
+#include <wm/memory.cuh>
 
 #include <cstdio>
 #include <exception>

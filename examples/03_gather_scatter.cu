@@ -16,7 +16,8 @@
  *
  * Run: ./03_gather_scatter            (uses every GPU of this machine)
  */
-#include <wm/wm.cuh>
+#include <wm/launch.hpp>
+#include <wm/tensor.cuh>
 
 #include <cstdio>
 #include <cstring>

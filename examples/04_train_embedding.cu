@@ -13,7 +13,8 @@
  *
  * Run: ./04_train_embedding            (uses every GPU of this machine)
  */
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
+#include <wm/launch.hpp>
 
 #include <cstdio>
 #include <exception>

@@ -22,7 +22,8 @@
  * Run: ./05_cached_embedding            (one rank per GPU of the machine)
  */
 #include <wm/cache.hpp>
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
+#include <wm/launch.hpp>
 
 #include <cmath>
 #include <cstdio>

@@ -25,8 +25,8 @@
  *
  * Run: ./06_swap_activations
  */
+#include <wm/launch.hpp>
 #include <wm/swap.cuh>
-#include <wm/wm.cuh>
 
 #include <cmath>
 #include <cstdio>

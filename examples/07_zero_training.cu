@@ -25,7 +25,7 @@
  *
  * Run: ./07_zero_training [ranks]     (default: one rank per GPU)
  */
-#include <wm/wm.cuh>
+#include <wm/launch.hpp>
 #include <wm/zero.cuh>
 
 #include <cmath>

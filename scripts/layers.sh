@@ -42,16 +42,17 @@ layer_of() {
     wm/detail/base/* | wm/config.hpp | wm/error.hpp | wm/version.hpp | wm/partition.hpp | \
       wm/optimizer.hpp) echo base ;;
     wm/detail/rows/*) echo rows ;;
-    wm/detail/comm/* | wm/comm.hpp) echo comm ;;
-    wm/detail/memory/* | wm/memory.cuh) echo memory ;;
+    wm/detail/comm/* | wm/comm.hpp | wm/decl/comm.hpp) echo comm ;;
+    wm/detail/memory/* | wm/memory.cuh | wm/decl/memory.cuh) echo memory ;;
     wm/detail/exchange/*) echo exchange ;;
-    wm/detail/tensor/* | wm/tensor.cuh) echo tensor ;;
-    wm/detail/cache/* | wm/cache.hpp) echo cache ;;
-    wm/detail/embedding/* | wm/embedding.cuh) echo embedding ;;
-    wm/detail/zero/* | wm/zero.cuh | wm/zero_policy.hpp) echo zero ;;
-    wm/detail/codec/* | wm/zero_codec.cuh) echo codec ;;
-    wm/detail/swap/* | wm/swap.cuh | wm/transfer_queue.hpp) echo swap ;;
-    wm/detail/launch/* | wm/launch.hpp) echo launch ;;
+    wm/detail/tensor/* | wm/tensor.cuh | wm/decl/tensor.cuh) echo tensor ;;
+    wm/detail/cache/* | wm/cache.hpp | wm/decl/cache.hpp) echo cache ;;
+    wm/detail/embedding/* | wm/embedding.cuh | wm/decl/embedding.cuh) echo embedding ;;
+    wm/detail/zero/* | wm/zero.cuh | wm/decl/zero.cuh | wm/zero_policy.hpp) echo zero ;;
+    wm/detail/codec/* | wm/zero_codec.cuh | wm/decl/zero_codec.cuh) echo codec ;;
+    wm/detail/swap/* | wm/swap.cuh | wm/decl/swap.cuh | wm/transfer_queue.hpp | \
+      wm/decl/transfer_queue.hpp) echo swap ;;
+    wm/detail/launch/* | wm/launch.hpp | wm/decl/launch.hpp) echo launch ;;
     wm/wm.cuh) echo umbrella ;;
     *) echo "?" ;;
   esac

@@ -2,7 +2,8 @@
 // GPU tests of wm::communicator. [gpu]: one rank; [multi_gpu]: as many ranks as GPUs (>= 2).
 // Every rank is a forked process with its own GPU; checks inside ranks throw (RANK_REQUIRE) and
 // wm::launch turns that into a launch_error that fails the test in the parent.
-#include <wm/wm.cuh>
+#include <wm/comm.hpp>
+#include <wm/launch.hpp>
 
 #include <array>
 #include <chrono>

@@ -7,7 +7,8 @@
 // SparseAdam's epsilon), adam (L2 decay) or adamw (decoupled decay), both with torch's epsilon;
 // bias_correction per_row or global_step), DIR/weights.bin (rows x dim float32),
 // DIR/keys<k>.bin (int64), DIR/grads<k>.bin (float32); writes DIR/wm_result.bin.
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
+#include <wm/launch.hpp>
 
 #include <cstdio>
 #include <filesystem>

@@ -4,7 +4,9 @@
 // --expt-relaxed-constexpr): tensor gather and scatter on a mapped and on the distributed layout,
 // and an embedding's gather and apply_gradients with Adam. Only built by the install test;
 // running it needs GPUs.
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
+#include <wm/launch.hpp>
+#include <wm/wm.cuh>  // the umbrella (declarations) after the module headers: both orders compile
 
 #include <cuda_runtime.h>
 

@@ -5,7 +5,8 @@
 // offers, in a kernel. Files round-trip into a different kind; bad files fail on every rank;
 // one long-lived process that makes and destroys every kind, tensors and splits 20 times ends
 // with the descriptors, memfd mappings, GPU memory and pinned registrations it started with.
-#include <wm/wm.cuh>
+#include <wm/launch.hpp>
+#include <wm/tensor.cuh>
 
 #include <algorithm>
 #include <chrono>

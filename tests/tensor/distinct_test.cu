@@ -7,7 +7,7 @@
 // hold fresh random bytes; outputs are poisoned first; results are compared byte for byte with a
 // host reference.
 #include <wm/detail/rows/distinct.cuh>
-#include <wm/wm.cuh>
+#include <wm/tensor.cuh>
 
 #include <algorithm>
 #include <cmath>

@@ -3,7 +3,8 @@
 // local rows fill 32-bit keys. Every byte row holds a hash of its row number, so a row read
 // from the wrong place (an offset cut to 32 bits) shows. Needs ~21 GiB of GPU memory, ~7 GiB of
 // host memory and 4 GiB in the temporary directory (removed at the end).
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
+#include <wm/launch.hpp>
 
 #include <cub/device/device_for.cuh>
 

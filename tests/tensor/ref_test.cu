@@ -4,7 +4,7 @@
 // they run inside every rank (tests/support/ranks.hpp), one case per location x layout x
 // mapping. Tables hold values of (row, column, fresh salt); outputs are poisoned first; results
 // are compared with a host reference, and rows read through refs with what gather returns.
-#include <wm/wm.cuh>
+#include <wm/embedding.cuh>
 
 #include <algorithm>
 #include <cmath>
