@@ -606,7 +606,7 @@ TEST_CASE("cache plan: at ratio 1 the hashed sets hold most but not all rows", "
 // A group-cache line under a reader's feet: the holder replaces the line's row (empty the word,
 // write the row, publish the word) while a reader on another GPU copies it (load the word, copy
 // the row, load the word again). Steps interleave one word at a time, in one order for all: the
-// order the kernels' fences give (detail/cache/group.cuh). The words are line_word.hpp's.
+// order the kernels' fences give (detail/cache/group_kernels.cuh). The words are line_word.hpp's.
 
 namespace {
 
