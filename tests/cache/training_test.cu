@@ -294,6 +294,27 @@ __global__ void sleep_kernel(unsigned long long ns) {
   }
 }
 
+/// Spins until @p want of @p samples output rows (@p stride rows apart, @p dim values each) no
+/// longer begin with the poison bits @p poison, or @p limit_ns nanoseconds pass: the work queued
+/// behind it starts while a gather on another stream is writing its rows.
+__global__ void wait_for_rows_kernel(float const* out, std::size_t dim, std::size_t samples,
+                                     std::size_t stride, unsigned poison, std::size_t want,
+                                     unsigned long long limit_ns) {
+  unsigned long long start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    std::size_t seen = 0;
+    for (std::size_t i = 0; i < samples; ++i) {
+      auto const* const v = reinterpret_cast<unsigned const volatile*>(out + i * stride * dim);
+      if (*v != poison) { ++seen; }
+    }
+    unsigned long long now = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (seen >= want || now - start >= limit_ns) { break; }
+    __nanosleep(1000);
+  }
+}
+
 /// A non-blocking stream of the highest priority: its blocks start before those of work already
 /// queued on the legacy stream.
 cudaStream_t urgent_stream() {
@@ -388,10 +409,12 @@ TEST_CASE("device cache: a gather that runs out of device memory loses no dirty 
 // store() flushes on the legacy stream, which does not wait for a cudaStreamNonBlocking stream.
 // In the old code a one-rank gather on one returned with its admissions running, and the flush
 // ran beside them: it read a set's dirty ways and tags while admissions replaced them, and wrote
-// a line's row under another key, or half of one (the gather's stream has the highest priority,
-// so its admissions start as soon as the sort of its 4M keys ends, beside the flush's blocks).
-// The checkpoint, loaded into an uncached table, then differed from the uncached twin. Now store
-// waits for every gather and prefetch the cache has issued before it flushes.
+// a line's row under another key, or half of one. To make the two meet, the legacy stream first
+// waits (wait_for_rows_kernel) until the gather of 4M keys has written some of its rows, so the
+// old flush started in the middle of the admissions (and the gather's stream has the highest
+// priority, so its blocks keep running beside the flush's). The checkpoint, loaded into an
+// uncached table, then differed from the uncached twin. Now store waits for every gather and
+// prefetch the cache has issued before it flushes (then the wait kernel has long ended).
 TEST_CASE("device cache: store() right after a gather on a non-blocking stream holds every update",
           "[gpu]") {
   on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
@@ -413,7 +436,14 @@ TEST_CASE("device cache: store() right after a gather on a non-blocking stream h
         apply(plain, b, s);
       }
       device_array<std::int64_t> dk{random_keys(rng, rows, big)};
+      WM_CUDA_TRY(cudaMemset(out.ptr, 0xff, big * dim * sizeof(float)));  // poison: NaN bits
+      WM_CUDA_TRY(cudaDeviceSynchronize());
       cached.gather(std::span<std::int64_t const>{dk.ptr, big}, out.ptr, cuda::stream_ref{s});
+      std::size_t const samples = 1024;
+      wait_for_rows_kernel<<<1, 1, 0, cudaStreamLegacy>>>(out.ptr, dim, samples, big / samples,
+                                                          0xffffffffu, samples / 16,
+                                                          2ull * 1000 * 1000 * 1000);
+      WM_CHECK_LAUNCH();
       cached.store(dir / "ck");  // at once: the gather's admissions are still running
       loaded.load(dir / "ck");
       RANK_REQUIRE_MSG(snapshot(loaded, s) == snapshot(plain, s),
