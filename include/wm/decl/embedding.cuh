@@ -160,8 +160,9 @@ class embedding {
    * invalid index throws wm::logic_error on the rank that passed it, as the tensor's gather.
    * Several ranks, group cache: not collective, no host synchronization; rows come from their
    * holders' lines or the table; invalid indices are reported as on one rank.
-   * Calls on one cached table (gather, apply_gradients, flush, invalidate) share its lines and
-   * must be ordered by the caller (one stream, or events); see `prefetch` for what may overlap.
+   * Gathers and `apply_gradients` on one cached table share its lines and must be ordered by
+   * the caller (one stream, or events); see `prefetch` for what may overlap. `flush`,
+   * `invalidate`, `store` and `load` order themselves after the table's gathers and prefetches.
    */
   template <index_type Index>
   void gather(std::span<Index const> indices, T* out, cuda::stream_ref stream);
@@ -187,11 +188,15 @@ class embedding {
 
   /**
    * @brief Writes every dirty line back to the table (`read_write`); lines stay cached and
-   * clean. Enqueued on @p stream.
+   * clean. Enqueued on @p stream, after the gathers and prefetches this table issued on any
+   * stream (@p stream waits for them).
    */
   void flush(cuda::stream_ref stream) requires detail::caching_policy<CachePolicy>;
 
-  /** @brief `flush()`, then every line emptied. Enqueued on @p stream. */
+  /**
+   * @brief `flush()`, then every line emptied. Enqueued on @p stream, after the gathers and
+   * prefetches this table issued on any stream.
+   */
   void invalidate(cuda::stream_ref stream) requires detail::caching_policy<CachePolicy>;
 
   /**
@@ -231,7 +236,8 @@ class embedding {
   /**
    * @brief Writes the checkpoint `<prefix>.weights.*`, `.states.*`, `.steps.*` and `<prefix>.meta`
    * (collective). Rows are in global order, so it loads into any rank count or layout. A cache is
-   * flushed first, so the checkpoint holds every update.
+   * flushed first, so the checkpoint holds every update; the gathers and prefetches this table
+   * issued on any stream are waited for first (within the communicator's timeout).
    *
    * Every file is written under a temporary name (`<file>.tmp`) and flushed; only when every rank
    * has written, the old `.meta` is removed, the parts are renamed and the new `.meta` is renamed
@@ -240,11 +246,14 @@ class embedding {
    * optimizer name and its `checkpoint_tag()` (Adam: bias-correction mode, epsilon placement).
    * @throw wm::io_error on every rank if a rank could not write (then the temporaries are
    * removed and the previous checkpoint is untouched)
+   * @throw wm::comm_error on every rank if a rank's pending gathers did not finish in time
    */
   void store(std::filesystem::path const& prefix);
   /**
    * @brief Reads a checkpoint written by `store` (collective), written by any rank count. A
-   * cache is invalidated first (flushed and emptied: its lines would be stale).
+   * cache is invalidated first (flushed and emptied: its lines would be stale), after the
+   * gathers and prefetches this table issued on any stream (waited for, within the
+   * communicator's timeout; else wm::comm_error on every rank).
    *
    * One collective step first checks, on every rank, the meta against this table (rows, dim,
    * element type, optimizer name and `checkpoint_tag()`, state slots, per-row steps) and every
