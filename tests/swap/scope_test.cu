@@ -4,8 +4,9 @@
 // total exceeds the device budget (every read sees the last write: a check kernel and a copy back
 // to the host, fresh random data each write); a passive access while a page-out is in flight;
 // pinned buffers stay resident; small buffers travel together; the scope is destroyed with
-// transfers in flight; statistics. Page-outs from caller memory and page-ins into caller memory
-// (pageout_from / pagein_to) ordered after their producers and consumers, slab reuse without
+// transfers in flight, or with a copy that never completes (given up at the timeout); statistics.
+// Page-outs from caller memory and page-ins into caller memory (pageout_from / pagein_to)
+// ordered after their producers and consumers, slab reuse without
 // allocations or host syncs, their edge cases and errors, copy streams given in swap_options. A
 // timeout of milliseconds::max() (no limit), sizes that cannot be rounded or exceed the pool, a
 // full host slab named at once; and, run alone, a copy whose event reports an error.
@@ -16,6 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <future>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -320,6 +323,45 @@ TEST_CASE("swap: destroying the scope with transfers in flight", "[gpu][swap]") 
   std::size_t free_after = 0;
   WM_CUDA_TRY(cudaMemGetInfo(&free_after, &total));
   CHECK(free_after + 64 * mib >= free_before);  // the pool went back
+}
+
+// A copy that never completes (its producer spins until the test lets it go) does not hang the
+// scope's destructor: past swap_options::timeout it abandons the copy (a line on stderr; the pool
+// and the slab the copy may still use are left allocated) and returns. Before, destroy() closed
+// the page-out queue, whose worker ends only once every copy in flight has completed, and then
+// synchronized the copy streams, all without a deadline.
+TEST_CASE("swap: destroying the scope gives up on a copy that never completes", "[gpu][swap]") {
+  load_kernels();
+  streams st{1};
+  cuda::stream_ref const s0{st.s[0]};
+  gate g;
+  wm::swap_options o = small_scope(4 * mib);
+  o.host_bytes       = 4 * mib;
+  o.timeout          = std::chrono::milliseconds{2'000};
+  auto scope         = std::make_unique<wm::swap_scope>(o);
+  {
+    auto b = filled(*scope, mib / 4, 1, s0);
+    g.hold(s0);              // the buffer's producer never finishes while the test runs
+    REQUIRE(b.pageout(s0));  // its copy waits for the spin
+    wait_until([&] { return scope->statistics().copies_out > 0; });
+    REQUIRE(scope->statistics().copies_out == 1);  // issued: in flight behind the spin
+  }  // released with its copy in flight: the scope frees its memory once the copy is done
+  std::promise<void> done;
+  auto destroyed = done.get_future();
+  auto const t0  = std::chrono::steady_clock::now();
+  std::thread destroyer{[&] {
+    scope.reset();
+    done.set_value();
+  }};
+  // The timeout and a slack for the polls and the teardown's CUDA calls.
+  bool const returned = destroyed.wait_for(std::chrono::seconds{10}) == std::future_status::ready;
+  auto const took     = std::chrono::steady_clock::now() - t0;
+  g.release();  // the spin ends; the copy completes (into the slab left allocated)
+  destroyer.join();
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  CHECK(returned);
+  CHECK(took >= std::chrono::milliseconds{1'900});  // it waited for the copy until the deadline
+  CHECK(cudaGetLastError() == cudaSuccess);
 }
 
 // ---- page-outs from caller memory, page-ins into caller memory (pageout_from / pagein_to) ----

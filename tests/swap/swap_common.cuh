@@ -59,6 +59,52 @@ __global__ void spin_kernel(std::uint64_t ns) {
   } while (now - start < ns);
 }
 
+// Keeps its stream busy until the host sets @p *flag (host-mapped memory), or for @p max_ns at
+// most, so that a test that never sets it still lets the process end.
+template <class = void>
+__global__ void spin_until_kernel(unsigned const volatile* flag, std::uint64_t max_ns) {
+  std::uint64_t start = 0;
+  std::uint64_t now   = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (*flag == 0 && now - start < max_ns);
+}
+
+// A flag in host-mapped pinned memory that a spin_until_kernel waits for: work queued behind it
+// does not complete until release() (or the destructor, which also waits for the device).
+struct gate {
+  unsigned* host{nullptr};
+  unsigned* dev{nullptr};
+  gate() {
+    WM_CUDA_TRY(
+        cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(unsigned), cudaHostAllocMapped));
+    *host = 0;
+    WM_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0));
+    // Loaded now (lazy loading): a kernel's first launch may synchronize the context.
+    unsigned* const open = dev;
+    *host                = 1;
+    spin_until_kernel<><<<1, 1>>>(open, 0);
+    WM_CHECK_LAUNCH();
+    WM_CUDA_TRY(cudaDeviceSynchronize());
+    *host = 0;
+  }
+  gate(gate const&)            = delete;
+  gate& operator=(gate const&) = delete;
+  ~gate() {
+    release();
+    (void)cudaDeviceSynchronize();
+    (void)cudaFreeHost(host);
+  }
+  // Holds @p s until release(), five minutes at most.
+  void hold(cuda::stream_ref s) {
+    spin_until_kernel<><<<1, 1, 0, s.get()>>>(dev, std::uint64_t{300} * 1'000'000'000);
+    WM_CHECK_LAUNCH();
+  }
+  void release() { __atomic_store_n(host, 1u, __ATOMIC_SEQ_CST); }
+};
+
 inline void fill(std::uint32_t* p, std::size_t n, std::uint64_t seed, cuda::stream_ref s) {
   fill_kernel<><<<256, 256, 0, s.get()>>>(p, n, seed);
   WM_CHECK_LAUNCH();

@@ -22,16 +22,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -104,7 +107,9 @@ class swap_core {
     }
     bool poll(ticket const& t) {
       try {
-        return core->poll(t);
+        if (core->poll(t)) { return true; }
+        core->expect_teardown_time();  // throws past the teardown's deadline: the copy is dropped
+        return false;
       } catch (...) {
         core->copier_failed(std::current_exception());
         throw;
@@ -246,6 +251,14 @@ class swap_core {
     return deadline_after(options_.timeout, t0);
   }
 
+  // During destroy(), past its deadline: the copy a worker polls is abandoned (a throw from the
+  // copier's poll makes the queue drop its ticket, so that close() returns).
+  void expect_teardown_time() {
+    if (!stopping_.load(std::memory_order_acquire) || clock::now() < teardown_deadline_) { return; }
+    abandoned_.store(true, std::memory_order_release);
+    throw_timeout("a copy in flight (the scope's teardown)");
+  }
+
   // ---- failures of the copiers (swap_copy.cuh) -------------------------------------------------
   // A copier threw on a worker thread (a CUDA call or an event failed): the first error is kept
   // and every later wait of a user thread on a copy throws it, since the copy it waits for may
@@ -292,24 +305,72 @@ class swap_core {
   void drain(transfer_queue<copier>& q, char const* what);
 
   // Stops the workers (queued transfers dropped, copies in flight finished), waits for the GPU
-  // work this scope issued, frees everything. Never throws.
+  // work this scope issued, frees everything. Never throws, and never waits past the scope's
+  // timeout: a copy that has not completed by then (its producer never finishes, say) is
+  // abandoned with a line on stderr, and the pool and the slab it may still read or write are
+  // left allocated (freeing them would also wait: cudaFree synchronizes the device).
   void destroy() noexcept {
+    teardown_deadline_ = deadline_after(options_.timeout);
+    stopping_.store(true, std::memory_order_release);  // the copiers' polls give up after it
     if (out_q_) { out_q_->close(); }
     if (in_q_) { in_q_->close(); }
-    for (auto const& p : pending_frees_) { (void)cudaEventSynchronize(p.ev); }
-    for (auto const& [a, b] : waits_) { (void)cudaEventSynchronize(b); }
-    for (auto const& c : ext_ins_) { (void)cudaEventSynchronize(c.end); }
-    if (out_stream_ != nullptr) { (void)cudaStreamSynchronize(out_stream_); }
-    if (in_stream_ != nullptr) { (void)cudaStreamSynchronize(in_stream_); }
+    char const* stuck = abandoned_.load(std::memory_order_acquire) ? "a copy in flight" : nullptr;
+    auto const settle = [&](cudaEvent_t ev, char const* what) {
+      if (stuck == nullptr && !settled(ev, teardown_deadline_)) { stuck = what; }
+    };
+    for (auto const& p : pending_frees_) { settle(p.ev, "a released buffer's last work"); }
+    for (auto const& [a, b] : waits_) { settle(b, "a consumer stream's wait on a copy"); }
+    for (auto const& c : ext_ins_) { settle(c.end, "a pagein_to copy"); }
+    // The copy streams, up to what is queued now (caller streams may get more work later).
+    for (cudaStream_t const s : {out_stream_, in_stream_}) {
+      if (s == nullptr || stuck != nullptr) { continue; }
+      cudaEvent_t ev = nullptr;
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess &&
+          cudaEventRecord(ev, s) == cudaSuccess) {
+        settle(ev, s == out_stream_ ? "the page-out copy stream" : "the page-in copy stream");
+      } else {
+        (void)cudaGetLastError();
+        while (cudaStreamQuery(s) == cudaErrorNotReady && clock::now() < teardown_deadline_) {
+          std::this_thread::sleep_for(std::chrono::microseconds{100});
+        }
+        if (cudaStreamQuery(s) == cudaErrorNotReady) { stuck = "a copy stream"; }
+      }
+      if (ev != nullptr) { (void)cudaEventDestroy(ev); }
+    }
+    // Events and streams may go with work pending (CUDA frees them once it completes).
     for (cudaEvent_t ev : all_events_) { (void)cudaEventDestroy(ev); }
     all_events_.clear();
     if (own_streams_ && out_stream_ != nullptr) { (void)cudaStreamDestroy(out_stream_); }
     if (own_streams_ && in_stream_ != nullptr) { (void)cudaStreamDestroy(in_stream_); }
-    if (pool_ != nullptr) { (void)cudaFree(pool_); }
-    if (slab_ != nullptr) { (void)cudaFreeHost(slab_); }
+    if (stuck != nullptr) {
+      std::fprintf(stderr,
+                   "wm: swap_scope: the teardown gave up after %lld ms waiting for %s; abandoned, "
+                   "left allocated: the device pool (%zu bytes at %p) and the pinned host slab "
+                   "(%zu bytes at %p), which its copies may still use\n",
+                   static_cast<long long>(options_.timeout.count()), stuck,
+                   dev_alloc_.capacity() + alignment, static_cast<void*>(pool_),
+                   host_alloc_.capacity() + alignment, static_cast<void*>(slab_));
+    } else {
+      if (pool_ != nullptr) { (void)cudaFree(pool_); }
+      if (slab_ != nullptr) { (void)cudaFreeHost(slab_); }
+    }
     out_stream_ = in_stream_ = nullptr;
     pool_                    = nullptr;
     slab_                    = nullptr;
+  }
+
+  // Polls @p ev until it has completed (or failed: the GPU will not run it) or @p deadline.
+  static bool settled(cudaEvent_t ev, clock::time_point deadline) noexcept {
+    backoff nap{std::chrono::microseconds{100}};
+    while (true) {
+      cudaError_t const e = cudaEventQuery(ev);
+      if (e != cudaErrorNotReady) {
+        if (e != cudaSuccess) { (void)cudaGetLastError(); }
+        return true;
+      }
+      if (clock::now() >= deadline) { return false; }
+      nap.pause();
+    }
   }
 
   swap_options options_;
@@ -337,6 +398,11 @@ class swap_core {
   std::uint64_t device_allocations_{0};
   std::uint64_t pinned_allocations_{0};
   std::uint64_t events_created_{0};
+  // The teardown (destroy): its deadline, written before stopping_ is set; a copier's poll past
+  // it throws (the queue drops the ticket uncompleted) and sets abandoned_.
+  clock::time_point teardown_deadline_{};
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> abandoned_{false};
   copier out_copier_{this, true};
   copier in_copier_{this, false};
   std::unique_ptr<transfer_queue<copier>> out_q_;  // after the copiers: closed first

@@ -154,6 +154,9 @@ bool transfer_queue<Copier>::drain(clock::time_point deadline, bool unlock_after
   return drained;
 }
 
+// The join waits for the copies in flight as long as the copier's poll says "not yet": a copier
+// whose copies may never complete bounds it by throwing from poll past its own deadline (the
+// ticket is then dropped uncompleted, see run), as swap_core's copiers do at its teardown.
 template <transfer_copier Copier>
 void transfer_queue<Copier>::close() noexcept {
   {
