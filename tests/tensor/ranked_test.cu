@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // [ranked] tests of wm::tensor, each case run inside every rank: failures every rank sees (a null
-// pointer on one rank, ranks that make different calls), 0-row tensors, and lifetime and ordering
-// on every kind (scatter_async then store() at once, views of a tensor's columns that outlive it,
-// a move-assignment while gathers run). The per-kind bodies are in gather_kinds.cuh.
+// pointer on one rank, ranks that make different calls or call on different tensors), exchange
+// ids, 0-row tensors, and lifetime and ordering on every kind (scatter_async then store() at once,
+// views of a tensor's columns that outlive it, a move-assignment while gathers run). The per-kind
+// bodies are in gather_kinds.cuh.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -142,6 +144,88 @@ void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed) {
   comm.barrier();
 }
 
+// Every rank of @p comm has the same @p id: every rank throws otherwise.
+void same_everywhere(wm::communicator& comm, std::uint64_t id, std::string const& what) {
+  auto const all = comm.all_gather(id);
+  RANK_REQUIRE_MSG(std::ranges::all_of(all, [&](std::uint64_t x) { return x == all[0]; }),
+                   what << ": exchange id " << id << " here, " << all[0] << " on rank 0");
+}
+
+// A distributed tensor's exchange id: nonzero, alike on every rank (also when ranks made other
+// tensors in between: here rank 0 makes two on a group of its own), distinct from the other
+// tensors' (a view of its columns included), kept by a move; mapped tensors have none.
+void exchange_ids(wm::communicator& comm) {
+  using dist = wm::tensor<float, wm::device, wm::distributed>;
+  dist t{comm, 100, 8};
+  {
+    auto alone = comm.split(comm.rank() == 0 ? 0 : -1, 0);  // rank 0 only
+    if (alone.valid()) {
+      dist const a{alone, 10, 8};
+      dist const b{alone, 10, 8};
+      RANK_REQUIRE(a.exchange_id() != b.exchange_id());
+    }
+  }
+  dist u{comm, 100, 8};  // the same row size as t
+  auto v = t.view_columns<float>(0, 4);
+  wm::tensor<float, wm::device, wm::chunked> const mapped{comm, 100, 8};
+  same_everywhere(comm, t.exchange_id(), "the first tensor");
+  same_everywhere(comm, u.exchange_id(), "a tensor made after others on rank 0 only");
+  same_everywhere(comm, v.exchange_id(), "a view of the first tensor's columns");
+  RANK_REQUIRE(t.exchange_id() != 0);
+  RANK_REQUIRE(u.exchange_id() != 0);
+  RANK_REQUIRE(v.exchange_id() != 0);
+  RANK_REQUIRE(t.exchange_id() != u.exchange_id());
+  RANK_REQUIRE(v.exchange_id() != t.exchange_id());
+  RANK_REQUIRE(v.exchange_id() != u.exchange_id());
+  RANK_REQUIRE(mapped.exchange_id() == 0);
+  std::uint64_t const id = u.exchange_id();
+  dist moved{std::move(u)};
+  RANK_REQUIRE(moved.exchange_id() == id);
+  RANK_REQUIRE(u.exchange_id() == 0);  // NOLINT(bugprone-use-after-move): moved from
+  comm.barrier();
+}
+
+// Ranks that gather (then scatter) on different tensors with rows of one size and indices of one
+// width: every rank throws a logic_error that names both tensors' exchange ids, nothing is moved
+// (neither tensor is written, no rank got the other tensor's rows), and the next calls work.
+void different_tensors_everywhere(wm::communicator& comm, std::uint64_t seed) {
+  std::size_t const rows = 4099, cols = 8, rb = cols * sizeof(float);
+  std::mt19937_64 shared{seed};
+  auto const t_rows = random_bytes(shared, rows * rb);
+  auto const u_rows = random_bytes(shared, rows * rb);
+  wm::tensor<float, wm::device, wm::distributed> t{comm, rows, cols};
+  wm::tensor<float, wm::device, wm::distributed> u{comm, rows, cols};
+  fill_local_rows<wm::block>(comm, t, t_rows, rb);
+  fill_local_rows<wm::block>(comm, u, u_rows, rb);
+  std::vector<std::int64_t> batch(700);
+  for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
+  device_indices<std::int64_t> di{batch};
+  device_bytes out{batch.size() * rb};
+  auto* const rows_out     = reinterpret_cast<float*>(out.ptr);
+  cuda::stream_ref const s = cudaStream_t{};
+  bool const first         = comm.rank() == 0;
+  std::string const t_id   = "tensor " + std::to_string(t.exchange_id()) + ")";
+  std::string const u_id   = "tensor " + std::to_string(u.exchange_id()) + ")";
+  auto const names_both    = [&](std::string const& msg) {
+    return msg.find("different calls") != std::string::npos &&
+           msg.find(t_id) != std::string::npos && msg.find(u_id) != std::string::npos;
+  };
+  // Gather from t here, from u there.
+  auto msg = throws_soon<wm::logic_error>([&] { (first ? t : u).gather(di.span(), rows_out, s); },
+                                          "gather on different tensors");
+  RANK_REQUIRE_MSG(names_both(msg), msg);
+  gather_checks(t, t_rows, rb, seed + 1, "t after gathers on different tensors");
+  gather_checks(u, u_rows, rb, seed + 2, "u after gathers on different tensors");
+  // Scatter t's rows into t here, into u there: neither is written.
+  t.gather(di.span(), rows_out, s);
+  msg = throws_soon<wm::logic_error>([&] { (first ? t : u).scatter(di.span(), rows_out, s); },
+                                     "scatter on different tensors");
+  RANK_REQUIRE_MSG(names_both(msg), msg);
+  gather_checks(t, t_rows, rb, seed + 3, "t after scatters on different tensors");
+  gather_checks(u, u_rows, rb, seed + 4, "u after scatters on different tensors");
+  comm.barrier();
+}
+
 // A seed drawn on rank 0, the same on every rank.
 std::uint64_t shared_seed(wm::communicator& comm) {
   return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
@@ -181,6 +265,19 @@ TEST_CASE(
     "[ranked][multi]") {
   auto& comm = wm_test::comm();
   different_calls_everywhere(comm, shared_seed(comm));
+}
+
+TEST_CASE("ranked: a distributed tensor's exchange id is the same on every rank and its own",
+          "[ranked]") {
+  exchange_ids(wm_test::comm());
+}
+
+TEST_CASE(
+    "ranked: a gather or scatter on one tensor here and on another there throws on every rank, "
+    "naming both",
+    "[ranked][multi]") {
+  auto& comm = wm_test::comm();
+  different_tensors_everywhere(comm, shared_seed(comm));
 }
 
 TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters", "[ranked]",

@@ -185,6 +185,11 @@ class tensor {
   [[nodiscard]] mapping_ref<Mapping> device_mapping() const noexcept { return map_ref(); }
   /// Where global row @p k lives (host-side helper).
   [[nodiscard]] row_location locate(std::size_t k) const;
+  /// The id of this tensor in its distributed calls' headers: agreed at construction (and by
+  /// `view_columns`), the same on every rank and distinct among the communicator's distributed
+  /// tensors, so that ranks gathering or scattering on different tensors throw on every rank;
+  /// 0 on mapped layouts (they exchange no headers) and for a moved-from tensor.
+  [[nodiscard]] std::uint64_t exchange_id() const noexcept;
 
   /**
    * @brief The tensor for user kernels (see `wm::tensor_ref`): this rank's rows on every

@@ -155,11 +155,13 @@ void launch_place_by_owner(int const* owner, Index const* local, std::size_t n, 
 
 /// Three count words per peer q for the count exchange (the rows asked of q, where q's answer
 /// starts among the rows this rank asks of other ranks, how many rows that is in all), then the
-/// header words (the tag, row bytes and batch from the host, the invalid count from @p counts).
+/// header words (the tag, row bytes and batch from the host, the invalid count from @p counts,
+/// the tensor's exchange id from the host).
 /// Also where each owner's group starts in the send order (world + 1 entries, invalid last).
 template <class Word>
 __global__ void dispatch_words_kernel(Word const* counts, int world, int me, Word tag,
-                                      Word row_bytes, Word batch, Word* words, Word* starts) {
+                                      Word row_bytes, Word batch, Word tensor, Word* words,
+                                      Word* starts) {
   if (blockIdx.x != 0 || threadIdx.x != 0) { return; }
   Word at = 0, sent = 0;
   for (int q = 0; q < world; ++q) {
@@ -178,6 +180,7 @@ __global__ void dispatch_words_kernel(Word const* counts, int world, int me, Wor
     w[4]    = row_bytes;
     w[5]    = batch;
     w[6]    = counts[world];
+    w[7]    = tensor;
   }
 }
 

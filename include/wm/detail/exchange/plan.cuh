@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Step 1 of every exchange: owner and local row of each index, grouped by owner, and the count
 // words exchanged with every peer. The words also carry each rank's header (operation, row
-// bytes, index width, status), so that a rank that failed before the exchange, or ranks that
-// made different calls, make every rank throw the same error right after it.
+// bytes, index width, status, the tensor's exchange id), so that a rank that failed before the
+// exchange, or ranks that made different calls, make every rank throw the same error right after
+// it.
 #pragma once
 
 #include <wm/comm.hpp>
@@ -82,7 +83,8 @@ inline std::vector<std::size_t> scaled(std::vector<std::size_t> v, std::size_t f
  * one placing pass replaces the sort (gather). Every rank takes part in the count exchange even
  * when its own call is bad (null @p idx with n > 0, a workspace it cannot get): after the
  * exchange every rank throws the same error (`wm::logic_error` for bad arguments and calls that
- * differ between ranks, `wm::comm_error` for a CUDA failure on some rank).
+ * differ between ranks: operation, row bytes, index width or tensor (`exchange_scratch::id`),
+ * `wm::comm_error` for a CUDA failure on some rank).
  */
 template <class Map, class Index>
 dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index const* idx,
@@ -98,8 +100,8 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
   if (fault == exchange_fault::none && n > 0 && idx == nullptr) {
     fault = exchange_fault::null_pointer;
   }
-  exchange_header const mine{call.op,        fault, static_cast<std::uint8_t>(sizeof(Index)),
-                             call.row_bytes, n,     0};
+  exchange_header const mine{
+      call.op, fault, static_cast<std::uint8_t>(sizeof(Index)), call.row_bytes, n, 0, scratch.id};
 
   // counts (world + 1; the last: invalid), words received, words sent, group starts.
   auto* counts = scratch.words.data();
@@ -142,10 +144,10 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
         WM_CHECK_LAUNCH();
       }
       // Counts and headers travel on the device, then both directions come back at once.
-      dispatch_words_kernel<<<1, 1, 0, s>>>(counts, world, comm.rank(),
-                                            static_cast<unsigned long long>(header_tag(mine)),
-                                            static_cast<unsigned long long>(call.row_bytes),
-                                            static_cast<unsigned long long>(n), words, starts);
+      dispatch_words_kernel<<<1, 1, 0, s>>>(
+          counts, world, comm.rank(), static_cast<unsigned long long>(header_tag(mine)),
+          static_cast<unsigned long long>(call.row_bytes), static_cast<unsigned long long>(n),
+          static_cast<unsigned long long>(scratch.id), words, starts);
       WM_CHECK_LAUNCH();
       if (place) {
         launch_place_by_owner(p.owner, p.local, n, world, starts, p.order, p.send_keys, s,
@@ -170,6 +172,7 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
       x[4]               = call.row_bytes;
       x[5]               = n;
       x[6]               = 0;
+      x[7]               = scratch.id;
     }
     WM_CUDA_TRY(cudaMemcpyAsync(words, host, wpp * w * sizeof(unsigned long long),
                                 cudaMemcpyHostToDevice, s));

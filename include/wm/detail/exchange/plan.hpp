@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // What the exchange engine's ranks agree on before rows move: how a peer's rows are cut into
 // pieces (both ends compute the same cut from the same count), and the header each rank sends
-// beside its counts (operation, fault, index width, row bytes, batch, invalid indices), checked on
-// every rank after the count exchange so that a call one rank cannot make, or that the ranks make
-// differently, fails on every rank. Host-only.
+// beside its counts (operation, fault, index width, row bytes, batch, invalid indices, tensor),
+// checked on every rank after the count exchange so that a call one rank cannot make, or that the
+// ranks make differently (on different tensors too), fails on every rank. Host-only.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -68,8 +69,9 @@ enum class exchange_fault : std::uint8_t {
 
 /**
  * A rank's call as its peers see it: sent to every peer beside the counts (no extra round trip).
- * Four words: a tag with the operation, the fault and the index width; the row bytes; the batch
- * size; the indices outside the table (filled in on the device).
+ * Five words: a tag with the operation, the fault and the index width; the row bytes; the batch
+ * size; the indices outside the table (filled in on the device); the exchange id of the tensor
+ * (or embedding) the call is made on, the same on every rank (see `next_exchange_id`).
  */
 struct exchange_header {
   exchange_op op{exchange_op::user};
@@ -78,20 +80,22 @@ struct exchange_header {
   std::uint64_t row_bytes{};
   std::uint64_t batch{};
   std::uint64_t invalid{};
+  std::uint64_t tensor{};
 };
 
-inline constexpr int header_words   = 4;
+inline constexpr int header_words   = 5;
 inline constexpr int count_words    = 3;  // rows asked, where the answer starts, rows from others
 inline constexpr int words_per_peer = count_words + header_words;
 inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's high bytes
 
-/// The first header word (the tag); the others are row_bytes, batch and invalid as they are.
+/// The first header word (the tag); the others are row_bytes, batch, invalid and tensor as they
+/// are.
 [[nodiscard]] constexpr std::uint64_t header_tag(exchange_header const& h) noexcept {
   return header_magic << 32 | std::uint64_t{static_cast<std::uint8_t>(h.op)} << 16 |
          std::uint64_t{static_cast<std::uint8_t>(h.fault)} << 8 | std::uint64_t{h.index_bytes};
 }
 
-/// Reads a header from its four words; a tag without the magic reads as a fault (`other`).
+/// Reads a header from its five words; a tag without the magic reads as a fault (`other`).
 [[nodiscard]] constexpr exchange_header read_header(std::uint64_t const* w) noexcept {
   exchange_header h;
   if (w[0] >> 32 != header_magic) {
@@ -104,7 +108,21 @@ inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's
   h.row_bytes   = w[1];
   h.batch       = w[2];
   h.invalid     = w[3];
+  h.tensor      = w[4];
   return h;
+}
+
+/**
+ * This process's next exchange id (1, 2, ...; thread-safe). A tensor or embedding whose calls go
+ * through the exchange engine takes rank 0's value at its (collective) construction: every rank
+ * gives one tensor the same id, whatever else the ranks make in between, and two tensors of one
+ * communicator never share one (rank 0 is the same process for all of them). The id goes into
+ * every header, so that ranks that call one operation on different tensors with rows of the same
+ * size fail instead of serving each other's rows.
+ */
+[[nodiscard]] inline std::uint64_t next_exchange_id() noexcept {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
 [[nodiscard]] inline char const* op_name(exchange_op op) {
@@ -131,7 +149,7 @@ inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's
 
 /**
  * What every rank's header says together: an empty string when every rank is fine and all made
- * the same call (operation, row bytes, index width); otherwise the error every rank throws
+ * the same call (operation, row bytes, index width, tensor); otherwise the error every rank throws
  * (built only from the headers, so it is the same text on every rank).
  */
 [[nodiscard]] inline std::string check_headers(std::span<exchange_header const> all) {
@@ -149,14 +167,14 @@ inline constexpr std::uint64_t header_magic = 0x77640000u;  // "wd" in the tag's
   bool same = true;
   for (auto const& h : all) {
     same = same && h.op == all[0].op && h.row_bytes == all[0].row_bytes &&
-           h.index_bytes == all[0].index_bytes;
+           h.index_bytes == all[0].index_bytes && h.tensor == all[0].tensor;
   }
   if (same) { return {}; }
   std::string msg = "wm: distributed exchange: the ranks made different calls:";
   for (std::size_t r = 0; r < all.size(); ++r) {
     msg += " rank " + std::to_string(r) + " " + op_name(all[r].op) + " (" +
            std::to_string(all[r].row_bytes) + "-byte rows, " + std::to_string(all[r].index_bytes) +
-           "-byte indices);";
+           "-byte indices, tensor " + std::to_string(all[r].tensor) + ");";
   }
   return msg + " every rank must make the same call on the same tensor; nothing was moved";
 }

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// What one user of the exchange engine (a tensor, an embedding) keeps between calls: reusable
-// device workspaces, the side streams of the pipelined gather, the mailboxes, the error flag, the
-// count words, and the event that orders the calls that share them.
+// What one user of the exchange engine (a tensor, an embedding) keeps between calls: its exchange
+// id (alike on every rank), reusable device workspaces, the side streams of the pipelined gather,
+// the mailboxes, the error flag, the count words, and the event that orders the calls that share
+// them.
 #pragma once
 
 #include <wm/comm.hpp>
@@ -16,6 +17,7 @@
 #include <array>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <optional>
 #include <string>
@@ -115,14 +117,25 @@ struct mailbox {
   std::size_t bytes{};         // per rank
 };
 
+/// The exchange id of a new exchange-engine user of @p comm: rank 0's `next_exchange_id`
+/// (collective: a host all-gather; with one rank no round trip).
+[[nodiscard]] inline std::uint64_t agree_exchange_id(communicator& comm) {
+  return comm.all_gather(next_exchange_id())[0];
+}
+
 /**
  * The scratch of one exchange-engine user. `last` marks the end of the last call that used any
  * of it (every call records it, see `scratch_use`); waits for it on the host have the
- * communicator's deadline (`wait_idle`).
+ * communicator's deadline (`wait_idle`). A collective scratch is made collectively (it agrees on
+ * its `id`).
  */
 struct exchange_scratch {
   communicator* comm;
   bool collective;  // the calls exchange with peers (distributed layout)
+  /// The user's exchange id, the same on every rank (0 when not collective): every call puts it
+  /// into its header, so that ranks calling on different tensors fail (docs/design.md, "Exchange
+  /// words").
+  std::uint64_t id;
   unique_event last;
   device_buffer<unsigned> err;
   pinned_buffer<unsigned> err_host;
@@ -140,6 +153,7 @@ struct exchange_scratch {
   exchange_scratch(communicator& c, bool is_collective)
       : comm{&c},
         collective{is_collective},
+        id{is_collective ? agree_exchange_id(c) : 0},
         last{unique_event::make()},
         err{1},
         err_host{1},

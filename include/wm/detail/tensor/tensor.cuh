@@ -122,6 +122,13 @@ requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::~
 }
 
 template <class T, location Location, layout Layout, mapping Mapping>
+requires std::is_trivially_copyable_v<T> std::uint64_t
+tensor<T, Location, Layout, Mapping>::exchange_id()
+const noexcept {
+  return scratch_ ? scratch_->id : 0;
+}
+
+template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> mapping_ref<Mapping>
 tensor<T, Location, Layout, Mapping>::map_ref()
 const noexcept {
