@@ -17,6 +17,7 @@
 #include <wm/cache.hpp>
 #include <wm/comm.hpp>
 #include <wm/detail/base/cuda.cuh>
+#include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/resources.hpp>
 #include <wm/detail/base/workspace.cuh>
 #include <wm/detail/cache/group_kernels.cuh>
@@ -35,8 +36,10 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <span>
 #include <string>
@@ -65,24 +68,19 @@ class group_lines {
       : plan_{plan_group(group, rows, ratio)},
         dim_{dim},
         seed_{seed},
-        tags_{plan_.lines},
-        states_{plan_.lines},
-        headers_{plan_.sets},
-        stats_{1},
-        counters_{3},
-        parts_{static_cast<std::size_t>(group.size())},
-        shared_{make_shared(group)} {
-    WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
-    WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
-    WM_CUDA_TRY(cudaMemset(headers_.data(), 0, plan_.sets * sizeof(set_header)));
-    WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
-    WM_CUDA_TRY(cudaMemset(counters_.data(), 0, 3 * sizeof(std::uint32_t)));
+        timeout_{group.timeout()},
+        d_{std::make_unique<device_state>(plan_, group, make_shared(group))} {
+    WM_CUDA_TRY(cudaMemset(d_->tags.data(), 0, plan_.lines * sizeof(std::uint32_t)));
+    WM_CUDA_TRY(cudaMemset(d_->states.data(), 0, plan_.lines * sizeof(state_type)));
+    WM_CUDA_TRY(cudaMemset(d_->headers.data(), 0, plan_.sets * sizeof(set_header)));
+    WM_CUDA_TRY(cudaMemset(d_->stats.data(), 0, sizeof(device_statistics)));
+    WM_CUDA_TRY(cudaMemset(d_->counters.data(), 0, 3 * sizeof(std::uint32_t)));
     std::vector<group_part<T>> parts(static_cast<std::size_t>(group.size()));
     for (int g = 0; g < group.size(); ++g) { parts[static_cast<std::size_t>(g)] = part(g); }
-    WM_CUDA_TRY(cudaMemcpy(parts_.data(), parts.data(), parts.size() * sizeof(group_part<T>),
+    WM_CUDA_TRY(cudaMemcpy(d_->parts.data(), parts.data(), parts.size() * sizeof(group_part<T>),
                            cudaMemcpyHostToDevice));
     // This rank's shared part starts empty (no line, no hint) before any peer reads it.
-    WM_CUDA_TRY(cudaMemset(shared_->part_data(group.rank()), 0, part_bytes()));
+    WM_CUDA_TRY(cudaMemset(d_->shared->part_data(group.rank()), 0, part_bytes()));
     WM_CUDA_TRY(cudaDeviceSynchronize());
     me_         = group.rank();
     group_size_ = group.size();
@@ -91,8 +89,19 @@ class group_lines {
   group_lines(group_lines const&)            = delete;
   group_lines& operator=(group_lines const&) = delete;
   /// Peers may still read this rank's lines until their own work ends: the shared memory's
-  /// collective release waits for every rank of the group, after this rank's device work.
-  ~group_lines() { (void)cudaDeviceSynchronize(); }
+  /// collective release waits for every rank of the group, after this rank's device work, which
+  /// the host waits for here (the calls' streams, up to their last call), at most the
+  /// communicator's timeout. Past it the work is abandoned with a line on stderr and this rank's
+  /// memory is left allocated (its kernels may still use it; freeing would wait for them too).
+  ~group_lines() {
+    if (settled()) { return; }
+    std::fprintf(stderr,
+                 "wm: group_cache: rank %d gave up after %lld ms waiting for its device work on "
+                 "the cache's lines (gathers, prefetches, invalidate); abandoned, left allocated: "
+                 "its lines, set metadata and workspaces\n",
+                 me_, static_cast<long long>(timeout_.count()));
+    (void)d_.release();  // deliberately leaked, the shared memory's collective release with it
+  }
 
   [[nodiscard]] std::size_t lines() const noexcept { return plan_.lines; }
 
@@ -111,7 +120,7 @@ class group_lines {
         vector_width({rb, table.stride() * sizeof(T), reinterpret_cast<std::uintptr_t>(out)});
     std::size_t const n = indices.size();
     if (n != 0) {
-      auto const b = plan_distinct(indices.data(), n, row_bits(rows), ws_, s);
+      auto const b = plan_distinct(indices.data(), n, row_bits(rows), d_->ws, s);
       packed_rows const dst{reinterpret_cast<std::byte*>(out), rb};
       std::size_t const bl = blocks(n);
       with_vector(vec, [&]<class W>() {
@@ -121,7 +130,7 @@ class group_lines {
       });
       replicate_runs_to(b, nullptr, dst, rb, fused_copies, s);
     }
-    admit(table, rows, vec, counters_.data() + 1, s);
+    admit(table, rows, vec, d_->counters.data() + 1, s);
   }
 
   /**
@@ -134,7 +143,7 @@ class group_lines {
                 cudaStream_t s) {
     int const vec = vector_width({dim_ * sizeof(T), table.stride() * sizeof(T)});
     if (!keys.empty()) {
-      auto const b = plan_distinct(keys.data(), keys.size(), row_bits(rows), ws_prefetch_, s);
+      auto const b = plan_distinct(keys.data(), keys.size(), row_bits(rows), d_->ws_prefetch, s);
       with_vector(vec, [&]<class W>() {
         group_lookup_kernel<W, T, Impl>
             <<<static_cast<unsigned>(blocks(keys.size())), line_block, 0, s>>>(
@@ -142,7 +151,7 @@ class group_lines {
         WM_CHECK_LAUNCH();
       });
     }
-    admit(table, rows, vec, counters_.data() + 2, s);
+    admit(table, rows, vec, d_->counters.data() + 2, s);
   }
 
   /// This rank as a holder: the hit counters folded, the hints admitted (enqueued on @p s;
@@ -159,6 +168,7 @@ class group_lines {
           <<<static_cast<unsigned>(blocks(plan_.lines)), line_block, 0, s>>>(c, table, rows, taken);
       WM_CHECK_LAUNCH();
     });
+    mark(s);  // the last work of a gather or a prefetch too
   }
 
   /// Empties this rank's lines (enqueued on @p s). Peers' gathers that run meanwhile read them as
@@ -167,20 +177,21 @@ class group_lines {
     group_invalidate_kernel<<<static_cast<unsigned>(elementwise_blocks(plan_.lines)), 256, 0, s>>>(
         ref());
     WM_CHECK_LAUNCH();
+    mark(s);
   }
 
   /// The counters so far (waits for the device).
   [[nodiscard]] cache_statistics statistics() const {
     WM_CUDA_TRY(cudaDeviceSynchronize());
     device_statistics d;
-    WM_CUDA_TRY(cudaMemcpy(&d, stats_.data(), sizeof d, cudaMemcpyDeviceToHost));
+    WM_CUDA_TRY(cudaMemcpy(&d, d_->stats.data(), sizeof d, cudaMemcpyDeviceToHost));
     return d.to_public();
   }
 
   /// Sets every counter to zero (waits for the device).
   void reset_statistics() {
     WM_CUDA_TRY(cudaDeviceSynchronize());
-    WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
+    WM_CUDA_TRY(cudaMemset(d_->stats.data(), 0, sizeof(device_statistics)));
     WM_CUDA_TRY(cudaDeviceSynchronize());
   }
 
@@ -218,7 +229,7 @@ class group_lines {
 
   /// Group rank @p g's part, as this rank addresses it.
   [[nodiscard]] group_part<T> part(int g) const {
-    auto* const base = reinterpret_cast<std::uint32_t*>(shared_->part_data(g));
+    auto* const base = reinterpret_cast<std::uint32_t*>(d_->shared->part_data(g));
     group_part<T> p;
     p.line       = reinterpret_cast<std::uint64_t*>(base);
     p.hits       = base + 2 * plan_.lines;
@@ -231,14 +242,15 @@ class group_lines {
 
   [[nodiscard]] group_ref<T, Impl> ref() const noexcept {
     group_ref<T, Impl> c;
-    c.parts = parts_.data();
-    c.meta  = cache_ref<Impl>{tags_.data(), states_.data(), headers_.data(), plan_.sets, seed_};
-    c.me    = me_;
+    c.parts = d_->parts.data();
+    c.meta =
+        cache_ref<Impl>{d_->tags.data(), d_->states.data(), d_->headers.data(), plan_.sets, seed_};
+    c.me         = me_;
     c.group_size = group_size_;
     c.dim        = dim_;
     c.hint_cap   = hint_cap();
-    c.stats      = stats_.data();
-    c.epoch      = counters_.data();
+    c.stats      = d_->stats.data();
+    c.epoch      = d_->counters.data();
     return c;
   }
 
@@ -248,20 +260,77 @@ class group_lines {
                                    static_cast<std::size_t>(sm_count()) * 8);
   }
 
+  /// What the device work of the calls uses: one allocation, leaked whole when that work is
+  /// abandoned (see the destructor).
+  struct device_state {
+    device_state(cache_plan const& plan, communicator& group,
+                 std::unique_ptr<memory<device, chunked>> shared_part)
+        : tags{plan.lines},
+          states{plan.lines},
+          headers{plan.sets},
+          stats{1},
+          counters{3},
+          parts{static_cast<std::size_t>(group.size())},
+          shared{std::move(shared_part)} {}
+    device_buffer<std::uint32_t> tags;
+    device_buffer<state_type> states;
+    device_buffer<set_header> headers;
+    device_buffer<device_statistics> stats;
+    device_buffer<std::uint32_t> counters;  // the admission pass; hints taken (gather, prefetch)
+    device_buffer<group_part<T>> parts;     // every group rank's part (device copy)
+    std::unique_ptr<memory<device, chunked>> shared;
+    workspace ws;           // the distinct-key plan of gathers
+    workspace ws_prefetch;  // ... of prefetches (beside a gather on another stream)
+  };
+
+  /// The end of the work issued on @p s so far: one event per stream with work in flight (an
+  /// event whose work is done serves the next stream). Nothing while @p s is captured in a
+  /// graph: its replays are ordered by whoever launches it.
+  void mark(cudaStream_t s) {
+    cudaStreamCaptureStatus capture{};
+    WM_CUDA_TRY(cudaStreamIsCapturing(s, &capture));
+    if (capture != cudaStreamCaptureStatusNone) { return; }
+    stream_mark* at = nullptr;
+    for (auto& m : marks_) {
+      if (m.stream == s) { at = &m; }
+    }
+    for (auto& m : marks_) {
+      if (at == nullptr && cudaEventQuery(m.done.get()) != cudaErrorNotReady) { at = &m; }
+    }
+    if (at == nullptr) { at = &marks_.emplace_back(stream_mark{s, unique_event::make()}); }
+    at->stream = s;
+    WM_CUDA_TRY(cudaEventRecord(at->done.get(), s));
+  }
+
+  /// Polls every mark until its work is done (or failed: the GPU will not run it), at most the
+  /// communicator's timeout; false past it.
+  [[nodiscard]] bool settled() const noexcept {
+    auto const deadline = deadline_after(timeout_);
+    backoff pause{std::chrono::microseconds{100}};
+    for (auto const& m : marks_) {
+      cudaError_t e{};
+      while ((e = cudaEventQuery(m.done.get())) == cudaErrorNotReady) {
+        if (clock_type::now() >= deadline) { return false; }
+        pause.pause();
+      }
+      if (e != cudaSuccess) { (void)cudaGetLastError(); }
+    }
+    return true;
+  }
+
+  struct stream_mark {
+    cudaStream_t stream;
+    unique_event done;
+  };
+
   cache_plan plan_;
   std::size_t dim_;
   std::uint32_t seed_;
+  std::chrono::milliseconds timeout_;  // the communicator's: the destructor's wait
   int me_{};
   int group_size_{1};
-  device_buffer<std::uint32_t> tags_;
-  device_buffer<state_type> states_;
-  device_buffer<set_header> headers_;
-  device_buffer<device_statistics> stats_;
-  device_buffer<std::uint32_t> counters_;  // the admission pass; hints taken (gather, prefetch)
-  device_buffer<group_part<T>> parts_;     // every group rank's part (device copy)
-  std::unique_ptr<memory<device, chunked>> shared_;
-  workspace ws_;           // the distinct-key plan of gathers
-  workspace ws_prefetch_;  // ... of prefetches (beside a gather on another stream)
+  std::unique_ptr<device_state> d_;
+  std::vector<stream_mark> marks_;
 };
 
 }  // namespace wm::detail::cache
