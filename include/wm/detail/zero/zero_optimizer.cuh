@@ -18,6 +18,7 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -284,8 +285,63 @@ zero_optimizer<Stage, Optimizer, Offload>::zero_optimizer(communicator& comm,
   }
 }
 
+// Before the buffers go, the host waits for the device work that may still use them: its own
+// streams up to now and every event it recorded (on the caller's streams too), at most the
+// communicator's timeout in all, stack unwinding included. Past it the work is abandoned with a
+// line on stderr and the memory is left allocated: freeing it would wait as well (cudaFree
+// synchronizes the device), or free what a copy or a kernel still uses.
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 zero_optimizer<Stage, Optimizer, Offload>::~zero_optimizer() {
+  worker_.reset();  // first: its jobs enqueue copies on h2d_stream_
+  auto const deadline = detail::deadline_after(comm_->timeout());
+  detail::backoff pause{std::chrono::microseconds{100}};
+  char const* stuck = nullptr;
+  auto const settle = [&](cudaEvent_t e, char const* what) noexcept {
+    if (e == nullptr || stuck != nullptr) { return; }
+    cudaError_t q{};
+    while ((q = cudaEventQuery(e)) == cudaErrorNotReady) {
+      if (detail::clock_type::now() >= deadline) {
+        stuck = what;
+        return;
+      }
+      pause.pause();
+    }
+    if (q != cudaSuccess) { (void)cudaGetLastError(); }  // failed: the GPU will not run it
+  };
+  for (cudaStream_t const t : {d2h_stream_, h2d_stream_, gather_stream_}) {
+    if (t == nullptr) { continue; }
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess &&
+        cudaEventRecord(e, t) == cudaSuccess) {
+      settle(e, t == d2h_stream_   ? "the device-to-host copy stream"
+                : t == h2d_stream_ ? "the host-to-device copy stream"
+                                   : "the gather stream");
+    } else {
+      (void)cudaGetLastError();
+    }
+    if (e != nullptr) { (void)cudaEventDestroy(e); }
+  }
+  for (cudaEvent_t e : {reduced_, d2h_done_, h2d_done_, gather_done_, user_ready_}) {
+    settle(e, "the last work of a step on the caller's stream");
+  }
+  for (cudaEvent_t e : landed_) { settle(e, "a gradient chunk's copy to the host"); }
+  for (cudaEvent_t e : bucket_sent_) { settle(e, "a bucket's weights' copy to the device"); }
+  if (stuck != nullptr) {
+    std::fprintf(stderr,
+                 "wm: zero_optimizer on rank %d: the teardown gave up after %lld ms waiting for "
+                 "%s; abandoned, left allocated: its device and pinned host buffers\n",
+                 rank_, static_cast<long long>(comm_->timeout().count()), stuck);
+    // Deliberately leaked: free_all() then destroys the events and streams only.
+    weights_ = grads_ = staging_ = pool_ = accum_ = nullptr;
+    master_ = states_ = nullptr;
+    spare_            = nullptr;
+    scratch_          = nullptr;
+    counters_         = nullptr;
+    scale_            = nullptr;
+    host_grads_ = host_weights_ = nullptr;
+    host_sumsq_                 = nullptr;
+    host_counters_              = nullptr;
+  }
   free_all();
 }
 
