@@ -28,6 +28,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -384,14 +385,34 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     int previous = 0;  // no CUDAGuard: its constructor may throw, and destructors must not
     bool const switched =
         cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess;
+    // The encode kernels write the slots: the host polls for them, at most the scope's timeout
+    // in all; past it they are abandoned with a line on stderr and the slots left allocated.
+    auto const deadline = wm::detail::deadline_after(scope_->options().timeout);
+    bool stuck          = false;
     for (auto& p : pending_) {
-      if (p.done != nullptr) { (void)cudaEventSynchronize(p.done); }  // the kernel writes a slot
-      give_event(p.done);
+      cudaError_t r = cudaSuccess;
+      while (!stuck && p.done != nullptr && (r = cudaEventQuery(p.done)) == cudaErrorNotReady) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          stuck = true;
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds{20});
+        }
+      }
+      if (r != cudaSuccess && r != cudaErrorNotReady) { (void)cudaGetLastError(); }
+      give_event(p.done);  // destroyed or pooled, its work pending or not: CUDA allows both
     }
     pending_.clear();
     for (auto const& [e, n] : host_out_) { give_event(e); }
     for (cudaEvent_t e : free_events_) { (void)cudaEventDestroy(e); }
-    (void)cudaFreeHost(slots_);
+    if (stuck) {
+      std::fprintf(stderr,
+                   "wm_torch: SwapScope: the teardown gave up after %lld ms waiting for an "
+                   "encode kernel; abandoned, left allocated: its pinned count slots (%p)\n",
+                   static_cast<long long>(scope_->options().timeout.count()),
+                   static_cast<void*>(slots_));
+    } else {
+      (void)cudaFreeHost(slots_);
+    }
     if (switched) { (void)cudaSetDevice(previous); }
   }
 
