@@ -136,6 +136,9 @@ struct exchange_scratch {
   /// into its header, so that ranks calling on different tensors fail (docs/design.md, "Exchange
   /// words").
   std::uint64_t id;
+  /// The last call that used this scratch threw (set by `scratch_use`): what it left on the
+  /// streams may wait for peers that wait for the part of the exchange it never enqueued.
+  bool threw{};
   unique_event last;
   device_buffer<unsigned> err;
   pinned_buffer<unsigned> err_host;
@@ -177,12 +180,16 @@ struct exchange_scratch {
    * Waits until the work of every call that used this scratch is done (this rank's kernels that
    * read or write peers' mailboxes included), at most the communicator's timeout. Past it the
    * communicator is aborted (its pending transfers end) and false is returned. While the stack
-   * unwinds (this rank is failing) a collective scratch with work pending aborts the
-   * communicator first, so that no wait depends on peers. Never throws.
+   * unwinds, a collective scratch whose last call threw half-way (`threw`) with work pending
+   * aborts the communicator first: that work may wait for peers that wait for the rest of the
+   * exchange, which this rank never enqueued. Work of calls that returned (an `_async` call still
+   * running when another object's error, e.g. a bad index, unwinds past this scratch) is a whole
+   * exchange that the peers complete too: it is waited for with the deadline and the
+   * communicator stays usable. Never throws.
    */
   [[nodiscard]] bool drain() noexcept {
     if (idle()) { return true; }
-    if (collective && std::uncaught_exceptions() > 0) { comm->abort(); }
+    if (collective && threw && std::uncaught_exceptions() > 0) { comm->abort(); }
     // (A timeout too long to add to the clock waits without end.)
     auto const now = clock_type::now();
     auto const room =
@@ -223,7 +230,8 @@ class scratch_use {
   scratch_use& operator=(scratch_use const&) = delete;
   ~scratch_use() {
     // A call that threw may have left work on the side streams that it had not joined yet.
-    if (std::uncaught_exceptions() > unwinding_) { sc_.side.join_into(s_); }
+    sc_.threw = std::uncaught_exceptions() > unwinding_;
+    if (sc_.threw) { sc_.side.join_into(s_); }
     (void)cudaEventRecord(sc_.last.get(), s_);
   }
 

@@ -117,7 +117,8 @@ requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>
 template <class T, location Location, layout Layout, mapping Mapping>
 requires std::is_trivially_copyable_v<T> tensor<T, Location, Layout, Mapping>::~tensor() {
   // The scratch (declared after the memory) goes first; its destructor waits for this tensor's
-  // async work with the communicator's deadline (aborting it while unwinding or past the deadline).
+  // async work with the communicator's deadline (aborting it past the deadline, or while
+  // unwinding from a call of this tensor that threw half-way: exchange_scratch::drain).
   if (scratch_) { (void)scratch_->drain(); }
 }
 
