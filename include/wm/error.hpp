@@ -68,6 +68,10 @@ namespace detail {
 
 [[noreturn]] inline void throw_cuda_error(char const* file, int line, char const* call,
                                           cudaError_t code) {
+  // The error is reported here, once: clear the runtime's last-error slot, or the next
+  // WM_CHECK_LAUNCH would throw a recoverable error (an allocation that failed) again. A sticky
+  // error (a kernel fault) stays: every later call reports it anyway.
+  (void)cudaGetLastError();
   throw wm::cuda_error{"wm: CUDA error " + std::string{cudaGetErrorName(code)} + " (" +
                            cudaGetErrorString(code) + ") in `" + call + "` at " + where(file, line),
                        static_cast<int>(code)};

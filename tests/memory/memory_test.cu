@@ -937,3 +937,16 @@ TEST_CASE("a rank that throws holding memory lets wm::launch report it within se
   CHECK(error.find("rank 1 fails holding memory") != std::string::npos);
   CHECK(took < 30.0);
 }
+
+// A recoverable CUDA error (an allocation the device cannot hold) is reported once, by the call
+// that failed: the runtime's last-error slot is cleared when wm throws, so the next launch check
+// does not throw the same error again (a caller that frees memory and retries can go on).
+TEST_CASE("a failed allocation is reported once, not again at the next launch check", "[gpu]") {
+  wm::launch(1, [](wm::communicator&) {
+    void* p         = nullptr;
+    auto const huge = std::size_t{1} << 62;
+    REQUIRE_THROWS_AS([&] { WM_CUDA_TRY(cudaMalloc(&p, huge)); }(), wm::cuda_error);
+    REQUIRE_NOTHROW([] { WM_CHECK_LAUNCH(); }());
+    REQUIRE(cudaPeekAtLastError() == cudaSuccess);
+  });
+}
