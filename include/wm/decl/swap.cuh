@@ -97,7 +97,10 @@ class swappable;
  * @brief A swap context: device pool, host slab, copy streams, transfer queues and workers.
  *
  * Move-only in effect (neither copyable nor movable: buffers point at it). The destructor drops
- * queued transfers, waits for the copies in flight and frees everything; it never throws.
+ * queued transfers, waits for the copies in flight and frees everything; it never throws. The
+ * wait is bounded by `swap_options::timeout`: past it (a copy that never completes, e.g. behind
+ * a kernel that does not end), it says on stderr what it gave up on and returns, leaving the
+ * pool and the slab allocated (a copy may still write them).
  */
 class swap_scope {
  public:
