@@ -90,3 +90,6 @@
 #include <wm/detail/zero/cpu_adam.hpp>
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/detail/zero/zero_optimizer.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>

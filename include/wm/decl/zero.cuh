@@ -18,8 +18,6 @@
 
 #include <cuda/stream_ref>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <array>
