@@ -2,11 +2,12 @@
 // GPU tests of the read-only caches in wm::embedding (the embedding_cache_test program). On one
 // rank: a group cache of one rank and a read-only device cache gather the table; the several-rank
 // group cache's lines (detail::cache::group_lines) on a group of one, through admissions,
-// evictions, prefetches and invalidate(), and while a prefetch beside a gather replaces lines. On
-// several ranks ([multi_gpu]): a group cache on every rank gathers the table bit for bit (several
-// layouts, groups of the table's ranks, of the whole communicator, of one rank each), peers'
-// lines serve hits, lines are replaced while peers read them, prefetches; a distributed table is
-// refused.
+// evictions, prefetches and invalidate(), while a prefetch beside a gather replaces lines, and
+// with replacements started while a gather is copying the same lines (the copies must be refused,
+// counted in cache_statistics::refused_copies, and never served). On several ranks
+// ([multi_gpu]): a group cache on every rank gathers the table bit for bit (several layouts,
+// groups of the table's ranks, of the whole communicator, of one rank each), peers' lines serve
+// hits, lines are replaced while peers read them, prefetches; a distributed table is refused.
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
@@ -14,11 +15,13 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -177,6 +180,7 @@ void group_lines_one_rank(wm::communicator& comm, double ratio, std::uint64_t se
   RANK_REQUIRE_MSG(st.requests == requests && st.distinct_keys == distinct, what);
   RANK_REQUIRE_MSG(st.hits + st.misses == st.requests && st.hits > 0, what << ": " << st.hits);
   RANK_REQUIRE_MSG(st.bytes_from_peers == 0 && st.write_backs == 0, what);
+  RANK_REQUIRE_MSG(st.refused_copies == 0, what << ": a copy refused with nothing beside it");
   if (lines.lines() == 32) {
     RANK_REQUIRE_MSG(st.evictions > 0, what << ": a one-set cache evicted nothing");
   }
@@ -281,6 +285,117 @@ TEST_CASE("group cache lines on one rank (the several-rank path, a group of one)
     group_lines_one_rank<float, lru_impl>(comm, 0.1, seed + 1);
     group_lines_one_rank<__half, lfu_impl>(comm, 1.0, seed + 2);
     group_lines_one_rank<__half, lru_impl>(comm, 0.001, seed + 3);
+  });
+}
+
+namespace {
+
+/// The GPU's global timer, in nanoseconds.
+__device__ std::uint64_t global_ns() {
+  std::uint64_t t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/// Spins until the word at @p p is no longer @p poison (a gather on another stream has begun to
+/// write its output rows), at most @p limit_ns; a wait that ran out adds one to @p timed_out.
+__global__ void wait_for_output(unsigned const* p, unsigned poison, std::uint64_t limit_ns,
+                                unsigned* timed_out) {
+  std::uint64_t const end = global_ns() + limit_ns;
+  while (*static_cast<unsigned const volatile*>(p) == poison) {
+    if (global_ns() > end) {
+      atomicAdd(timed_out, 1u);
+      return;
+    }
+    __nanosleep(200);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("group cache lines on one rank: a line replaced during its copy is refused, not served",
+          "[gpu]") {
+  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+    using wm::detail::cache::lru_impl;
+    // One set (32 lines) of 1 MiB rows: a warp copies a row in hundreds of microseconds (2048
+    // loads of 16 bytes per lane, each from L2 or memory), far longer than a prefetch on another
+    // stream takes to reach its admissions.
+    std::size_t const rows = 96, dim = 262144, n = 32;
+    std::size_t const row_bytes = dim * sizeof(float);
+    wm::embedding<float, wm::no_cache, wm::no_optimizer, wm::device, wm::chunked> plain{
+        comm, rows, dim, {}, wm::embedding_init::normal(0.0f, 1.0f, seed)};
+    wm::detail::cache::group_lines<float, lru_impl> lines{comm, rows, 0.001,
+                                                          static_cast<std::uint32_t>(seed), dim};
+    RANK_REQUIRE(lines.lines() == n);
+    auto const ref = std::as_const(plain.weights()).ref();
+    cudaStream_t s1{}, s2{};
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+    WM_CUDA_TRY(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    // The reader gathers keys 0..31 (the whole set); the writer prefetches 32 others, two sets of
+    // them in turn, so every prefetch admits 32 keys the set does not hold.
+    std::vector<std::int64_t> reader(n), writer(2 * n);
+    std::iota(reader.begin(), reader.end(), std::int64_t{0});
+    std::iota(writer.begin(), writer.end(), static_cast<std::int64_t>(n));
+    device_array<std::int64_t> const dr{reader}, dw{writer};
+    device_array<unsigned> err{std::vector<unsigned>{0u}}, timed_out{std::vector<unsigned>{0u}};
+    device_array<float> warm{std::vector<float>(n * dim)}, out{std::vector<float>(n * dim)};
+    batch<float> rb;
+    rb.keys         = reader;
+    auto const want = gather(plain, rb, s1);  // the table's rows of the reader's keys
+    std::span<std::int64_t const> const reader_keys{dr.ptr, n};
+    auto const writer_keys = [&](std::size_t round) {
+      return std::span<std::int64_t const>{dw.ptr + (round % 2) * n, n};
+    };
+    // Both workspaces grown before the race (no allocation inside it).
+    lines.prefetch(ref, rows, writer_keys(0), err.ptr, s2);
+    lines.gather(ref, rows, reader_keys, warm.ptr, err.ptr, s1);
+    WM_CUDA_TRY(cudaStreamSynchronize(s1));
+    WM_CUDA_TRY(cudaStreamSynchronize(s2));
+    lines.reset_statistics();
+    auto const start  = std::chrono::steady_clock::now();
+    std::size_t round = 0, wrong = 0;
+    for (; round < 400 &&
+           (round < 8 || std::chrono::steady_clock::now() - start < std::chrono::seconds{1});
+         ++round) {
+      // The set holds exactly the reader's keys: leftover hints taken, every line emptied, then a
+      // gather whose 32 misses are admitted into the 32 empty ways.
+      lines.prefetch(ref, rows, std::span<std::int64_t const>{}, err.ptr, s1);
+      lines.invalidate(s1);
+      lines.gather(ref, rows, reader_keys, warm.ptr, err.ptr, s1);
+      WM_CUDA_TRY(cudaMemsetAsync(out.ptr, 0xa5, n * row_bytes, s1));
+      WM_CUDA_TRY(cudaStreamSynchronize(s1));
+      // The race: s2 waits until the gather on s1 is copying its hits out of the lines, then
+      // admits the writer's keys, replacing the lines those copies are reading.
+      wait_for_output<<<1, 1, 0, s2>>>(reinterpret_cast<unsigned const*>(out.ptr), 0xa5a5a5a5u,
+                                       20'000'000, timed_out.ptr);
+      WM_CUDA_TRY(cudaGetLastError());
+      lines.gather(ref, rows, reader_keys, out.ptr, err.ptr, s1);
+      lines.prefetch(ref, rows, writer_keys(round + 1), err.ptr, s2);
+      WM_CUDA_TRY(cudaStreamSynchronize(s1));
+      WM_CUDA_TRY(cudaStreamSynchronize(s2));
+      auto const got = bytes_of(out.to_host());
+      for (std::size_t i = 0; i < n; ++i) {
+        auto const at = static_cast<std::ptrdiff_t>(i * row_bytes);
+        wrong +=
+            std::equal(want.begin() + at,
+                       want.begin() + at + static_cast<std::ptrdiff_t>(row_bytes), got.begin() + at)
+                ? 0
+                : 1;
+      }
+    }
+    auto const st     = lines.statistics();
+    auto const missed = timed_out.to_host()[0];
+    std::ostringstream what;
+    what << round << " rounds: " << st.refused_copies << " copies refused, " << st.hits << " hits, "
+         << st.evictions << " evictions, " << missed
+         << " rounds where the writer never saw the gather begin";
+    RANK_REQUIRE_MSG(wrong == 0, what.str() << "; " << wrong << " rows torn or of another key");
+    RANK_REQUIRE_MSG(st.refused_copies > 0, what.str() << "; no replacement overlapped a copy");
+    RANK_REQUIRE_MSG(st.refused_copies <= round * n, what.str());
+    RANK_REQUIRE_MSG(st.hits > 0 && st.hits + st.misses == st.requests, what.str());
+    RANK_REQUIRE(err.to_host()[0] == 0u);
+    WM_CUDA_TRY(cudaStreamDestroy(s1));
+    WM_CUDA_TRY(cudaStreamDestroy(s2));
   });
 }
 

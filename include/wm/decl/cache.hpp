@@ -214,6 +214,12 @@ struct cache_statistics {
   /// in 32, hits are copied from their lines in one pass over the keys and only the misses are
   /// admitted, without sorting the batch (the path never changes a result, only the time)
   std::uint64_t hit_first_gathers{};
+  /// group cache: distinct keys whose line the holder replaced or emptied while a gather copied
+  /// it (the line's word changed between the reader's two loads); the copy was refused and the
+  /// row read from the table instead, so their requests count as misses and their rows in
+  /// bytes_from_host. A figure of contention between gathers and admissions (0 for a device
+  /// cache; never a changed result)
+  std::uint64_t refused_copies{};
 };
 
 }  // namespace wm

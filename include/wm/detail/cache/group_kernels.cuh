@@ -8,10 +8,11 @@
 // half. The holder empties the word with the next generation, fences, writes the new row, fences,
 // and publishes the key with that generation (release). A reader loads the word in every lane
 // (acquire), copies the row, fences (acquire) and loads the word again: any change, even a trip
-// through other keys back to the same one, sends it to the table. The row's own accesses are plain
-// loads and stores, ordered by the fences: this relies on the fences ordering them (as CUDA's
-// seqlocks do) rather than on morally strong accesses of the PTX memory model. The table does not
-// change under a read-only cache; after changing it, invalidate().
+// through other keys back to the same one, sends it to the table (a refused copy, counted in
+// cache_statistics::refused_copies). The row's own accesses are plain loads and stores, ordered
+// by the fences: this relies on the fences ordering them (as CUDA's seqlocks do) rather than on
+// morally strong accesses of the PTX memory model. The table does not change under a read-only
+// cache; after changing it, invalidate().
 //
 // Hints and hit counters are advice: a hint read before its writer stored it gives an older key
 // (admitted if it is valid and hashes here, else skipped), a full list drops hints, a hit counted
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const vecs      = row_bytes / sizeof(W);
   bool const prefetch         = out.base == nullptr;
   unsigned long long requests = 0, distinct = 0, hits = 0, misses = 0, from_host = 0,
-                     from_peers = 0;
+                     from_peers = 0, refused = 0;
   for (std::size_t r = warp; r < runs; r += n_warps) {  // the same trip count in every lane
     std::size_t const begin  = b.run_begin[r];
     std::size_t const len    = b.run_begin[r + 1] - begin;
@@ -119,6 +120,7 @@ __global__ void __launch_bounds__(line_block)
       if (g != c.me) { from_peers += row_bytes; }
       continue;
     }
+    refused += hit_lanes != 0 ? 1 : 0;  // the probe saw the key, the word changed since
     // A miss (or a line replaced while it was read): the table's row, and a hint to the holder.
     auto const* const src = reinterpret_cast<W const*>(table.row(k));
     for (std::size_t i = lane; i < vecs; i += ways) {
@@ -132,6 +134,7 @@ __global__ void __launch_bounds__(line_block)
   // Every lane of a warp counted the same keys: lane 0's counts are the warp's.
   if (!prefetch) {
     add_group_stats(c.stats, lane, requests, distinct, hits, misses, from_host, from_peers);
+    if (lane == 0 && refused != 0) { atomicAdd(c.refused, refused); }
   }
 }
 

@@ -26,6 +26,7 @@
 #include <wm/detail/cache/set.hpp>
 #include <wm/detail/cache/statistics.hpp>
 #include <wm/detail/cache/warp_rows.cuh>
+#include <wm/detail/memory/collective.hpp>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/views.cuh>
 #include <wm/error.hpp>
@@ -40,8 +41,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -62,26 +65,47 @@ class group_lines {
    * @param rows the table's rows; @param ratio cache_options::ratio of the whole table over the
    * group; @param seed the hash seed; @param dim values per row
    * @throw wm::logic_error for a ratio outside (0, 1] or a table of 2^32 - 1 rows or more
+   * @throw wm::comm_error on every rank of the group when any rank could not allocate its part or
+   * its set metadata (the error names the rank)
    */
   group_lines(communicator& group, std::size_t rows, double ratio, std::uint32_t seed,
               std::size_t dim)
-      : plan_{plan_group(group, rows, ratio)},
-        dim_{dim},
-        seed_{seed},
-        timeout_{group.timeout()},
-        d_{std::make_unique<device_state>(plan_, group, make_shared(group))} {
-    WM_CUDA_TRY(cudaMemset(d_->tags.data(), 0, plan_.lines * sizeof(std::uint32_t)));
-    WM_CUDA_TRY(cudaMemset(d_->states.data(), 0, plan_.lines * sizeof(state_type)));
-    WM_CUDA_TRY(cudaMemset(d_->headers.data(), 0, plan_.sets * sizeof(set_header)));
-    WM_CUDA_TRY(cudaMemset(d_->stats.data(), 0, sizeof(device_statistics)));
-    WM_CUDA_TRY(cudaMemset(d_->counters.data(), 0, 3 * sizeof(std::uint32_t)));
-    std::vector<group_part<T>> parts(static_cast<std::size_t>(group.size()));
-    for (int g = 0; g < group.size(); ++g) { parts[static_cast<std::size_t>(g)] = part(g); }
-    WM_CUDA_TRY(cudaMemcpy(d_->parts.data(), parts.data(), parts.size() * sizeof(group_part<T>),
-                           cudaMemcpyHostToDevice));
-    // This rank's shared part starts empty (no line, no hint) before any peer reads it.
-    WM_CUDA_TRY(cudaMemset(d_->shared->part_data(group.rank()), 0, part_bytes()));
-    WM_CUDA_TRY(cudaDeviceSynchronize());
+      : plan_{plan_group(group, rows, ratio)}, dim_{dim}, seed_{seed}, timeout_{group.timeout()} {
+    // The shared parts (a collective allocation), then this rank's own metadata as a collective
+    // step: a rank that cannot allocate makes every rank throw, and every rank then releases the
+    // shared parts with its peers while it unwinds.
+    auto shared             = make_shared(group);
+    std::size_t const bytes = plan_.lines * (sizeof(std::uint32_t) + sizeof(state_type)) +
+                              plan_.sets * sizeof(set_header) + sizeof(device_statistics) +
+                              3 * sizeof(std::uint32_t) +
+                              static_cast<std::size_t>(group.size()) * sizeof(group_part<T>);
+    std::unique_ptr<device_state> d;
+    collective_step(group, "group_cache: allocating the set metadata", [&] {
+      try {
+        d = std::make_unique<device_state>(plan_, group, nullptr);
+        WM_CUDA_TRY(cudaMemset(d->tags.data(), 0, plan_.lines * sizeof(std::uint32_t)));
+        WM_CUDA_TRY(cudaMemset(d->states.data(), 0, plan_.lines * sizeof(state_type)));
+        WM_CUDA_TRY(cudaMemset(d->headers.data(), 0, plan_.sets * sizeof(set_header)));
+        WM_CUDA_TRY(cudaMemset(d->stats.data(), 0, sizeof(device_statistics)));
+        WM_CUDA_TRY(cudaMemset(d->counters.data(), 0, 3 * sizeof(std::uint32_t)));
+        // This rank's shared part starts empty (no line, no hint) before any peer reads it.
+        WM_CUDA_TRY(cudaMemset(shared->part_data(group.rank()), 0, part_bytes()));
+        WM_CUDA_TRY(cudaDeviceSynchronize());
+      } catch (std::exception const& e) {
+        throw std::runtime_error{"could not allocate the " + std::to_string(bytes) +
+                                 " bytes of device memory of its set metadata for " +
+                                 std::to_string(plan_.lines) + " lines: " + e.what()};
+      }
+    });
+    d->shared = std::move(shared);
+    d_        = std::move(d);
+    collective_step(group, "group_cache: the group's parts", [&] {
+      std::vector<group_part<T>> parts(static_cast<std::size_t>(group.size()));
+      for (int g = 0; g < group.size(); ++g) { parts[static_cast<std::size_t>(g)] = part(g); }
+      WM_CUDA_TRY(cudaMemcpy(d_->parts.data(), parts.data(), parts.size() * sizeof(group_part<T>),
+                             cudaMemcpyHostToDevice));
+      WM_CUDA_TRY(cudaDeviceSynchronize());
+    });
     me_         = group.rank();
     group_size_ = group.size();
     group.barrier();
@@ -185,13 +209,18 @@ class group_lines {
     WM_CUDA_TRY(cudaDeviceSynchronize());
     device_statistics d;
     WM_CUDA_TRY(cudaMemcpy(&d, d_->stats.data(), sizeof d, cudaMemcpyDeviceToHost));
-    return d.to_public();
+    unsigned long long refused = 0;
+    WM_CUDA_TRY(cudaMemcpy(&refused, d_->refused.data(), sizeof refused, cudaMemcpyDeviceToHost));
+    cache_statistics st = d.to_public();
+    st.refused_copies   = refused;
+    return st;
   }
 
   /// Sets every counter to zero (waits for the device).
   void reset_statistics() {
     WM_CUDA_TRY(cudaDeviceSynchronize());
     WM_CUDA_TRY(cudaMemset(d_->stats.data(), 0, sizeof(device_statistics)));
+    WM_CUDA_TRY(cudaMemset(d_->refused.data(), 0, sizeof(unsigned long long)));
     WM_CUDA_TRY(cudaDeviceSynchronize());
   }
 
@@ -250,6 +279,7 @@ class group_lines {
     c.dim        = dim_;
     c.hint_cap   = hint_cap();
     c.stats      = d_->stats.data();
+    c.refused    = d_->refused.data();
     c.epoch      = d_->counters.data();
     return c;
   }
@@ -269,6 +299,7 @@ class group_lines {
           states{plan.lines},
           headers{plan.sets},
           stats{1},
+          refused{1},
           counters{3},
           parts{static_cast<std::size_t>(group.size())},
           shared{std::move(shared_part)} {}
@@ -276,6 +307,7 @@ class group_lines {
     device_buffer<state_type> states;
     device_buffer<set_header> headers;
     device_buffer<device_statistics> stats;
+    device_buffer<unsigned long long> refused;  // cache_statistics::refused_copies
     device_buffer<std::uint32_t> counters;  // the admission pass; hints taken (gather, prefetch)
     device_buffer<group_part<T>> parts;     // every group rank's part (device copy)
     std::unique_ptr<memory<device, chunked>> shared;

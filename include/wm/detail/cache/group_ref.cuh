@@ -49,7 +49,8 @@ struct group_ref {
   std::size_t dim{};
   std::uint32_t hint_cap{};
   device_statistics* stats{};
-  std::uint32_t* epoch{};  ///< admission passes (set.hpp's batches)
+  unsigned long long* refused{};  ///< copies refused (cache_statistics::refused_copies)
+  std::uint32_t* epoch{};         ///< admission passes (set.hpp's batches)
 
   /// The group rank that holds @p key.
   [[nodiscard]] __device__ int holder(std::uint32_t key) const noexcept {
