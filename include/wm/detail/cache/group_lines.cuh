@@ -77,7 +77,7 @@ class group_lines {
     auto shared             = make_shared(group);
     std::size_t const bytes = plan_.lines * (sizeof(std::uint32_t) + sizeof(state_type)) +
                               plan_.sets * sizeof(set_header) + sizeof(device_statistics) +
-                              3 * sizeof(std::uint32_t) +
+                              sizeof(unsigned long long) + 3 * sizeof(std::uint32_t) +
                               static_cast<std::size_t>(group.size()) * sizeof(group_part<T>);
     std::unique_ptr<device_state> d;
     collective_step(group, "group_cache: allocating the set metadata", [&] {
@@ -87,6 +87,7 @@ class group_lines {
         WM_CUDA_TRY(cudaMemset(d->states.data(), 0, plan_.lines * sizeof(state_type)));
         WM_CUDA_TRY(cudaMemset(d->headers.data(), 0, plan_.sets * sizeof(set_header)));
         WM_CUDA_TRY(cudaMemset(d->stats.data(), 0, sizeof(device_statistics)));
+        WM_CUDA_TRY(cudaMemset(d->refused.data(), 0, sizeof(unsigned long long)));
         WM_CUDA_TRY(cudaMemset(d->counters.data(), 0, 3 * sizeof(std::uint32_t)));
         // This rank's shared part starts empty (no line, no hint) before any peer reads it.
         WM_CUDA_TRY(cudaMemset(shared->part_data(group.rank()), 0, part_bytes()));
