@@ -2,14 +2,17 @@
 // GPU tests of read-write device caches in wm::embedding on several ranks (the
 // embedding_cache_test program, [multi_gpu]): a device cache on each rank's own rows trains bit
 // for bit like the uncached table of the same layout, through flush(), invalidate(), store() and
-// load() into another layout.
+// load() into another layout. A [ranked] case (run inside every rank, one or one per GPU): a rank
+// that cannot allocate its cache lines makes every rank throw the same error, naming it.
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -18,6 +21,7 @@
 #include "catch.hpp"
 #include "device_array.cuh"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 using namespace cache_tests;
 
@@ -96,4 +100,65 @@ TEST_CASE("ranks: a device cache on each rank's rows trains bit for bit like no 
     train_ranks<float, wm::lru, wm::sgd, wm::chunked, wm::cyclic>(comm, wm::sgd{}, seed + 1);
     train_ranks<__half, wm::lru, wm::adam, wm::continuous, wm::block>(comm, wm::adam{}, seed + 2);
   });
+}
+
+namespace {
+
+/// Device memory the filled rank leaves free: room for the table's small device allocations and
+/// the kernels' modules, far less than its cache lines (1 GiB of weights alone).
+constexpr std::size_t left_free = std::size_t{256} << 20;
+
+/// Takes all but left_free of this rank's GPU (freed with the buffer).
+wm::detail::device_buffer<std::byte> fill_device() {
+  WM_CUDA_TRY(cudaDeviceSynchronize());
+  int device = 0;
+  WM_CUDA_TRY(cudaGetDevice(&device));
+  cudaMemPool_t pool{};
+  WM_CUDA_TRY(cudaDeviceGetMemPool(&pool, device));
+  WM_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));  // what the pool keeps would not be free to the cache
+  std::size_t free = 0, total = 0;
+  WM_CUDA_TRY(cudaMemGetInfo(&free, &total));
+  return wm::detail::device_buffer<std::byte>{free > left_free ? free - left_free : 0};
+}
+
+}  // namespace
+
+TEST_CASE("ranked: a device cache one rank cannot allocate fails on every rank, naming it",
+          "[ranked]") {
+  auto& comm              = wm_test::comm();
+  int const bad           = comm.size() - 1;
+  bool const me_bad       = comm.rank() == bad;
+  std::size_t const dim   = 256;                   // 1 KiB rows
+  std::size_t const lines = std::size_t{1} << 20;  // the bad rank's lines: 1 GiB of weights
+  std::size_t const rows  = lines * static_cast<std::size_t>(comm.size());
+  // The options are each rank's own: the bad rank caches every row of its part (ratio 1, whole
+  // sets), its peers a few, on a host table (so the lines are the rank's only large device
+  // allocation), and the bad rank's GPU is full.
+  wm::cache_options co;
+  co.ratio  = me_bad ? 1.0 : 0.01;
+  auto fill = me_bad ? fill_device() : wm::detail::device_buffer<std::byte>{};
+  std::string msg;
+  bool agreed = false;
+  try {
+    wm::embedding<float, wm::device_cache<wm::read_write, wm::lru>, wm::sgd, wm::host,
+                  wm::distributed>
+        e{comm, rows, dim, wm::sgd{}, wm::embedding_init::uniform(-0.5f, 0.5f, 7), co};
+    msg = "no error";
+  } catch (wm::comm_error const& x) {
+    agreed = true;
+    msg    = x.what();
+  } catch (std::exception const& x) { msg = std::string{"not a wm::comm_error: "} + x.what(); }
+  fill.reset();
+  std::string const who = "rank " + std::to_string(bad) + ": could not allocate";
+  RANK_REQUIRE_MSG(agreed, "rank " << comm.rank() << ": " << msg);
+  RANK_REQUIRE_MSG(
+      msg.find("device_cache") != std::string::npos && msg.find(who) != std::string::npos &&
+          msg.find("bytes of device memory its " + std::to_string(lines) + " cache lines") !=
+              std::string::npos &&
+          msg.find("cudaErrorMemoryAllocation") != std::string::npos &&
+          msg.find("mismatched") == std::string::npos,
+      "rank " << comm.rank() << ": " << msg);
+  // Every rank unwound its table with the same releases: the communicator still works.
+  comm.barrier();
+  RANK_REQUIRE(comm.all_gather(comm.rank())[static_cast<std::size_t>(bad)] == bad);
 }

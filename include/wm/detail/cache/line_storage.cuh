@@ -14,6 +14,7 @@
 #include <wm/detail/cache/plan.hpp>
 #include <wm/detail/cache/set.hpp>
 #include <wm/detail/cache/statistics.hpp>
+#include <wm/detail/memory/collective.hpp>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/views.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
@@ -27,6 +28,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <stdexcept>
+#include <string>
 
 namespace wm::detail::cache {
 
@@ -53,43 +57,64 @@ class line_storage {
   using state_type = typename Impl::state_type;
 
   /**
+   * Allocates and clears the lines as a collective step over @p comm (every rank of the table
+   * builds its cache): if any rank cannot allocate, every rank throws the same error naming it
+   * and the bytes it asked for, and each unwinds its table in the same order as its peers.
+   * @param comm the table's communicator
    * @param rows this rank's rows; @param ratio cache_options::ratio; @param seed the hash seed
    * @param dim values per row; @param st_cols optimizer state floats per row (0: none)
    * @param steps whether lines keep the per-row step
-   * @throw wm::logic_error for a ratio outside (0, 1] or more than 2^32 rows
+   * @throw wm::logic_error for a ratio outside (0, 1] or more than 2^32 rows (this rank only)
+   * @throw wm::comm_error on every rank when any rank's allocation failed
    */
-  line_storage(std::size_t rows, double ratio, std::uint32_t seed, std::size_t dim,
-               std::size_t st_cols, bool steps, bool stage_write_backs = false)
+  line_storage(communicator& comm, std::size_t rows, double ratio, std::uint32_t seed,
+               std::size_t dim, std::size_t st_cols, bool steps, bool stage_write_backs = false)
       : plan_{plan_cache<Impl>(rows, ratio)},
         seed_{seed},
         dim_{dim},
         st_cols_{st_cols},
-        tags_{plan_.lines},
-        states_{plan_.lines},
-        headers_{plan_.sets},
-        w_{plan_.lines * dim},
-        st_{plan_.lines * st_cols},
-        steps_{steps ? plan_.lines : 0},
-        stats_{1},
-        epoch_{1},
-        stage_cap_{stage_write_backs ? std::min<std::size_t>(plan_.lines, max_staged) : 0},
-        stage_w_{stage_cap_ * dim},
-        stage_st_{stage_cap_ * st_cols},
-        stage_steps_{steps ? stage_cap_ : std::size_t{0}},
-        stage_keys_{stage_cap_},
-        stage_count_{stage_cap_ != 0 ? std::size_t{1} : std::size_t{0}},
-        call_{1},
-        shown_{1} {
-    WM_CUDA_TRY(cudaMemset(call_.data(), 0, sizeof(call_counters)));
-    *shown_.data() = call_counters{};
-    if (plan_.sets != 0) {
-      WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
-      WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
-      WM_CUDA_TRY(cudaMemset(headers_.data(), 0, plan_.sets * sizeof(set_header)));
-    }
-    WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
-    WM_CUDA_TRY(cudaMemset(epoch_.data(), 0, sizeof(std::uint32_t)));  // headers: epoch 0 too
-    WM_CUDA_TRY(cudaDeviceSynchronize());
+        stage_cap_{stage_write_backs ? std::min<std::size_t>(plan_.lines, max_staged) : 0} {
+    std::size_t const step_bytes = steps ? sizeof(std::int64_t) : 0;
+    std::size_t const bytes =
+        plan_.lines * (sizeof(std::uint32_t) + sizeof(state_type) + dim * sizeof(T) +
+                       st_cols * sizeof(float) + step_bytes) +
+        plan_.sets * sizeof(set_header) + sizeof(device_statistics) + sizeof(std::uint32_t) +
+        stage_cap_ *
+            (dim * sizeof(T) + st_cols * sizeof(float) + step_bytes + sizeof(std::uint32_t)) +
+        (stage_cap_ != 0 ? sizeof(unsigned) : 0) + sizeof(call_counters);
+    collective_step(comm, "device_cache: allocating the cache lines", [&] {
+      try {
+        tags_        = device_buffer<std::uint32_t>{plan_.lines};
+        states_      = device_buffer<state_type>{plan_.lines};
+        headers_     = device_buffer<set_header>{plan_.sets};
+        w_           = device_buffer<T>{plan_.lines * dim};
+        st_          = device_buffer<float>{plan_.lines * st_cols};
+        steps_       = device_buffer<std::int64_t>{steps ? plan_.lines : 0};
+        stats_       = device_buffer<device_statistics>{1};
+        epoch_       = device_buffer<std::uint32_t>{1};
+        stage_w_     = device_buffer<T>{stage_cap_ * dim};
+        stage_st_    = device_buffer<float>{stage_cap_ * st_cols};
+        stage_steps_ = device_buffer<std::int64_t>{steps ? stage_cap_ : std::size_t{0}};
+        stage_keys_  = device_buffer<std::uint32_t>{stage_cap_};
+        stage_count_ = device_buffer<unsigned>{stage_cap_ != 0 ? std::size_t{1} : std::size_t{0}};
+        call_        = device_buffer<call_counters>{1};
+        shown_       = pinned_buffer<call_counters>{1};
+        WM_CUDA_TRY(cudaMemset(call_.data(), 0, sizeof(call_counters)));
+        *shown_.data() = call_counters{};
+        if (plan_.sets != 0) {
+          WM_CUDA_TRY(cudaMemset(tags_.data(), 0, plan_.lines * sizeof(std::uint32_t)));
+          WM_CUDA_TRY(cudaMemset(states_.data(), 0, plan_.lines * sizeof(state_type)));
+          WM_CUDA_TRY(cudaMemset(headers_.data(), 0, plan_.sets * sizeof(set_header)));
+        }
+        WM_CUDA_TRY(cudaMemset(stats_.data(), 0, sizeof(device_statistics)));
+        WM_CUDA_TRY(cudaMemset(epoch_.data(), 0, sizeof(std::uint32_t)));  // headers: epoch 0 too
+        WM_CUDA_TRY(cudaDeviceSynchronize());
+      } catch (std::exception const& e) {
+        throw std::runtime_error{"could not allocate the " + std::to_string(bytes) +
+                                 " bytes of device memory its " + std::to_string(plan_.lines) +
+                                 " cache lines take: " + e.what()};
+      }
+    });
   }
 
   /// Lines of this rank's cache.

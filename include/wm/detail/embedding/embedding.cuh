@@ -160,9 +160,8 @@ WM_EMBEDDING::embedding(communicator& comm, std::size_t rows, std::size_t dim, O
       source_ = detail::row_source<CachePolicy, T>{cache.group != nullptr ? *cache.group : comm,
                                                    rows, dim, cache};
     } else {
-      source_ = detail::row_source<CachePolicy, T>{
-          weights_.local_view().rows, dim, static_cast<std::size_t>(Optimizer::states) * dim,
-          opt_.needs_steps(), cache};
+      source_ = detail::row_source<CachePolicy, T>(comm, weights_.local_view().rows, dim,
+                                                   state_cols, opt_.needs_steps(), cache);
     }
   }
   WM_CUDA_TRY(cudaDeviceSynchronize());

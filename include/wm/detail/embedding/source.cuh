@@ -176,11 +176,13 @@ class row_source<CachePolicy, T> {
 
   row_source() = default;
   /// Lines for @p rows local rows of @p dim values, @p st_cols state floats and (@p steps) a
-  /// per-row step each.
-  row_source(std::size_t rows, std::size_t dim, std::size_t st_cols, bool steps,
+  /// per-row step each: a collective step over the table's @p comm (a rank that cannot allocate
+  /// its lines makes every rank throw the same wm::comm_error, naming it).
+  row_source(communicator& comm, std::size_t rows, std::size_t dim, std::size_t st_cols, bool steps,
              cache_options const& cache)
       : lines_{std::make_unique<cache::line_storage<T, impl_type>>(
-            rows, cache.ratio, cache.hash_seed, dim, st_cols, steps, CachePolicy::writable)} {}
+            comm, rows, cache.ratio, cache.hash_seed, dim, st_cols, steps, CachePolicy::writable)} {
+  }
 
   /// A group cache on several ranks: lines shared over @p group (collective over it), for a
   /// table of @p rows rows of @p dim values.
