@@ -676,9 +676,9 @@ TEST_CASE("swap: a full host slab is named at once, with its size and the reques
     FAIL("pageout_from into a full slab did not throw");
   } catch (wm::logic_error const& e) {
     std::string const what = e.what();
-    CHECK_THAT(what, Catch::Contains("host slab"));
-    CHECK_THAT(what, Catch::Contains("4000 bytes asked for"));
-    CHECK_THAT(what, Catch::Contains("of " + std::to_string(mib) + " bytes in use"));
+    CHECK(what.find("host slab") != std::string::npos);
+    CHECK(what.find("4000 bytes asked for") != std::string::npos);
+    CHECK(what.find("of " + std::to_string(mib) + " bytes in use") != std::string::npos);
   }
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds{5});
   // Released, the range is free again and the next page-out goes.
