@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # README's test command: sets itself up, then configures, builds every target (tests, examples,
-# benchmarks; warnings as errors) and runs every test. Without a GPU the GPU tests report
-# "skipped". Catch2, the test framework, is installed when CMake cannot find it: Debian/Ubuntu's
-# `catch2` package through apt-get when run as root; otherwise the script says what to install.
+# benchmarks; warnings as errors) and runs every test (ctest -j: GPU entries one at a time,
+# RUN_SERIAL). Without a GPU the GPU tests report "skipped". Catch2, the test framework, is
+# installed when CMake cannot find it: Debian/Ubuntu's `catch2` package through apt-get when run
+# as root; otherwise the script says what to install.
 # Usage: bash scripts/test.sh [more cmake configure arguments, e.g. -DCMAKE_CUDA_ARCHITECTURES=80]
-#   JOBS=n   parallel build jobs (default: all cores)
+#   JOBS=n   parallel build and test jobs (default: all cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
@@ -36,4 +37,4 @@ MSG
 fi
 
 cmake --build build -j "${JOBS:-$(nproc)}"
-ctest --test-dir build --output-on-failure
+ctest --test-dir build --output-on-failure -j "${JOBS:-$(nproc)}"  # GPU entries run alone (RUN_SERIAL)
