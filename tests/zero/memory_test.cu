@@ -22,7 +22,7 @@
 
 using namespace zero_cases;
 
-TEMPLATE_TEST_CASE("zero_optimizer memory against the formula of DESIGN §8", "[ranked]",
+TEMPLATE_TEST_CASE("zero_optimizer memory against the design's formula", "[ranked]",
                    wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
   auto& comm      = wm_test::comm();
   int const world = comm.size();
@@ -167,8 +167,8 @@ TEMPLATE_TEST_CASE("zero_optimizer memory(): the device holds what it reports (m
   }
 }
 
-TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the formula of DESIGN §8",
-                   "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
+TEMPLATE_TEST_CASE("zero_optimizer offload_host memory against the design's formula", "[ranked]",
+                   wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
   auto& comm      = wm_test::comm();
   int const world = comm.size();
   std::vector<wm::zero_parameter> params{
