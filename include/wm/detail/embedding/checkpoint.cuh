@@ -7,6 +7,7 @@
 #pragma once
 
 #include <wm/detail/base/deadline.hpp>
+#include <wm/detail/base/files.hpp>
 #include <wm/detail/base/posix.hpp>
 #include <wm/detail/embedding/checkpoint_meta.hpp>
 #include <wm/embedding.cuh>
@@ -46,29 +47,6 @@ template <class T>
   }
 }
 
-/// Flushes @p file to the disk. @throw wm::io_error if it cannot
-inline void sync_file(std::filesystem::path const& file) {
-  unique_fd fd{::open(file.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (!fd.valid() || ::fsync(fd.get()) != 0) {
-    throw io_error{"cannot flush '" + file.string() + "' to the disk: " + errno_text()};
-  }
-}
-
-/// Flushes the entries of the directory @p dir (the renames and removals in it) to the disk: a
-/// renamed file is only durable under its new name once its directory is. An empty path is the
-/// working directory. A file system that cannot flush directories (EINVAL) has nothing to flush.
-/// @throw wm::io_error if it cannot
-inline void sync_directory(std::filesystem::path const& dir) {
-  std::filesystem::path const d = dir.empty() ? std::filesystem::path{"."} : dir;
-  unique_fd fd{::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  if (!fd.valid()) {
-    throw io_error{"cannot open the directory '" + d.string() + "': " + errno_text()};
-  }
-  if (::fsync(fd.get()) != 0 && errno != EINVAL) {
-    throw io_error{"cannot flush the directory '" + d.string() + "' to the disk: " + errno_text()};
-  }
-}
-
 /// Flushes every directory that holds one of @p files (each once). @throw wm::io_error
 inline void sync_directories(std::vector<std::filesystem::path> const& files) {
   std::vector<std::filesystem::path> done;
@@ -95,14 +73,6 @@ void wait_for_cache_calls(communicator& comm, Source const& source, std::string 
           throw comm_error{"they did not end within " + timeout_text(comm.timeout())};
         }
       });
-}
-
-/// Renames @p from to @p to. @throw wm::io_error if it cannot
-inline void rename_file(std::filesystem::path const& from, std::filesystem::path const& to) {
-  if (std::rename(from.c_str(), to.c_str()) != 0) {
-    throw io_error{"cannot rename '" + from.string() + "' to '" + to.string() +
-                   "': " + errno_text()};
-  }
 }
 
 }  // namespace detail

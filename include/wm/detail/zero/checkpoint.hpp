@@ -29,6 +29,7 @@
 // "world W", "applied A".
 #pragma once
 
+#include <wm/detail/base/files.hpp>
 #include <wm/detail/base/posix.hpp>
 #include <wm/detail/zero/reshard.hpp>
 #include <wm/error.hpp>
@@ -144,32 +145,6 @@ inline std::string get_string(std::ifstream& in, std::string const& where) {
   return s;
 }
 }  // namespace io
-
-/// Flushes @p file to the disk. @throw wm::io_error if it cannot
-inline void sync_file(std::filesystem::path const& file) {
-  unique_fd fd{::open(file.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (!fd.valid() || ::fsync(fd.get()) != 0) {
-    throw io_error{"wm: cannot flush '" + file.string() + "' to the disk: " + errno_text()};
-  }
-}
-
-/// Flushes @p dir's entries (names created, renamed or removed) to the disk; a file system that
-/// cannot flush a directory (EINVAL) has nothing to flush. @throw wm::io_error if it fails
-inline void sync_directory(std::filesystem::path const& dir) {
-  unique_fd fd{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  if (!fd.valid() || (::fsync(fd.get()) != 0 && errno != EINVAL)) {
-    throw io_error{"wm: cannot flush the directory '" + dir.string() +
-                   "' to the disk: " + errno_text()};
-  }
-}
-
-/// Renames @p from to @p to (replacing it). @throw wm::io_error if it cannot
-inline void rename_file(std::filesystem::path const& from, std::filesystem::path const& to) {
-  if (std::rename(from.c_str(), to.c_str()) != 0) {
-    throw io_error{"wm: cannot rename '" + from.string() + "' to '" + to.string() +
-                   "': " + errno_text()};
-  }
-}
 
 /// Removes @p file if it is a file (never a directory), ignoring errors.
 inline void remove_file(std::filesystem::path const& file) noexcept {
