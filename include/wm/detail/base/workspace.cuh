@@ -20,8 +20,13 @@ class workspace {
   workspace()                            = default;
   workspace(workspace const&)            = delete;
   workspace& operator=(workspace const&) = delete;
+  /// Waits for the device (cudaFree does not wait for work that still uses stream-ordered
+  /// memory), then gives the memory back to the pool it came from.
   ~workspace() {
-    if (ptr_ != nullptr) { (void)cudaFree(ptr_); }
+    if (ptr_ != nullptr) {
+      (void)cudaDeviceSynchronize();
+      (void)cudaFreeAsync(ptr_, cudaStreamLegacy);
+    }
   }
   /// At least @p bytes of device memory, valid for work ordered after this on @p stream.
   [[nodiscard]] std::byte* reserve(std::size_t bytes, cudaStream_t stream) {
