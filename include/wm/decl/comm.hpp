@@ -445,6 +445,14 @@ class communicator {
   void abort() noexcept;
 
   /**
+   * @brief Whether this communicator failed and was aborted (`abort()`, a timeout, an NCCL
+   * error, a teardown agreement that failed): every later collective throws, and calls that
+   * reach peers' memory without a collective (mapped gathers and scatters) throw
+   * `wm::comm_error` instead of touching it. False for an empty communicator.
+   */
+  [[nodiscard]] bool aborted() const noexcept { return s_ != nullptr && s_->failed; }
+
+  /**
    * @brief A host-side agreement for teardown paths (collective, never throws): as
    * `expect_same(what, args)`, but waiting at most @p limit (and at most the timeout). Returns
    * true if every rank made it with the same @p what and @p args in time; otherwise aborts the

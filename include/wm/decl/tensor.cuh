@@ -209,6 +209,7 @@ class tensor {
   /**
    * @brief `out[i, :] = this[indices[i], :]` for every i; @p out is dense (`cols` per row), in
    * device memory. Returns without synchronizing (the distributed path synchronizes once).
+   * @throw wm::comm_error on a mapped layout if the communicator was aborted (nothing is read)
    */
   template <index_type Index>
   void gather_async(std::span<Index const> indices, T* out, cuda::stream_ref stream);
@@ -226,6 +227,7 @@ class tensor {
    * @brief `this[indices[i], :] = values[i, :]` for every i (last occurrence wins among
    * duplicates); @p values is dense (`cols` per row), in device memory. Returns without
    * synchronizing (the distributed path synchronizes once).
+   * @throw wm::comm_error on a mapped layout if the communicator was aborted (nothing is written)
    */
   template <index_type Index>
   void scatter_async(std::span<Index const> indices, T const* values, cuda::stream_ref stream);

@@ -12,6 +12,7 @@
 #include <wm/detail/exchange/engine.cuh>
 #include <wm/detail/exchange/plan.cuh>
 #include <wm/detail/exchange/scratch.cuh>
+#include <wm/detail/tensor/mapped.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 #include <wm/embedding.cuh>
 
@@ -219,6 +220,7 @@ void WM_EMBEDDING::gather(std::span<Index const> indices, T* out, cuda::stream_r
       if (source_.shared()) {
         // A group cache on several ranks: each rank reads its holders' lines and the table
         // directly (nothing collective); invalid indices as on one rank.
+        detail::expect_group_alive(comm, "gather");
         WM_EXPECTS(n == 0 || (indices.data() != nullptr && out != nullptr),
                    "gather: null indices or output");
         source_.group_gather(std::as_const(weights_).ref(), rows(), indices, out, sc.err.data(), s);
@@ -267,6 +269,7 @@ void WM_EMBEDDING::prefetch(std::span<Index const> next_keys,
   WM_EXPECTS(next_keys.empty() || next_keys.data() != nullptr, "prefetch: null keys");
   if constexpr (mapped_layout<Layout>) {
     if (source_.shared()) {  // a group cache on several ranks
+      detail::expect_group_alive(*comm_, "prefetch");
       source_.group_prefetch(std::as_const(weights_).ref(), rows(), next_keys,
                              scratch_->plan.err.data(), stream.get());
       return;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // chunked·device: each rank cudaMallocs its part and opens every peer's through CUDA IPC
-// handles, one pointer per rank.
+// handles, one pointer per rank. A part whose release could not agree with the peers is kept
+// until the process ends (docs/design.md, "Memory kinds").
 #pragma once
 
 #include <wm/comm.hpp>
@@ -10,12 +11,27 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
 namespace wm::detail {
+
+/// Says once per process that a chunked·device part is kept for peers (keep_for_peers).
+inline void report_part_kept(int rank, int device, std::size_t bytes) noexcept {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) { return; }
+  std::fprintf(stderr,
+               "wm: rank %d: a memory release could not agree with its peers (the communicator "
+               "is aborted); keeping %zu bytes of chunked device memory on GPU %d, which peers "
+               "may still map through CUDA IPC, until this process ends (this message is shown "
+               "once; see docs/design.md, \"Memory kinds\")\n",
+               rank, bytes, device);
+}
 
 class ipc_resource {
  public:
@@ -31,7 +47,7 @@ class ipc_resource {
       // The steps fail on every rank together: close what this rank opened, wait until every
       // peer closed this rank's part (every rank, whether it owns memory or not), then free it.
       close_imports();
-      (void)release_barrier(*s.comm, s.args, s.comm->timeout());
+      if (!release_barrier(*s.comm, s.args, s.comm->timeout())) { keep_for_peers(); }
       release_local();
       throw;
     }
@@ -51,11 +67,27 @@ class ipc_resource {
     opened_.clear();
   }
 
+  /**
+   * After a release agreement that failed (the communicator is aborted): peers may still map
+   * this rank's part, and memory freed while another process has it open through CUDA IPC may
+   * be handed out again under their mapping (they would read another allocation's bytes, or
+   * fault). The part is therefore not freed: it is kept, deliberately leaked, until this process
+   * ends, with one message per process. A part no peer can have opened (one rank) is freed.
+   */
+  void keep_for_peers() noexcept {
+    if (own_ == nullptr || !exported_) { return; }
+    report_part_kept(rank_, device_, bytes_);
+    own_ = nullptr;
+  }
+
  private:
   void allocate(memory_state& s) {
     auto& comm              = *s.comm;
     int const me            = comm.rank();
     std::size_t const bytes = s.local_bytes();
+    rank_                   = me;
+    bytes_                  = bytes;
+    exported_               = comm.size() > 1;
     cudaIpcMemHandle_t handle{};
     collective_step(
         comm, "chunked device memory: cudaMalloc of " + std::to_string(bytes) + " bytes", [&] {
@@ -92,7 +124,10 @@ class ipc_resource {
   }
 
   int device_{};
+  int rank_{};
   void* own_{};
+  std::size_t bytes_{};
+  bool exported_{false};  // peers were given its handle (several ranks)
   std::vector<void*> opened_;
 };
 

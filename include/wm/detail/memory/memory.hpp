@@ -65,7 +65,9 @@ struct memory_impl {
    * part, and an owner whose part peers opened frees it only after every peer closed it. Run
    * by stack unwinding (this rank is failing), it waits for its peers at most
    * `unwinding_release_limit`; when a release barrier fails (then the communicator is aborted)
-   * the rest are skipped and the resource is freed locally.
+   * the rest are skipped, this rank closes what it opened and frees what it may: a part that
+   * peers open and that does not outlive their mappings by itself (chunked·device, CUDA IPC) is
+   * kept until the process ends, since peers may still read it (docs/design.md, "Memory kinds").
    */
   void release() noexcept {
     bool const unwinding = std::uncaught_exceptions() > uncaught;
@@ -73,6 +75,7 @@ struct memory_impl {
     auto const limit   = unwinding ? std::min(timeout, unwinding_release_limit) : timeout;
     if (!release_barrier(*state.comm, state.args, limit)) {
       resource.close_imports();
+      keep_for_peers();
       return;
     }
     close_and_wait(limit);
@@ -82,8 +85,12 @@ struct memory_impl {
   void close_and_wait(std::chrono::milliseconds limit) noexcept {
     resource.close_imports();
     if constexpr (resource_type::peers_import) {
-      (void)release_barrier(*state.comm, state.args, limit);
+      if (!release_barrier(*state.comm, state.args, limit)) { keep_for_peers(); }
     }
+  }
+  /// The release agreement failed: peers may not have closed this rank's part yet.
+  void keep_for_peers() noexcept {
+    if constexpr (resource_type::peers_import) { resource.keep_for_peers(); }
   }
 };
 

@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // The mapped layouts' sorted read: long batches of chunked rows are read in ascending row order
 // (optionally rotated so that ranks start at different owners); long host batches read each
-// distinct row once (distinct.cuh).
+// distinct row once (distinct.cuh). And the check every mapped call makes before it touches
+// peers' memory.
 #pragma once
 
+#include <wm/comm.hpp>
 #include <wm/detail/base/cuda.cuh>
 #include <wm/detail/base/workspace.cuh>
 #include <wm/detail/rows/views.cuh>
+#include <wm/error.hpp>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_transform.cuh>
@@ -15,8 +18,24 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <string>
 
 namespace wm::detail {
+
+/**
+ * Mapped calls read and write peers' parts directly, with no collective that would notice a
+ * failed group. Once @p comm is aborted a peer may be gone, and its part with it (or kept only
+ * until its process ends: docs/design.md, "Memory kinds"), so they throw before touching any
+ * part. @throw wm::comm_error if @p comm was aborted
+ */
+inline void expect_group_alive(communicator const& comm, char const* what) {
+  if (comm.aborted()) {
+    throw comm_error{std::string{"wm: "} + what +
+                     ": the communicator was aborted (a peer failed or timed out, or a release "
+                     "could not agree with its peers), so peers' memory may be gone; nothing was "
+                     "read or written. Make a new communicator and new tensors"};
+  }
+}
 
 /// Batches at least this long are read in ascending row order (chunked device memory of several
 /// ranks).

@@ -202,6 +202,7 @@ template <index_type Index>
 void tensor<T, Location, Layout, Mapping>::gather_async(std::span<Index const> indices, T* out,
                                                         cuda::stream_ref stream) {
   if constexpr (Layout::mapped) {
+    detail::expect_group_alive(*comm_, "gather");
     WM_EXPECTS(indices.empty() || (indices.data() != nullptr && out != nullptr),
                "gather: null indices or output");
     // Every call orders itself after the last one and records its end (store, load, move and
@@ -284,6 +285,7 @@ template <index_type Index>
 void tensor<T, Location, Layout, Mapping>::scatter_async(std::span<Index const> indices,
                                                          T const* values, cuda::stream_ref stream) {
   if constexpr (Layout::mapped) {
+    detail::expect_group_alive(*comm_, "scatter");
     WM_EXPECTS(indices.empty() || (indices.data() != nullptr && values != nullptr),
                "scatter: null indices or values");
     std::size_t const n  = indices.size();
