@@ -265,7 +265,7 @@ struct table_handle {
     check_rows(values, "values", keys, t->dim(), device);
     c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
     cudaStream_t const s = current_stream(device);
-    py::gil_scoped_release nogil;
+    py::gil_scoped_release nogil;  // collective; synchronizes the stream
     t->write_rows(keys.data_ptr<std::int64_t>(), static_cast<std::size_t>(keys.numel()),
                   values.data_ptr<float>(), s);
   }
@@ -1190,7 +1190,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               c.comm->barrier();
             });
           },
-          "Waits for every rank (collective)");
+          "Waits for every rank (collective)")
+      .def(
+          "all_gather_int",
+          [](communicator_handle& c, std::int64_t value) {
+            return guarded([&] {
+              std::vector<std::int64_t> all;
+              {
+                py::gil_scoped_release nogil;
+                all = c.comm->all_gather(value);
+              }
+              py::list out;
+              for (auto v : all) { out.append(v); }
+              return out;
+            });
+          },
+          py::arg("value"), "Every rank's value, in rank order (collective)");
 
   py::class_<table_options>(m, "TableOptions")
       .def(py::init<>())
@@ -1225,7 +1240,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Sums the gradients of duplicate keys and updates each row once (collective; "
            "synchronizes the current stream)")
       .def("write_rows", guarded_method(&table_handle::write_rows), py::arg("keys"),
-           py::arg("values"), "Overwrites rows (a cache is emptied before and after)")
+           py::arg("values"),
+           "Overwrites rows (collective: every rank calls it, with its own keys or none; every "
+           "rank's cache is flushed and emptied first; synchronizes the current stream)")
       .def("prefetch", guarded_method(&table_handle::prefetch), py::arg("keys"),
            "Admits the rows of the next batch into the cache")
       .def("flush", guarded_method(&table_handle::flush))

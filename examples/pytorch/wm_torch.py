@@ -162,6 +162,10 @@ class Communicator:
     def barrier(self):
         self._c.barrier()
 
+    def all_gather_int(self, value):
+        """Every rank's int, in rank order (collective)."""
+        return list(self._c.all_gather_int(int(value)))
+
 
 _default_comm = None
 
@@ -317,14 +321,25 @@ class Embedding(torch.nn.Module):
             return torch.cat(parts) if parts else torch.empty(0, self.embedding_dim, device=self.device)
 
     def load_weights_(self, values, keys=None, chunk=1 << 20):
-        """Overwrites rows `keys` (default: all, in order) with `values` (float32, any device);
-        a cache is emptied. Optimizer states are untouched."""
+        """Overwrites rows `keys` (default: all, in order) with `values` (float32, any device).
+        Optimizer states are untouched.
+
+        Collective, like forward and step: with several ranks every rank calls it, each with its
+        own rows (keys=None: every row; an empty `keys` to write nothing), and each rank's
+        cache is flushed and emptied first, since it holds rows that other ranks may write.
+        When it returns on a rank, every rank's rows are in the table and later gathers on any
+        rank see them. A row written by several ranks in one call gets one of their values.
+        Rows go in chunks of `chunk`; the ranks agree on the number of calls."""
         if keys is None:
             keys = torch.arange(self.num_embeddings, device=self.device)
         if values.shape != (keys.numel(), self.embedding_dim):
             raise ValueError(f"wm_torch.Embedding.load_weights_: values must be {(keys.numel(), self.embedding_dim)}, "
                              f"got {tuple(values.shape)}")
-        for i in range(0, keys.numel(), chunk):
+        calls = (keys.numel() + chunk - 1) // chunk
+        if self.comm.size > 1:  # write_rows is collective: as many calls on every rank
+            calls = max(self.comm.all_gather_int(calls))
+        for c in range(calls):
+            i = c * chunk
             v = values[i:i + chunk].to(device=self.device, dtype=torch.float32).contiguous()
             self._table.write_rows(self._flat_keys(keys[i:i + chunk]), v)
 
@@ -333,6 +348,7 @@ class Embedding(torch.nn.Module):
         self._table.prefetch(self._flat_keys(keys))
 
     def flush(self):
+        """Writes this rank's dirty cache lines back to the table (not collective)."""
         self._table.flush()
 
     def cache_stats(self, reset=False):

@@ -6,7 +6,9 @@
  */
 #pragma once
 
+#include <wm/detail/memory/collective.hpp>
 #include <wm/embedding.cuh>
+#include <wm/error.hpp>
 #include <wm/optimizer.hpp>
 
 #include <cuda/stream_ref>
@@ -76,6 +78,7 @@ class table_impl final : public table {
  public:
   table_impl(wm::communicator& comm, table_options const& o)
       : emb_{comm, o.rows, o.dim, optimizer_of<optimizer_type>(o), init_of(o), cache_of(o)} {
+    comm_        = &comm;
     rows_        = o.rows;
     dim_         = o.dim;
     trainable_   = has_opt;
@@ -99,11 +102,26 @@ class table_impl final : public table {
 
   void write_rows(std::int64_t const* keys, std::size_t n, float const* values,
                   cudaStream_t s) override {
-    // Dirty lines would overwrite the new rows at their write-back, clean ones would serve the
-    // old rows: empty the cache before and after.
-    if constexpr (has_cache) { emb_.invalidate(cuda::stream_ref{s}); }
-    emb_.weights().scatter(std::span<std::int64_t const>{keys, n}, values, cuda::stream_ref{s});
-    if constexpr (has_cache) { emb_.invalidate(cuda::stream_ref{s}); }
+    // Collective. On several ranks each rank caches rows of its own part, while the mapped
+    // scatter below writes any rank's rows through the mapping: an owner's dirty line would
+    // overwrite a new row at its write-back, a clean one would serve the old row. So (1) every
+    // rank writes its dirty lines back and empties its cache, (2) once every rank has (the step
+    // is collective: no write-back lands after a new row), each rank writes its rows, and (3) no
+    // rank leaves before every rank's rows are in the table (no gather reads an old row). Each
+    // step is a collective step, so a failure on one rank (a key out of range) throws the same
+    // error on every rank instead of leaving its peers waiting. Nothing is admitted in between:
+    // this table's gathers and prefetches are over (flush and invalidate order themselves after
+    // them) and every rank is inside this call.
+    cuda::stream_ref const stream{s};
+    auto const empty_cache = [&] {
+      if constexpr (has_cache) { emb_.invalidate(stream); }
+      WM_CUDA_TRY(cudaStreamSynchronize(s));
+    };
+    wm::detail::collective_step<wm::comm_error>(*comm_, "wm_torch write_rows (emptying caches)",
+                                                empty_cache);
+    wm::detail::collective_step<wm::logic_error>(*comm_, "wm_torch write_rows", [&] {
+      emb_.weights().scatter(std::span<std::int64_t const>{keys, n}, values, stream);
+    });
   }
 
   void prefetch(std::int64_t const* keys, std::size_t n, cudaStream_t s) override {
@@ -147,6 +165,7 @@ class table_impl final : public table {
 
  private:
   Embedding emb_;
+  wm::communicator* comm_{nullptr};  // write_rows' collective steps
 };
 
 template <class Embedding>

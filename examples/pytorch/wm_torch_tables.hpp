@@ -57,8 +57,11 @@ class table {
   /// Backward + update (collective; synchronizes @p s). @throw wm::logic_error without optimizer
   virtual void apply_gradients(std::int64_t const* keys, std::size_t n, float const* grads,
                                float lr, cudaStream_t s) = 0;
-  /// Writes rows (last occurrence wins); a cache is invalidated first and after, so gathers see
-  /// the new rows. Optimizer states are left as they are.
+  /// Writes rows (last occurrence wins). Collective: every rank calls it, each with its own keys
+  /// (any rows, or none). Every rank's cache is flushed and emptied first, and every rank's rows
+  /// are in the table when it returns, so every rank's gathers see the new rows (a key written
+  /// by several ranks gets one of their values). Optimizer states are left as they are.
+  /// Synchronizes @p s. @throw wm::logic_error on every rank if a rank passed a key out of range
   virtual void write_rows(std::int64_t const* keys, std::size_t n, float const* values,
                           cudaStream_t s) = 0;
   /// Admits the rows of the next batch (cached tables; a no-op without cache).

@@ -17,6 +17,11 @@
    the old one (both modes); a pool (or slab) too small for a tensor keeps it in place.
 4. Bad input raises: CPU keys, float keys, wrong dtypes and devices, non-contiguous tensors, an
    optimizer on a read-only cache, a key out of range.
+5. load_weights_ over cached rows, one process per rank (this file run as a rank: --rank-worker):
+   a host table with a read-write cache is trained so that the owners' caches hold dirty lines,
+   each rank writes new values for trained rows that another rank owns (one rank: its own), and
+   gathers on every rank return the written rows bitwise, also after a flush. With 2 ranks
+   (skipped with fewer GPUs) and with 1.
 
 Usage: python3 tests/pytorch/test_bridge.py   (exit 0 pass, 1 fail, 77 skipped: no torch, no
 CUDA toolkit or ninja for torch.utils.cpp_extension, or no GPU). The extension is built into
@@ -25,7 +30,9 @@ WM_TORCH_BUILD_DIR (default <repo>/build/wm_torch); the first build takes a few 
 import faulthandler
 import os
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -54,6 +61,11 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "pytorch"))
 import wm_torch  # noqa: E402
 
+# A rank of a multi-process case (section 5): `--rank-worker CASE RANK WORLD STORE SEED`. Its GPU
+# is selected before anything touches CUDA.
+WORKER = sys.argv[2:7] if len(sys.argv) >= 7 and sys.argv[1] == "--rank-worker" else None
+if WORKER is not None:
+    torch.cuda.set_device(int(WORKER[1]))
 DEV = torch.device("cuda", torch.cuda.current_device())
 
 # Tolerance of the training comparisons, against a float64 reference of the documented update.
@@ -619,6 +631,150 @@ def test_bad_input():
     check("the table works after the errors", torch.equal(out, emb.rows()[:10]))
 
 
+# ---------------------------------------------------------------------------------------------
+# 5. load_weights_ over cached rows on several ranks
+
+
+def skip(name, reason):
+    """A case that cannot run here: said, and counted neither passed nor failed."""
+    print(f"SKIPPED {name}: {reason}", flush=True)
+
+
+def rank_write_rows_over_dirty_lines(rank, world, seed):
+    """One rank of the write-rows case (every rank runs it alike, with the same seed).
+
+    A host table (block mapping: rank r owns rows [r * per, (r + 1) * per)) with a read-write
+    device cache of ratio 1. Three training steps gather random keys (their owners admit them)
+    and apply gradients to them. The rows no rank will write are gathered (their reference).
+    A last step gathers and updates exactly the rows each rank will write, so that their owners'
+    cache lines hold them dirty. Then each rank writes fresh values to half of the trained rows
+    of the next rank (one rank: its own), in several load_weights_ calls. Every rank must then
+    gather every row bitwise as written (or as before, for the others): right after the write,
+    after a flush on every rank, after invalidate. The old write_rows emptied the writer's cache
+    only: the owner served its dirty line instead of the new row, and its flush wrote the line
+    over it."""
+    rows, dim, lr = 4001, 16, 0.5
+    per = (rows + world - 1) // world
+    g = torch.Generator().manual_seed(seed)
+    emb = wm_torch.Embedding(rows, dim, location="host", cache="read_write", cache_ratio=1.0,
+                             optimizer=wm_torch.SGD(), init="uniform", init_a=-1.0, init_b=1.0,
+                             seed=seed % 2**31)
+
+    def step(keys, grads):  # collective: every rank gathers and updates its own batch
+        k = keys.to(DEV)
+        with torch.no_grad():
+            emb(k)  # the owners admit the rows
+        emb._table.apply_gradients(k, grads.to(DEV), lr)  # rows in lines: updated there, dirty
+
+    trained = []
+    for _ in range(3):  # every rank draws every rank's batch; each steps with its own
+        batches = [torch.randint(0, rows, (1500,), generator=g) for _ in range(world)]
+        grads = [torch.rand(1500, dim, generator=g) * 2 - 1 for _ in range(world)]
+        step(batches[rank], grads[rank])
+        trained += batches
+    trained = torch.unique(torch.cat(trained))
+
+    def writes_of(r):  # the rows rank r writes: half of the trained rows of the next rank
+        o = trained[(trained // per) == (r + 1) % world]
+        p = torch.randperm(o.numel(), generator=torch.Generator().manual_seed(seed + 7 + r))
+        return o[p[: max(1, o.numel() // 2)]]
+
+    mine = writes_of(rank)
+    written = torch.zeros(rows, dtype=torch.bool)
+    for r in range(world):
+        written[writes_of(r)] = True
+    others = torch.nonzero(~written).flatten()
+    want = torch.empty(rows, dim)
+    want[others] = emb.rows(others.to(DEV)).cpu()  # through the caches: the current rows
+    step(mine, torch.rand(mine.numel(), dim, generator=torch.Generator().manual_seed(seed + 9 + rank)))
+    values = torch.rand(rows, dim, generator=torch.Generator().manual_seed(seed + 11)) * 4 + 2  # in [2, 6)
+    want[written] = values[written]
+    emb.cache_stats(reset=True)
+    emb.load_weights_(values[mine], keys=mine.to(DEV), chunk=97)  # several calls, more on some ranks
+    write_backs = emb.cache_stats()["write_backs"]
+    results = []
+
+    def same(what):
+        bad = (emb.rows().cpu() != want).any(dim=1)
+        results.append((what, not bool(bad.any()),
+                        f"{int(bad.sum())} of {rows} rows differ ({int((bad & written).sum())} of the "
+                        f"{int(written.sum())} written, {int(mine.numel())} by this rank)"))
+
+    same("every row gathered as written (or as before) after load_weights_")
+    emb.flush()  # this rank's lines (admitted by that gather) go back to the table
+    same("every row gathered as written after a flush")
+    emb._table.invalidate()
+    same("every row gathered as written after invalidate (lines flushed and emptied)")
+    results.append(("the owners' caches held dirty lines when load_weights_ began", write_backs > 0,
+                    f"{write_backs} lines written back on rank {rank}"))
+    return results
+
+
+RANK_CASES = {"write_rows": rank_write_rows_over_dirty_lines}
+
+
+def rank_worker(case, rank, world, store, seed):
+    """Runs one rank of a case; prints RESULT lines for the parent; exit 0 when all passed."""
+    import torch.distributed as dist
+
+    rank, world, seed = int(rank), int(world), int(seed)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    ok = True
+    try:
+        wm_torch.default_communicator()  # collective: every rank makes it first
+        for what, passed, detail in RANK_CASES[case](rank, world, seed):
+            ok &= bool(passed)
+            print(f"RESULT {'PASS' if passed else 'FAIL'} rank {rank}: {what}: {detail}", flush=True)
+    except Exception:
+        traceback.print_exc()
+        ok = False
+    torch.cuda.synchronize()
+    return 0 if ok else 1
+
+
+def run_ranks(name, case, world, checks, timeout_s=600):
+    """Runs `case` in `world` processes (rank r on GPU r); each must report `checks` results,
+    all passed."""
+    if torch.cuda.device_count() < world:
+        skip(name, f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+        return
+    seed = int.from_bytes(os.urandom(4), "little")
+    env = dict(os.environ, WM_TIMEOUT_S="120")  # a rank that fails leaves the others waiting no longer
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(world)]  # no pipe to fill
+        procs = [subprocess.Popen([sys.executable, __file__, "--rank-worker", case, str(r), str(world), store, str(seed)],
+                                  stdout=logs[r], stderr=subprocess.STDOUT, text=True, env=env) for r in range(world)]
+        deadline = time.time() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        outs = []
+        for r, f in enumerate(logs):
+            f.seek(0)
+            outs.append(f.read() + (f"\n(killed after {timeout_s} s)" if procs[r].returncode == -9 else ""))
+            f.close()
+    ok = all(p.returncode == 0 for p in procs)
+    lines = [ln for out in outs for ln in out.splitlines() if ln.startswith("RESULT ")]
+    for ln in lines:
+        print(f"  {ln[len('RESULT '):]}", flush=True)
+    if not ok or len(lines) != checks * world:
+        for r, out in enumerate(outs):
+            print(f"--- rank {r} (exit {procs[r].returncode}) ---\n{out}", flush=True)
+    check(name, ok and len(lines) == checks * world and all(ln.startswith("RESULT PASS") for ln in lines),
+          f"{world} rank(s), seed {seed}, {len(lines)} checks, exit codes {[p.returncode for p in procs]}")
+
+
+def test_write_rows_ranks():
+    run_ranks("load_weights_ over dirty cache lines, 1 rank: gathers see the written rows, also after a flush",
+              "write_rows", 1, 4)
+    run_ranks("load_weights_ over dirty cache lines of other ranks (2 ranks): every rank gathers the written rows, "
+              "also after a flush", "write_rows", 2, 4)
+
+
 def main():
     t0 = time.time()
     try:
@@ -634,7 +790,7 @@ def main():
                      ("swap hooks direct", test_swap_hooks_direct), ("swap hooks compress", test_swap_hooks_compress),
                      ("swap peak", test_swap_peak),
                      ("swap storage reuse", test_swap_storage_reuse), ("swap no room", test_swap_no_room),
-                     ("bad input", test_bad_input)):
+                     ("bad input", test_bad_input), ("write_rows on ranks", test_write_rows_ranks)):
         run_case(name, fn)
     passed = sum(results)
     failed = len(results) - passed
@@ -643,4 +799,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rank_worker(*WORKER) if WORKER is not None else main())
