@@ -22,7 +22,9 @@
  * and a blocking twin, split from it at creation, for the device exchanges. NCCL launches each
  * nonblocking group from a new thread (60-110 us of host time per call on an H100), a blocking
  * one in ~10 us; the distributed gather makes several exchanges per call. The twin connects to
- * every peer at creation (one byte each way), so an exchange never waits for a peer on the host.
+ * every peer at creation (one byte each way), so an exchange never waits for a peer on the host;
+ * NCCL connects a collective's algorithm at its first use instead, so the first typed collective
+ * of each shape meets every rank with the deadline first (see `communicator::all_reduce`).
  * It costs a second NCCL communicator's GPU memory; `communicator_options::exchange_twin` (or
  * `WM_EXCHANGE_TWIN=0`) leaves it out, and the exchanges then use the nonblocking one; if any
  * rank leaves it out, every rank does. Do not set `NCCL_COMM_BLOCKING=1`: it overrides the

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -389,10 +390,17 @@ class communicator {
    * when @p send == @p recv. Enqueued on @p stream; returns without synchronizing.
    *
    * Every rank must pass the same @p count, @p op and type, in the same order of collectives as
-   * its peers. Nothing checks that here (this is a hot-path call): a disagreement hangs the work
-   * on @p stream, and `synchronize(stream)` ends that wait with a `wm::comm_error` on every rank
-   * after the timeout. If NCCL rejects or fails the call, the communicator is aborted (so no
-   * peer waits on this rank for ever) and a `wm::comm_error` names this rank.
+   * its peers. NCCL connects a collective's algorithm on the host at its first use, waiting for
+   * every peer with no deadline of its own; so the first call of each shape (kind, type, op,
+   * count; broadcast's root) on a communicator meets every rank first in a host-side collective
+   * with the communicator's timeout: a peer that does not come (gone, late, in another
+   * collective) gives a `wm::comm_error` after the timeout (the communicator is aborted), and
+   * ranks whose first calls of a shape differ get a `wm::comm_error` on every rank (the
+   * communicator stays usable). Later calls of a known shape check nothing (a hot-path call): a
+   * disagreement hangs the work on @p stream, and `synchronize(stream)` ends that wait with a
+   * `wm::comm_error` on every rank after the timeout. If NCCL rejects or fails the call, the
+   * communicator is aborted (so no peer waits on this rank for ever) and a `wm::comm_error`
+   * names this rank.
    * @tparam T float, double, `__nv_bfloat16`, `__half`, or a 8/32/64-bit integer
    * @throw wm::logic_error on a null buffer of nonzero size
    */
@@ -485,6 +493,10 @@ class communicator {
     std::uint64_t seq{0};         // number of host-side collectives issued
     std::uint64_t split_seq{0};
     bool failed{false};
+    /// The typed collectives' shapes (kind, type, op, count, root) that every rank has met once
+    /// on the twin: NCCL connects a collective's algorithm at its first use (see
+    /// `device_collective`).
+    std::set<std::uint64_t> connected;
 
     state()                        = default;
     state(state const&)            = delete;
@@ -503,9 +515,11 @@ class communicator {
                                                std::span<std::byte const> mine);
   void check_usable() const;
   /// Issues one device collective through @p issue(ncclComm_t) (the twin if there is one) and
-  /// handles its result as `all_to_all` does.
+  /// handles its result as `all_to_all` does. On the twin, the first call of each @p shape (a
+  /// hash of the kind, type, op, count and root) first meets every rank in a host-side
+  /// collective with the deadline.
   template <class Issue>
-  void device_collective(std::string_view what, Issue&& issue) const;
+  void device_collective(std::string_view what, std::uint64_t shape, Issue&& issue) const;
 
   std::unique_ptr<state> s_;
 };

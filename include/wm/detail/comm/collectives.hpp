@@ -2,10 +2,12 @@
 // The device collectives of wm::communicator (declared in <wm/comm.hpp>): grouped point-to-point
 // exchanges (send_recv, all_to_all_v, all_to_all) and the typed NCCL collectives (all_reduce,
 // reduce_scatter, all_gather, broadcast), each enqueued on the caller's stream through the
-// blocking twin when there is one. Host-only.
+// blocking twin when there is one (the first call of each collective shape meets every rank
+// first, with the deadline: see device_collective). Host-only.
 #pragma once
 
 #include <wm/comm.hpp>
+#include <wm/detail/base/hash.hpp>
 #include <wm/detail/comm/nccl.hpp>
 #include <wm/error.hpp>
 
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -169,12 +172,46 @@ template <class T>
   return op == reduce_op::max ? ncclMax : ncclSum;
 }
 
+/// The typed collectives, for their shapes.
+enum class collective_kind : std::uint8_t {
+  all_reduce     = 1,
+  reduce_scatter = 2,
+  all_gather     = 3,
+  broadcast      = 4
+};
+
+/// What decides which of NCCL's algorithms a typed collective takes (and so which connections it
+/// needs): the kind, the element type, the reduction, the count, the root. Alike on every rank
+/// that makes the same call; the argument word of its first call's agreement.
+[[nodiscard]] constexpr std::uint64_t collective_shape(collective_kind kind, ncclDataType_t type,
+                                                       ncclRedOp_t op, std::size_t count,
+                                                       int root = 0) noexcept {
+  std::uint64_t const head = std::uint64_t{static_cast<std::uint8_t>(kind)} << 48 |
+                             static_cast<std::uint64_t>(static_cast<std::uint32_t>(type)) << 24 |
+                             static_cast<std::uint64_t>(static_cast<std::uint32_t>(op));
+  return mix64(mix64(head, static_cast<std::uint64_t>(count)),
+               static_cast<std::uint64_t>(static_cast<std::uint32_t>(root)));
+}
+
 }  // namespace detail
 
 template <class Issue>
-void communicator::device_collective(std::string_view what, Issue&& issue) const {
+void communicator::device_collective(std::string_view what, std::uint64_t shape,
+                                     Issue&& issue) const {
   check_usable();
   ncclComm_t const via = s_->p2p != nullptr ? s_->p2p : s_->comm;
+  if (via == s_->p2p && !s_->connected.contains(shape)) {
+    // NCCL connects the algorithm of a collective on the host at its first use (only
+    // point-to-point is connected at setup), and on the blocking twin that waits for every peer
+    // with no deadline: a peer busy elsewhere would hold this rank there for as long. Which
+    // algorithm a call takes depends on its shape, so the first call of each shape meets every
+    // rank in a host-side collective first (deadline, descriptors: a peer that does not come is a
+    // comm_error after the timeout, a peer that calls another shape one at once); every rank then
+    // connects beside the others. Later calls of the shape go straight to the twin.
+    // docs/design.md, "Process model".
+    (void)const_cast<communicator*>(this)->exchange("device " + std::string{what}, shape, {});
+    s_->connected.insert(shape);
+  }
   ncclResult_t const r = issue(via);
   if (via == s_->comm || r == ncclInProgress) {
     // Nonblocking communicator (or the twin made nonblocking by the environment): NCCL may
@@ -204,7 +241,9 @@ void communicator::all_reduce(T const* send, T* recv, std::size_t count, cuda::s
   check_usable();
   if (count == 0) { return; }
   WM_EXPECTS(send != nullptr && recv != nullptr, "all_reduce: null buffer");
-  device_collective("all_reduce", [&](ncclComm_t c) {
+  auto const shape = detail::collective_shape(detail::collective_kind::all_reduce,
+                                              detail::nccl_type<T>(), detail::nccl_op(op), count);
+  device_collective("all_reduce", shape, [&](ncclComm_t c) {
     return ncclAllReduce(send, recv, count, detail::nccl_type<T>(), detail::nccl_op(op), c,
                          stream.get());
   });
@@ -216,7 +255,10 @@ void communicator::reduce_scatter(T const* send, T* recv, std::size_t recv_count
   check_usable();
   if (recv_count == 0) { return; }
   WM_EXPECTS(send != nullptr && recv != nullptr, "reduce_scatter: null buffer");
-  device_collective("reduce_scatter", [&](ncclComm_t c) {
+  auto const shape =
+      detail::collective_shape(detail::collective_kind::reduce_scatter, detail::nccl_type<T>(),
+                               detail::nccl_op(op), recv_count);
+  device_collective("reduce_scatter", shape, [&](ncclComm_t c) {
     return ncclReduceScatter(send, recv, recv_count, detail::nccl_type<T>(), detail::nccl_op(op), c,
                              stream.get());
   });
@@ -228,7 +270,9 @@ void communicator::all_gather(T const* send, T* recv, std::size_t send_count,
   check_usable();
   if (send_count == 0) { return; }
   WM_EXPECTS(send != nullptr && recv != nullptr, "all_gather: null buffer");
-  device_collective("all_gather", [&](ncclComm_t c) {
+  auto const shape = detail::collective_shape(detail::collective_kind::all_gather,
+                                              detail::nccl_type<T>(), ncclSum, send_count);
+  device_collective("all_gather", shape, [&](ncclComm_t c) {
     return ncclAllGather(send, recv, send_count, detail::nccl_type<T>(), c, stream.get());
   });
 }
@@ -241,7 +285,9 @@ void communicator::broadcast(T const* send, T* recv, std::size_t count, int root
              "broadcast: root " + std::to_string(root) + " is not a rank of this communicator");
   if (count == 0) { return; }
   WM_EXPECTS(recv != nullptr && (send != nullptr || s_->rank != root), "broadcast: null buffer");
-  device_collective("broadcast", [&](ncclComm_t c) {
+  auto const shape = detail::collective_shape(detail::collective_kind::broadcast,
+                                              detail::nccl_type<T>(), ncclSum, count, root);
+  device_collective("broadcast", shape, [&](ncclComm_t c) {
     return ncclBroadcast(send, recv, count, detail::nccl_type<T>(), root, c, stream.get());
   });
 }
