@@ -208,8 +208,11 @@ class tensor {
 
   /**
    * @brief `out[i, :] = this[indices[i], :]` for every i; @p out is dense (`cols` per row), in
-   * device memory. Returns without synchronizing (the distributed path synchronizes once).
-   * @throw wm::comm_error on a mapped layout if the communicator was aborted (nothing is read)
+   * device memory. Returns without synchronizing (the distributed path synchronizes twice: for
+   * the count words and for the agreement on the workspaces they size).
+   * @throw wm::comm_error on a mapped layout if the communicator was aborted (nothing is read);
+   * on the distributed layout on every rank if a rank could not make the call (e.g. out of
+   * memory for its workspaces; one rank: that `wm::cuda_error`)
    */
   template <index_type Index>
   void gather_async(std::span<Index const> indices, T* out, cuda::stream_ref stream);

@@ -342,6 +342,10 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
   if (one_rank) {
     WM_EXPECTS(n < too_many, "apply_gradients: " + std::to_string(n) +
                                  " gradient rows in one call; split the batch below 2^31");
+    if (n > 0) {  // the update's room (its out-of-memory is this call's error, nothing changed)
+      detail::update_room const room{n, local.cols, detail::row_bits(rows()), s};
+      (void)detail::reserve_rooms({{&scratch_->owner, room.total()}}, s);
+    }
   } else {
     detail::exchange_call const call{detail::exchange_op::apply, rb,
                                      n > 0 && grads == nullptr
@@ -373,11 +377,15 @@ void WM_EMBEDDING::apply_gradients(std::span<Index const> indices, T const* grad
                        "batches so that each owner receives fewer than 2^31");
       }
     }
-    auto const batch = detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(grads), n,
-                                              rb, scratch_->exchange, err, s);
-    keys             = batch.keys;
-    g                = reinterpret_cast<T const*>(batch.rows);
-    m                = batch.n;
+    // The owner's update room is sized by what it receives: reserved, and agreed on by every
+    // rank, with the batch, before any gradient moves.
+    detail::update_room const room{p.n_recv, local.cols, detail::row_bits(local.rows), s};
+    auto const batch =
+        detail::send_to_owners(comm, p, reinterpret_cast<std::byte const*>(grads), n, rb,
+                               scratch_->exchange, err, s, {&scratch_->owner, room.total()});
+    keys = batch.keys;
+    g    = reinterpret_cast<T const*>(batch.rows);
+    m    = batch.n;
   }
 
   // 2. Owner side: sort (key, position) stably on the bits of the local row count, find the

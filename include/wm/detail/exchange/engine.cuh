@@ -9,6 +9,7 @@
 #include <wm/detail/exchange/mailbox.cuh>
 #include <wm/detail/exchange/plan.cuh>
 #include <wm/detail/exchange/plan.hpp>
+#include <wm/detail/exchange/room.cuh>
 #include <wm/detail/exchange/scratch.cuh>
 #include <wm/detail/rows/distinct.cuh>
 #include <wm/detail/rows/move.cuh>
@@ -106,11 +107,12 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
   auto const o_flags = c.add<unsigned>(2 * world);
   auto const o_rows  = c.add<std::byte>(put && !copy ? 0 : recv_at[world] * rb);
   auto const o_back  = c.add<std::byte>(put ? 0 : back_at[world] * rb);
-  std::byte* base    = sc.b.reserve(c.total(), s);
-  auto* recv_keys    = c.take<Index>(base, o_keys);
-  auto* flags        = c.take<unsigned>(base, o_flags);
-  auto* rows_out     = c.take<std::byte>(base, o_rows);
-  auto* back = !put || sc.mail.at.empty() ? c.take<std::byte>(base, o_back) : sc.mail.at[me];
+  // Sized by what this rank receives: every rank has its room before any key moves.
+  std::byte* base = reserve_received(comm, p, exchange_op::gather, {{&sc.b, c.total()}}, s)[0];
+  auto* recv_keys = c.take<Index>(base, o_keys);
+  auto* flags     = c.take<unsigned>(base, o_flags);
+  auto* rows_out  = c.take<std::byte>(base, o_rows);
+  auto* back      = !put || sc.mail.at.empty() ? c.take<std::byte>(base, o_back) : sc.mail.at[me];
   packed_rows const dst{out, rb};
 
   // 1. Keys to their owners (not to this rank).
@@ -253,35 +255,68 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
 
 /// What reached an owner: @p n local rows (keys) and one row of values each, in the order of
 /// the ranks that sent them (this rank's own share at its place), each rank's in its order.
+/// `sort`: the scatter's owner-side sort room (scatter_sort_room), reserved with the batch.
 template <class Index>
 struct owner_batch {
   Index const* keys;
   std::byte const* rows;
   std::size_t n;
+  std::byte* sort{};
+};
+
+/// The layout of the scatter's owner-side sort of @p m keys (positions, sorted keys and
+/// positions, CUB's room) in one workspace.
+template <class Index>
+struct scatter_sort_room {
+  std::size_t cub_bytes{};
+  int bits{int{sizeof(Index) * 8}};
+  carver c;
+  std::size_t o_pos{}, o_sk{}, o_sp{}, o_cub{};
+  scatter_sort_room(std::size_t m, cudaStream_t s) {
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+        nullptr, cub_bytes, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
+        static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr), m, 0, bits,
+        s));
+    o_pos = c.add<std::size_t>(m);
+    o_sk  = c.add<Index>(m);
+    o_sp  = c.add<std::size_t>(m);
+    o_cub = c.add<std::byte>(cub_bytes);
+  }
+  [[nodiscard]] std::size_t total() const noexcept { return c.total(); }
 };
 
 /**
  * Keys and rows (values, gradients) of a planned exchange (@p p, planned in order) to their
  * owners. This rank's own share goes straight into its batch; only the other ranks' shares
  * cross, keys and rows in one NCCL group. @p rows: the caller's dense rows of @p rb bytes (need
- * only be aligned for their element type); @p ws: where the batch is kept. Collective.
+ * only be aligned for their element type); @p ws: where the batch is kept (a scatter's owner-side
+ * sort too). @p also: further workspaces the owner side will take, sized from the counts (the
+ * embedding's update). Every one of them is reserved, and agreed on by every rank, before anything
+ * moves (reserve_received). Collective.
  */
 template <class Index>
 owner_batch<Index> send_to_owners(communicator& comm, dispatch_plan_device<Index> const& p,
                                   std::byte const* rows, std::size_t n, std::size_t rb,
-                                  workspace& ws, unsigned* err, cudaStream_t s) {
+                                  workspace& ws, unsigned* err, cudaStream_t s,
+                                  room_request also = {nullptr, 0}) {
   auto const me         = static_cast<std::size_t>(comm.rank());
   auto const key_at     = block_starts(p.send_counts);  // in p.order and p.send_keys
   auto const recv_at    = block_starts(p.recv_counts);  // in the owner's batch
   std::size_t const own = p.send_counts[me];
+  exchange_op const op  = p.headers[me].op;
+  bool const sorts      = op == exchange_op::scatter;  // its owner side sorts in this workspace
+  scatter_sort_room<Index> const sort{sorts ? p.n_recv : 0, s};
   carver c;
   auto const o_send = c.add<std::byte>((p.n_sent - own) * rb);
   auto const o_keys = c.add<Index>(p.n_recv);
   auto const o_rows = c.add<std::byte>(p.n_recv * rb);
-  std::byte* base   = ws.reserve(c.total(), s);
-  auto* send_rows   = c.take<std::byte>(base, o_send);
-  auto* recv_keys   = c.take<Index>(base, o_keys);
-  auto* recv_rows   = c.take<std::byte>(base, o_rows);
+  auto const o_sort = c.add<std::byte>(sorts ? sort.total() : 0);
+  auto const bases = also.ws != nullptr ? reserve_received(comm, p, op, {{&ws, c.total()}, also}, s)
+                                        : reserve_received(comm, p, op, {{&ws, c.total()}}, s);
+  std::byte* base  = bases[0];
+  auto* send_rows  = c.take<std::byte>(base, o_send);
+  auto* recv_keys  = c.take<Index>(base, o_keys);
+  auto* recv_rows  = c.take<std::byte>(base, o_rows);
   local_rows const caller{const_cast<std::byte*>(rows), n, rb};
   // The caller's rows need only be aligned for their type (e.g. an odd-element slice of half
   // values): vectors no wider than both the row size and that address allow.
@@ -311,36 +346,29 @@ owner_batch<Index> send_to_owners(communicator& comm, dispatch_plan_device<Index
     recvs.push_back({static_cast<int>(q), recv_rows + recv_at[q] * rb, p.recv_counts[q] * rb});
   }
   comm.send_recv(sends, recvs, cuda::stream_ref{s});
-  return {recv_keys, recv_rows, p.n_recv};
+  return {recv_keys, recv_rows, p.n_recv, sorts ? c.take<std::byte>(base, o_sort) : nullptr};
 }
 
 /**
  * Owner side of a scatter: writes the batch's rows into @p table (last of each run of equal keys
- * wins: keys are sorted stably, so the highest sending rank, then its last position). @p ws:
- * the sort's room.
+ * wins: keys are sorted stably, so the highest sending rank, then its last position). The sort's
+ * room: the batch's (reserved by send_to_owners with the batch), else @p ws.
  */
 template <class Rows, class Index>
 void scatter_owner_rows(owner_batch<Index> const& batch, Rows const& table, std::size_t rb,
                         std::size_t stride_bytes, workspace& ws, unsigned* err, cudaStream_t s) {
   std::size_t const m = batch.n;
   if (m == 0) { return; }
-  std::size_t cub_bytes = 0;
-  int const bits        = int{sizeof(Index) * 8};
-  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
-      nullptr, cub_bytes, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
-      static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr), m, 0, bits, s));
-  carver c;
-  auto const o_pos  = c.add<std::size_t>(m);
-  auto const o_sk   = c.add<Index>(m);
-  auto const o_sp   = c.add<std::size_t>(m);
-  auto const o_cub  = c.add<std::byte>(cub_bytes);
-  std::byte* base   = ws.reserve(c.total(), s);
-  auto* pos         = c.take<std::size_t>(base, o_pos);
-  auto* sorted_keys = c.take<Index>(base, o_sk);
-  auto* sorted_pos  = c.take<std::size_t>(base, o_sp);
+  scatter_sort_room<Index> const room{m, s};
+  std::byte* base       = batch.sort != nullptr ? batch.sort : ws.reserve(room.total(), s);
+  auto* pos             = room.c.template take<std::size_t>(base, room.o_pos);
+  auto* sorted_keys     = room.c.template take<Index>(base, room.o_sk);
+  auto* sorted_pos      = room.c.template take<std::size_t>(base, room.o_sp);
+  std::size_t cub_bytes = room.cub_bytes;
   iota_async(pos, m, 0, s);
-  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes, batch.keys,
-                                              sorted_keys, pos, sorted_pos, m, 0, bits, s));
+  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(room.c.template take<std::byte>(base, room.o_cub),
+                                              cub_bytes, batch.keys, sorted_keys, pos, sorted_pos,
+                                              m, 0, room.bits, s));
   launch_scatter(table, sorted_keys, sorted_pos, m,
                  packed_rows{const_cast<std::byte*>(batch.rows), rb}, rb, stride_bytes, err, s);
 }

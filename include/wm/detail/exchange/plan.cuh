@@ -45,6 +45,10 @@ struct dispatch_plan_device {
   std::size_t most_remote{};
   /// Every rank's header, in rank order (alike on every rank).
   std::vector<exchange_header> headers;
+  /// The words of the agreement on the workspaces sized by the counts (room.cuh): world + 1 on
+  /// the device, world in pinned host memory (the count words' host copy, read by then).
+  unsigned long long* agree{};
+  unsigned long long* agree_host{};
 };
 
 /// What the caller of an exchange says about its call.
@@ -126,14 +130,17 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
             static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
             std::max<std::size_t>(n, 1), 0, bits, s));
       }
-      auto const o_cub = c.add<std::byte>(cub_bytes);
-      std::byte* base  = scratch.a.reserve(c.total(), s);
-      p.owner          = c.take<int>(base, o_owner);
-      p.local          = c.take<Index>(base, o_local);
-      p.order          = c.take<std::size_t>(base, o_order);
-      p.send_keys      = c.take<Index>(base, o_keys);
-      auto* pos        = c.take<std::size_t>(base, o_pos);
-      auto* sowner     = c.take<int>(base, o_sowner);
+      auto const o_cub   = c.add<std::byte>(cub_bytes);
+      auto const o_agree = c.add<unsigned long long>(w + 1);
+      std::byte* base    = scratch.a.reserve(c.total(), s);
+      p.agree            = c.take<unsigned long long>(base, o_agree);
+      p.agree_host       = scratch.words_host.data();
+      p.owner            = c.take<int>(base, o_owner);
+      p.local            = c.take<Index>(base, o_local);
+      p.order            = c.take<std::size_t>(base, o_order);
+      p.send_keys        = c.take<Index>(base, o_keys);
+      auto* pos          = c.take<std::size_t>(base, o_pos);
+      auto* sowner       = c.take<int>(base, o_sowner);
       WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (w + 1) * sizeof(unsigned long long), s));
       if (n > 0) {
         std::size_t const shared =
