@@ -105,10 +105,10 @@ void expect_rows(Tensor& t, float salt, std::string const& what) {
   }
 }
 
-/// A batch of 3000 keys, other keys on every rank (duplicates included).
-std::vector<std::int64_t> batch(int rank, std::uint64_t seed) {
+/// A batch of @p n keys, other keys on every rank (duplicates included).
+std::vector<std::int64_t> batch(int rank, std::uint64_t seed, std::size_t n = 3000) {
   std::mt19937_64 rng{seed + static_cast<std::uint64_t>(rank)};
-  std::vector<std::int64_t> idx(3000);
+  std::vector<std::int64_t> idx(n);
   for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % rows); }
   return idx;
 }
@@ -134,6 +134,34 @@ TEST_CASE(
   for (std::size_t i = 0; i < idx.size(); ++i) {
     for (std::size_t c = 0; c < cols; ++c) {
       RANK_REQUIRE(h[i * cols + c] == value(static_cast<std::size_t>(idx[i]), c, 3.0f));
+    }
+  }
+}
+
+TEST_CASE(
+    "ranked: an out-of-memory in the distinct reads of a host table's distributed gather is an "
+    "error on every rank at once, and the tensor gathers afterwards",
+    "[ranked]") {
+  auto& comm    = wm_test::comm();
+  int const bad = comm.size() - 1;
+  wm::tensor<float, wm::host, wm::distributed> t{comm, rows, cols};
+  fill(comm, t, 4.0f);
+  // Long enough that every owner reads its share of distinct rows through a sort (at least
+  // host_distinct_threshold keys from each peer and of its own).
+  auto const idx =
+      batch(comm.rank(), 17,
+            2 * wm::detail::host_distinct_threshold * static_cast<std::size_t>(comm.size()));
+  device_array<std::int64_t> di{idx};
+  device_array<float> out{std::vector<float>(idx.size() * cols, -1.0f)};
+  std::span<std::int64_t const> const keys{di.ptr, idx.size()};
+  // The second workspace the counts size: the owner's distinct reads (the first is the gather's).
+  auto const f = with_room_failure(comm, bad, 2, [&] { t.gather(keys, out.ptr, on_default); });
+  check_failure(comm, bad, f, "host gather");
+  t.gather(keys, out.ptr, on_default);
+  auto const h = out.to_host();
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    for (std::size_t c = 0; c < cols; ++c) {
+      RANK_REQUIRE(h[i * cols + c] == value(static_cast<std::size_t>(idx[i]), c, 4.0f));
     }
   }
 }

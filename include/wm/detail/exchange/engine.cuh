@@ -66,6 +66,18 @@ struct distinct_reader {
   cudaStream_t ws_stream;
   workspace* aux_ws;
   Fresh fresh;  ///< ld.cv loads (rows another GPU may have written): a bool or bool_constant
+  /// Appends to @p out the workspaces that its reads of at most @p on_ws keys on `ws_stream` and
+  /// of at most @p on_aux keys on another stream take (the gather reserves them with the rest of
+  /// what the counts size, see reserve_received).
+  template <class Index>
+  void rooms(std::size_t on_ws, std::size_t on_aux, std::vector<room_request>& out) const {
+    if (on_ws >= host_distinct_threshold) {
+      out.push_back({ws, plan_distinct_bytes<Index>(on_ws, bits, ws_stream)});
+    }
+    if (on_aux >= host_distinct_threshold) {
+      out.push_back({aux_ws, plan_distinct_bytes<Index>(on_aux, bits, ws_stream)});
+    }
+  }
   template <class Index>
   void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
                   cudaStream_t s, int blocks_per_sm) const {
@@ -102,13 +114,32 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
   auto const key_at  = block_starts(p.send_counts);  // in p.send_keys and p.order
   auto const back_at = block_starts(remote_send);    // in back (the mailbox when put)
   auto const recv_at = block_starts(remote_recv);    // in recv_keys and rows_out
+  int pieces         = 0;
+  for (std::size_t q = 0; q < world; ++q) {
+    pieces = std::max({pieces, pieces_of(remote_send[q], rb), pieces_of(remote_recv[q], rb)});
+  }
+  bool const own_beside = put && !copy && pieces > 0;  // see 3. below
   carver c;
   auto const o_keys  = c.add<Index>(recv_at[world]);
   auto const o_flags = c.add<unsigned>(2 * world);
   auto const o_rows  = c.add<std::byte>(put && !copy ? 0 : recv_at[world] * rb);
   auto const o_back  = c.add<std::byte>(put ? 0 : back_at[world] * rb);
-  // Sized by what this rank receives: every rank has its room before any key moves.
-  std::byte* base = reserve_received(comm, p, exchange_op::gather, {{&sc.b, c.total()}}, s)[0];
+  // Sized by what this rank receives: every rank has its room before any key moves, the reader's
+  // too where it says what it takes (the most keys it reads at once on each stream).
+  std::vector<room_request> rooms{{&sc.b, c.total()}};
+  if constexpr (requires(std::vector<room_request> & out) {
+                  read.template rooms<Index>(std::size_t{}, std::size_t{}, out);
+                }) {
+    std::size_t on_s = own_beside ? 0 : p.send_counts[me];
+    for (std::size_t q = 0; q < world; ++q) {
+      for (int k = 0; k < pieces; ++k) {
+        auto const x = piece_of(remote_recv[q], rb, k);
+        on_s         = std::max(on_s, x.last - x.first);
+      }
+    }
+    read.template rooms<Index>(on_s, own_beside ? p.send_counts[me] : 0, rooms);
+  }
+  std::byte* base = reserve_received(comm, p, exchange_op::gather, rooms, s)[0];
   auto* recv_keys = c.take<Index>(base, o_keys);
   auto* flags     = c.take<unsigned>(base, o_flags);
   auto* rows_out  = c.take<std::byte>(base, o_rows);
@@ -138,10 +169,6 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
   // 1M keys: room 3 -> 8 took 1.27 -> 1.15 ms), and the own rows and the reordering, which
   // hide behind them, take little (bench/NOTES.md).
   int const put_room = 8, side_room = 4, own_room = 1;
-  int pieces = 0;
-  for (std::size_t q = 0; q < world; ++q) {
-    pieces = std::max({pieces, pieces_of(remote_send[q], rb), pieces_of(remote_recv[q], rb)});
-  }
   cudaStream_t const side = pieces > 0 || put ? sc.side.get() : nullptr;
   if (put && pieces > 0) {
     WM_CUDA_TRY(cudaMemsetAsync(flags, 0, 2 * world * sizeof(unsigned), s));
@@ -149,7 +176,6 @@ void gather_rows(communicator& comm, exchange_scratch& sc, dispatch_plan_device<
   // 3. This rank's own rows, straight from the table to their output rows: on the aux stream
   //    beside the pieces when kernels put the rows (they wait on NVLink, not on memory); after
   //    the pieces on this stream otherwise, while the last ones cross.
-  bool const own_beside  = put && !copy && pieces > 0;
   cudaStream_t const own = own_beside ? sc.side.aux() : s;
   if (own != s) {
     WM_CUDA_TRY(cudaEventRecord(sc.side.forked(), s));

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -54,11 +55,15 @@ inline std::byte* reserve_room(room_request r, cudaStream_t s, std::size_t* aske
 }
 
 /// Reserves every request in order; @p asked: the bytes of the last request tried.
-inline std::vector<std::byte*> reserve_rooms(std::initializer_list<room_request> rooms,
-                                             cudaStream_t s, std::size_t* asked = nullptr) {
+inline std::vector<std::byte*> reserve_rooms(std::span<room_request const> rooms, cudaStream_t s,
+                                             std::size_t* asked = nullptr) {
   std::vector<std::byte*> bases;
   for (auto const& r : rooms) { bases.push_back(reserve_room(r, s, asked)); }
   return bases;
+}
+inline std::vector<std::byte*> reserve_rooms(std::initializer_list<room_request> rooms,
+                                             cudaStream_t s, std::size_t* asked = nullptr) {
+  return reserve_rooms(std::span<room_request const>{rooms.begin(), rooms.size()}, s, asked);
 }
 
 /// What a rank says in the room agreement: 0 when it has every workspace, else the bytes it could
@@ -93,7 +98,7 @@ inline constexpr unsigned long long room_other = ~0ull;
  */
 template <class Index>
 std::vector<std::byte*> reserve_received(communicator& comm, dispatch_plan_device<Index> const& p,
-                                         exchange_op op, std::initializer_list<room_request> rooms,
+                                         exchange_op op, std::span<room_request const> rooms,
                                          cudaStream_t s) {
   if (comm.size() == 1) { return reserve_rooms(rooms, s); }
   std::vector<std::byte*> bases;
@@ -126,6 +131,14 @@ std::vector<std::byte*> reserve_received(communicator& comm, dispatch_plan_devic
     }
   }
   return bases;
+}
+
+template <class Index>
+std::vector<std::byte*> reserve_received(communicator& comm, dispatch_plan_device<Index> const& p,
+                                         exchange_op op, std::initializer_list<room_request> rooms,
+                                         cudaStream_t s) {
+  return reserve_received(comm, p, op, std::span<room_request const>{rooms.begin(), rooms.size()},
+                          s);
 }
 
 }  // namespace wm::detail

@@ -117,37 +117,63 @@ struct narrow_keys_op {
 
 namespace distinct_plan {
 
+/// Where plan_distinct's arrays for @p n keys lie in its workspace (sort, runs, CUB's room) for
+/// keys of type Key (narrowed from the caller's type when @p narrow) and positions of type Pos.
+template <class Key, class Pos>
+struct layout {
+  int bits;
+  std::size_t cub_sort{}, cub_select{}, cub_scan{};
+  carver c;
+  std::size_t o_in{}, o_pos{}, o_keys{}, o_spos{}, o_begin{}, o_runs{}, o_long{}, o_lcnt{}, o_cub{};
+  layout(std::size_t n, int key_bits, bool narrow, cudaStream_t s)
+      : bits{std::clamp(key_bits, 1, int{sizeof(Key) * 8})} {
+    std::size_t const items = std::max<std::size_t>(n, 1);
+    thrust::counting_iterator<Pos> const first{0};
+    WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+        nullptr, cub_sort, static_cast<Key const*>(nullptr), static_cast<Key*>(nullptr),
+        static_cast<Pos const*>(nullptr), static_cast<Pos*>(nullptr), items, 0, bits, s));
+    WM_CUDA_TRY(cub::DeviceSelect::If(nullptr, cub_select, first, static_cast<Pos*>(nullptr),
+                                      static_cast<Pos*>(nullptr), static_cast<std::int64_t>(items),
+                                      run_head_op<Key, Pos>{}, s));
+    auto const head_index =
+        thrust::make_transform_iterator(first, head_index_op<Key, Pos>{nullptr});
+    WM_CUDA_TRY(cub::DeviceScan::InclusiveScan(
+        nullptr, cub_scan, head_index, static_cast<Pos*>(nullptr), cuda::maximum<>{}, items, s));
+    o_in    = c.add<Key>(narrow ? n : 0);
+    o_pos   = c.add<Pos>(n);
+    o_keys  = c.add<Key>(n);
+    o_spos  = c.add<Pos>(n);
+    o_begin = c.add<Pos>(n + 1);
+    o_runs  = c.add<Pos>(1);
+    o_long  = c.add<Pos>(n / (fused_copies + 1) + 1);
+    o_lcnt  = c.add<Pos>(1);
+    o_cub   = c.add<std::byte>(std::max({cub_sort, cub_select, cub_scan}));
+  }
+  [[nodiscard]] std::size_t total() const noexcept { return c.total(); }
+};
+
 /// plan_distinct's work for keys of type Key (the caller's, or narrowed from @p idx when Key is
 /// std::uint32_t and Index is not) and positions of type Pos.
 template <class Key, class Pos, class Index>
 distinct_batch<Key, Pos> make(Index const* idx, std::size_t n, std::size_t rows, int bits,
                               workspace& ws, cudaStream_t s) {
-  constexpr bool narrow   = !std::is_same_v<Key, Index>;
-  bits                    = std::clamp(bits, 1, int{sizeof(Key) * 8});
-  std::size_t const items = std::max<std::size_t>(n, 1);
-  std::size_t cub_sort    = 0;
-  std::size_t cub_select  = 0;
+  constexpr bool narrow = !std::is_same_v<Key, Index>;
+  layout<Key, Pos> const l{n, bits, narrow, s};
+  bits                   = l.bits;
+  std::size_t cub_sort   = l.cub_sort;
+  std::size_t cub_select = l.cub_select;
+  std::size_t cub_scan   = l.cub_scan;
   thrust::counting_iterator<Pos> const first{0};
-  WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
-      nullptr, cub_sort, static_cast<Key const*>(nullptr), static_cast<Key*>(nullptr),
-      static_cast<Pos const*>(nullptr), static_cast<Pos*>(nullptr), items, 0, bits, s));
-  WM_CUDA_TRY(cub::DeviceSelect::If(nullptr, cub_select, first, static_cast<Pos*>(nullptr),
-                                    static_cast<Pos*>(nullptr), static_cast<std::int64_t>(items),
-                                    run_head_op<Key, Pos>{}, s));
-  auto const head_index = thrust::make_transform_iterator(first, head_index_op<Key, Pos>{nullptr});
-  std::size_t cub_scan  = 0;
-  WM_CUDA_TRY(cub::DeviceScan::InclusiveScan(
-      nullptr, cub_scan, head_index, static_cast<Pos*>(nullptr), cuda::maximum<>{}, items, s));
-  carver c;
-  auto const o_in    = c.add<Key>(narrow ? n : 0);
-  auto const o_pos   = c.add<Pos>(n);
-  auto const o_keys  = c.add<Key>(n);
-  auto const o_spos  = c.add<Pos>(n);
-  auto const o_begin = c.add<Pos>(n + 1);
-  auto const o_runs  = c.add<Pos>(1);
-  auto const o_long  = c.add<Pos>(n / (fused_copies + 1) + 1);
-  auto const o_lcnt  = c.add<Pos>(1);
-  auto const o_cub   = c.add<std::byte>(std::max({cub_sort, cub_select, cub_scan}));
+  carver const& c    = l.c;
+  auto const o_in    = l.o_in;
+  auto const o_pos   = l.o_pos;
+  auto const o_keys  = l.o_keys;
+  auto const o_spos  = l.o_spos;
+  auto const o_begin = l.o_begin;
+  auto const o_runs  = l.o_runs;
+  auto const o_long  = l.o_long;
+  auto const o_lcnt  = l.o_lcnt;
+  auto const o_cub   = l.o_cub;
   std::byte* base    = ws.reserve(c.total(), s);
   auto* in           = c.take<Key>(base, o_in);
   auto* pos          = c.take<Pos>(base, o_pos);
@@ -199,6 +225,13 @@ template <class Index>
 distinct_batch<Index> plan_distinct(Index const* idx, std::size_t n, int bits, workspace& ws,
                                     cudaStream_t s) {
   return distinct_plan::make<Index, std::size_t>(idx, n, 0, bits, ws, s);
+}
+
+/// The workspace bytes plan_distinct takes for @p n keys of type Index on @p bits bits (so that a
+/// caller can reserve them ahead).
+template <class Index>
+[[nodiscard]] std::size_t plan_distinct_bytes(std::size_t n, int bits, cudaStream_t s) {
+  return distinct_plan::layout<Index, std::size_t>{n, bits, false, s}.total();
 }
 
 /// Whether plan_distinct_narrow takes a batch of @p n keys over @p rows rows.
