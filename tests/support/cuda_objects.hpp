@@ -60,6 +60,16 @@ struct cuda_object_counts {
   [[nodiscard]] friend bool operator==(cuda_object_counts const&,
                                        cuda_object_counts const&) = default;
 
+  /// True when any count of @p after exceeds @p before's: objects made and not destroyed. Fewer
+  /// is not a leak (a free of something made before the baseline, e.g. NCCL's buffers).
+  [[nodiscard]] friend bool grew(cuda_object_counts const& before,
+                                 cuda_object_counts const& after) noexcept {
+    return after.events > before.events || after.streams > before.streams ||
+           after.device_allocations > before.device_allocations ||
+           after.device_bytes > before.device_bytes || after.pinned_host > before.pinned_host ||
+           after.pinned_host_bytes > before.pinned_host_bytes;
+  }
+
   /// "events +1, streams 0, ..." for messages.
   [[nodiscard]] std::string to_string() const {
     auto f = [](char const* name, std::int64_t v) {

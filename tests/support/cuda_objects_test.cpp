@@ -124,6 +124,13 @@ TEST_CASE("leak check: snapshots differ where objects, pool bytes or held memory
     after.objects.events = 1;
     CHECK(wm_test::cuda_growth(before, after, slack).find("events +1") != std::string::npos);
   }
+  SECTION("fewer live allocations than at the baseline (made before it, freed since)") {
+    before.objects.device_allocations = 7760;
+    CHECK(wm_test::cuda_growth(before, after, slack).empty());
+    after.objects.device_allocations = 7761;
+    CHECK(wm_test::cuda_growth(before, after, slack).find("device allocations +1") !=
+          std::string::npos);
+  }
   SECTION("the pool holds 16 bytes more (its reserve the same)") {
     after.memory.pool_used += 16;
     CHECK(wm_test::cuda_growth(before, after, slack).find("memory pool in use") !=

@@ -46,7 +46,7 @@ struct cuda_snapshot {
 [[nodiscard]] inline std::string cuda_growth(cuda_snapshot const& before,
                                              cuda_snapshot const& after, std::int64_t slack) {
   std::string out;
-  if (after.objects != before.objects) {
+  if (grew(before.objects, after.objects)) {
     out += "live CUDA objects: " + (after.objects - before.objects).to_string() + "; ";
   }
   if (after.memory.pool_used != before.memory.pool_used) {
