@@ -24,10 +24,12 @@
 #   ONE_GPU=0      skip the second test pass with CUDA_VISIBLE_DEVICES=0
 #   SANITIZE=1     instead of the runs above: run each 1-GPU test program (the ctest entries
 #                  labelled gpu, TESTS filter) under compute-sanitizer memcheck and report
-#                  "sanitizer <test>: N errors"; SANITIZE_TIMEOUT=s per program (default 540)
+#                  "sanitizer <test>: N errors"; SANITIZE_TIMEOUT=s per program (default 540);
+#                  the entries ctest may run beside each other run SANITIZE_JOBS at a time
+#                  (default 4), the RUN_SERIAL ones alone
 #   BUILD_DIR=dir  where to build (default build-gpu); an existing tree is built incrementally
 #   FRESH=1        remove BUILD_DIR first, so that the build time is the whole build's
-#   JOBS=n         parallel build jobs (default: every core, nproc)
+#   JOBS=n         parallel build and ctest jobs (default: every core, nproc)
 #   TARGETS="a b"  build only these targets (quick iterations; the summary says so)
 #   PREBUILT=dir   quick iterations only: use a build tree made elsewhere (e.g. on the CPU machine,
 #                  carried along) instead of building here; it must sit where it was configured
@@ -124,7 +126,7 @@ run_ctest() {  # $1: tag, $2: the GPUs nvidia-smi says the tests can use, rest: 
     mapfile -t must < <(ctest --test-dir "$bdir" -N -L "$labels" ${TESTS:+-R "$TESTS"} |
                           sed -nE 's/^ *Test +#[0-9]+: +([^ ]+)$/\1/p')
   fi
-  env "$@" ctest --test-dir "$bdir" --output-on-failure -j 1 ${TESTS:+-R "$TESTS"} \
+  env "$@" ctest --test-dir "$bdir" --output-on-failure -j "$jobs" ${TESTS:+-R "$TESTS"} \
     >"$out/ctest-$tag.log" 2>&1
   local rc=$?
   # Every entry's output, the skipped ones' included (--output-on-failure shows failures only).
@@ -165,12 +167,15 @@ if [[ "${SANITIZE:-0}" == 1 ]]; then
   # The gpu-labelled entries whose command is one of our programs (not the PyTorch comparison),
   # read from ctest's JSON: one line per test, name TAB command (NUL-free, tab-separated args).
   ctest --test-dir "$bdir" -L '^gpu$' ${TESTS:+-R "$TESTS"} --show-only=json-v1 >"$out/tests.json"
+  # name TAB serial(0/1) TAB command...: entries that ctest runs alone (RUN_SERIAL) run alone
+  # under the sanitizer too; the others run SANITIZE_JOBS at a time, as under `ctest -j`.
   mapfile -t entries < <(python3 - "$out/tests.json" "$(cd "$bdir" && pwd)" <<'PY'
 import json, sys
 for t in json.load(open(sys.argv[1]))["tests"]:
     cmd = t.get("command") or []
+    props = {p["name"]: p["value"] for p in t.get("properties", [])}
     if cmd and cmd[0].startswith(sys.argv[2] + "/"):
-        print("\t".join([t["name"]] + cmd))
+        print("\t".join([t["name"], "1" if props.get("RUN_SERIAL") else "0"] + cmd))
 PY
   )
   [[ ${#entries[@]} -eq 0 ]] && fail "sanitizer: no gpu test programs found"
@@ -179,21 +184,47 @@ PY
     fail "sanitizer: compute-sanitizer not found (PATH, /usr/local/cuda/compute-sanitizer)"
     entries=()
   fi
-  for e in "${entries[@]}"; do
-    IFS=$'\t' read -r -a f <<<"$e"
-    name=${f[0]}; cmd=("${f[@]:1}")
-    log="$out/sanitize-$name.log"
+  sanitize_one() {  # $1: name, rest: command; writes $out/sanitize-<name>.result
+    local name=$1; shift
+    local log="$out/sanitize-$name.log" rc errs
     CUDA_VISIBLE_DEVICES=0 timeout "${SANITIZE_TIMEOUT:-540}" "$sanitizer" --tool memcheck \
-      --report-api-errors no --target-processes all "${cmd[@]}" >"$log" 2>&1
+      --report-api-errors no --target-processes all "$@" >"$log" 2>&1
     rc=$?
     # One "ERROR SUMMARY" per process (ranks are forked): add them up.
     errs=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" | awk '{s += $3} END {print s + 0}')
     if [[ $rc -eq 0 && $errs -eq 0 ]]; then
-      summary+=("sanitizer $name: 0 errors")
+      echo "ok sanitizer $name: 0 errors" >"$out/sanitize-$name.result"
     else
-      grep -m 20 -E '=========  *(Invalid|Program hit|Uninitialized|Leaked|Race)|FAILED|failed' "$log"
-      tail -5 "$log"
-      fail "sanitizer $name: $errs errors, exit code $rc$([[ $rc -eq 124 ]] && echo ' (timed out)')"
+      { grep -m 20 -E '=========  *(Invalid|Program hit|Uninitialized|Leaked|Race)|FAILED|failed' "$log"
+        tail -5 "$log"; } >"$out/sanitize-$name.excerpt"
+      echo "FAILED sanitizer $name: $errs errors, exit code $rc$([[ $rc -eq 124 ]] && echo ' (timed out)')" \
+        >"$out/sanitize-$name.result"
+    fi
+  }
+  rm -f "$out"/sanitize-*.result "$out"/sanitize-*.excerpt
+  names=()
+  for pass in 0 1; do  # the entries that share the GPU first, beside each other; then the others
+    for e in "${entries[@]}"; do
+      IFS=$'\t' read -r -a f <<<"$e"
+      [[ ${f[1]} == "$pass" ]] || continue
+      names+=("${f[0]}")
+      if [[ $pass == 0 ]]; then
+        while [[ $(jobs -rp | wc -l) -ge ${SANITIZE_JOBS:-4} ]]; do wait -n; done
+        sanitize_one "${f[0]}" "${f[@]:2}" &
+      else
+        wait
+        sanitize_one "${f[0]}" "${f[@]:2}"
+      fi
+    done
+    wait
+  done
+  for name in "${names[@]}"; do
+    r=$(cat "$out/sanitize-$name.result" 2>/dev/null || echo "FAILED sanitizer $name: no result")
+    if [[ $r == ok* ]]; then
+      summary+=("${r#ok }")
+    else
+      cat "$out/sanitize-$name.excerpt" 2>/dev/null
+      fail "${r#FAILED }"
     fi
   done
 fi

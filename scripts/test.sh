@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # README's test command: sets itself up, then configures, builds every target (tests, examples,
-# benchmarks; warnings as errors) and runs every test (ctest -j: GPU entries one at a time,
-# RUN_SERIAL). Without a GPU the GPU tests report "skipped". Catch2, the test framework, is
-# installed when CMake cannot find it: Debian/Ubuntu's `catch2` package through apt-get when run
-# as root; otherwise the script says what to install.
+# benchmarks; warnings as errors) and runs every test (ctest -j; the GPU entries that fill the
+# device or read its free memory run alone, RUN_SERIAL). Without a GPU the GPU tests report
+# "skipped". Catch2, the test framework, is installed when CMake cannot find it: Debian/Ubuntu's
+# `catch2` package through apt-get when run as root; otherwise the script says what to install.
 # Usage: bash scripts/test.sh [more cmake configure arguments, e.g. -DCMAKE_CUDA_ARCHITECTURES=80]
 #   JOBS=n   parallel build and test jobs (default: all cores)
 set -euo pipefail
@@ -37,4 +37,4 @@ MSG
 fi
 
 cmake --build build -j "${JOBS:-$(nproc)}"
-ctest --test-dir build --output-on-failure -j "${JOBS:-$(nproc)}"  # GPU entries run alone (RUN_SERIAL)
+ctest --test-dir build --output-on-failure -j "${JOBS:-$(nproc)}"  # see tests/CMakeLists.txt: which entries run alone
