@@ -320,6 +320,33 @@ TEST_CASE("cache set: LRU against the model, random sequences and clock wrap", "
   }
 }
 
+TEST_CASE("cache set: a hit without the set's lock is the locked hit, or declines", "[cache]") {
+  SECTION("LFU: one more use; declines at the limit, where the locked hit halves the set") {
+    cache::set_header h{};
+    std::uint16_t state = 7;
+    CHECK(cache::lfu_impl::touch_unlocked(state, h));
+    CHECK(state == 8);
+    state = cache::lfu_impl::limit;
+    CHECK_FALSE(cache::lfu_impl::touch_unlocked(state, h));
+    CHECK(state == cache::lfu_impl::limit);
+  }
+  SECTION("LRU: the next stamp of the set's clock; declines near the wrap") {
+    cache::set_header h{};
+    h.clock             = 41;
+    std::uint32_t state = 3;
+    CHECK(cache::lru_impl::touch_unlocked(state, h));
+    CHECK(state == 42);
+    CHECK(h.clock == 42);
+    std::uint32_t const last = 0xffffffffu - 2u * cache::ways - 1u;  // the last clock it takes
+    h.clock                  = last;
+    CHECK(cache::lru_impl::touch_unlocked(state, h));
+    CHECK(state == last + 1u);
+    CHECK_FALSE(cache::lru_impl::touch_unlocked(state, h));
+    CHECK(state == last + 1u);
+    CHECK(h.clock == last + 1u);
+  }
+}
+
 TEST_CASE("cache set: edge cases", "[cache]") {
   real_set<cache::lru_impl> r;
   auto const s = r.ref();

@@ -63,13 +63,11 @@ __global__ void begin_staged_call_kernel(Counter* epoch, call_counters* call, ca
 
 /**
  * Before a staged admission call: every distinct key of batch @p b already cached gets its
- * way's bit in the set's batch mask for this call's epoch (one 64-bit CAS on the adjacent
- * batch and epoch words), so no admission of the call can evict a row the call still reads.
- * One thread per distinct key.
+ * way's bit in the set's batch mask for this call's epoch (join_batch), so no admission of the call
+ * can evict a row the call still reads. One thread per distinct key.
  */
 template <class T, class Impl, class Index>
 __global__ void protect_kernel(lines_ref<T, Impl> c, std::size_t rows, distinct_batch<Index> b) {
-  static_assert(offsetof(set_header, epoch) == offsetof(set_header, batch) + 4);
   std::size_t const runs    = *b.runs;
   std::uint32_t const epoch = *c.epoch;
   for (std::size_t r = grid_thread(); r < runs; r += grid_threads()) {
@@ -79,19 +77,7 @@ __global__ void protect_kernel(lines_ref<T, Impl> c, std::size_t rows, distinct_
     auto const set = c.meta.set(c.meta.set_index(k));
     int const way  = set.find(k);
     if (way == no_way) { continue; }
-    auto* const word        = reinterpret_cast<unsigned long long*>(&set.header->batch);
-    unsigned long long seen = *reinterpret_cast<unsigned long long volatile*>(word);
-    for (;;) {
-      auto const mask = static_cast<std::uint32_t>(seen);
-      auto const at   = static_cast<std::uint32_t>(seen >> 32);
-      unsigned long long const next =
-          (static_cast<unsigned long long>(epoch) << 32) |
-          ((at == epoch ? mask : 0u) | (1u << static_cast<unsigned>(way)));
-      if (next == seen) { break; }
-      unsigned long long const prev = atomicCAS(word, seen, next);
-      if (prev == seen) { break; }
-      seen = prev;
-    }
+    (void)join_batch(set.header, way, epoch);
   }
 }
 
@@ -166,11 +152,9 @@ __global__ void __launch_bounds__(line_block)
     std::size_t const copies = out.base != nullptr ? (len < fused_copies ? len : fused_copies) : 0;
     requests += len;
     ++distinct;
+    auto const to = [&](std::size_t q) { return output_row(b, order, out, begin + q); };
     if (!valid_index(key, rows)) {
-      for (std::size_t q = 0; q < copies; ++q) {
-        auto* const dst = reinterpret_cast<W*>(output_row(b, order, out, begin + q));
-        for (std::size_t i = lane; i < row_bytes / sizeof(W); i += ways) { dst[i] = W{}; }
-      }
+      warp_copy_row<W>(to, copies, nullptr, row_bytes, lane);  // zero rows
       if (lane == 0) { atomicOr(err, 1u); }
       continue;
     }
@@ -207,13 +191,12 @@ __global__ void __launch_bounds__(line_block)
       loaded += c.payload_bytes();
       __syncwarp();
     }
-    auto const to      = [&](std::size_t q) { return output_row(b, order, out, begin + q); };
     T const* const src = a.bypassed ? nullptr : c.line(cache_ref<Impl>::slot(s, a.way)).w;
     // Staged calls run alone and protected every cached key of the batch; the batch rule keeps
     // the line this warp hit or admitted: its row may be copied out after the lock is gone.
-    if (src != nullptr && !staged) { warp_copy_to<W>(to, copies, src, row_bytes, lane); }
+    if (src != nullptr && !staged) { warp_copy_row<W>(to, copies, src, row_bytes, lane); }
     unlock_set(set.header, lane);
-    if (src != nullptr && staged) { warp_copy_to<W>(to, copies, src, row_bytes, lane); }
+    if (src != nullptr && staged) { warp_copy_row<W>(to, copies, src, row_bytes, lane); }
     // A bypassed row is in no line (it missed; a call beside this one that admits it meanwhile
     // loads it clean): the table holds it, and the lock is not needed to read it. It is read over
     // PCIe once, into the run's first output row, and copied from there to the others.
@@ -221,33 +204,30 @@ __global__ void __launch_bounds__(line_block)
       if (count_requests) { ++bypasses; }
       if (copies != 0) {
         void* const first = output_row(b, order, out, begin);
-        warp_copy<W>(first, table.locate(k).w, row_bytes, lane);
+        warp_copy_row<W>(first, table.locate(k).w, row_bytes, lane);
         loaded += row_bytes;
         ++bypass_rows;
         __syncwarp();
         for (std::size_t q = 1; q < copies; ++q) {
-          warp_copy<W>(output_row(b, order, out, begin + q), first, row_bytes, lane);
+          warp_copy_row<W>(output_row(b, order, out, begin + q), first, row_bytes, lane);
         }
       }
     }
   }
-  if (lane == 0 && c.call != nullptr && count_requests && requests != 0) {
-    atomicAdd(&c.call->requests, requests);
-    atomicAdd(&c.call->misses, requests - hits);
-    if (bypasses != 0) { atomicAdd(&c.call->bypasses, bypasses); }
+  if (!count_requests) { requests = distinct = hits = 0; }  // a prefetch: what it moved only
+  if (lane == 0 && c.call != nullptr) {
+    add_counts(c.call, {.requests = requests, .misses = requests - hits, .bypasses = bypasses});
   }
   if (lane == 0 && c.stats != nullptr) {
-    if (count_requests && requests != 0) {
-      atomicAdd(&c.stats->requests, requests);
-      atomicAdd(&c.stats->distinct_keys, distinct);
-      atomicAdd(&c.stats->hits, hits);
-      atomicAdd(&c.stats->misses, requests - hits);
-    }
-    if (count_requests && bypasses != 0) { atomicAdd(&c.stats->bypasses, bypasses); }
-    if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
-    if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
-    if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
-    if (bypass_rows != 0) { atomicAdd(&c.stats->bypass_rows, bypass_rows); }
+    add_counts(c.stats, {.requests        = requests,
+                         .distinct_keys   = distinct,
+                         .hits            = hits,
+                         .misses          = requests - hits,
+                         .evictions       = evictions,
+                         .write_backs     = write_backs,
+                         .bytes_from_host = loaded,
+                         .bypasses        = bypasses,
+                         .bypass_rows     = bypass_rows});
   }
 }
 
@@ -281,9 +261,7 @@ __global__ void __launch_bounds__(line_block)
     }
     __syncwarp();
   }
-  if (lane == 0 && written != 0 && c.stats != nullptr) {
-    atomicAdd(&c.stats->write_backs, written);
-  }
+  if (lane == 0 && c.stats != nullptr) { add_counts(c.stats, {.write_backs = written}); }
 }
 
 /// slots[i] = i; keys[i] = the sentinel 2^32 - 1 for the slots at or past *count (not taken).

@@ -54,7 +54,6 @@ __global__ void __launch_bounds__(line_block)
   std::size_t const n_warps   = grid_threads() / ways;
   std::size_t const runs      = *b.runs;
   std::size_t const row_bytes = c.dim * sizeof(T);
-  std::size_t const vecs      = row_bytes / sizeof(W);
   bool const prefetch         = out.base == nullptr;
   unsigned long long requests = 0, distinct = 0, hits = 0, misses = 0, from_host = 0,
                      from_peers = 0, refused = 0;
@@ -67,10 +66,7 @@ __global__ void __launch_bounds__(line_block)
     ++distinct;
     auto const to = [&](std::size_t q) { return output_row(b, nullptr, out, begin + q); };
     if (!valid_index(key, rows)) {
-      for (std::size_t q = 0; q < copies; ++q) {
-        auto* const dst = reinterpret_cast<W*>(to(q));
-        for (std::size_t i = lane; i < vecs; i += ways) { dst[i] = W{}; }
-      }
+      warp_copy_row<W>(to, copies, nullptr, row_bytes, lane);  // zero rows
       if (lane == 0) { atomicOr(err, 1u); }
       misses += len;
       continue;
@@ -102,11 +98,7 @@ __global__ void __launch_bounds__(line_block)
       std::uint64_t const before = word.load(cuda::memory_order_acquire);
       std::uint64_t const lane0  = __shfl_sync(full_warp, before, 0);
       if (__all_sync(full_warp, word_holds(before, k) && before == lane0)) {
-        auto const* const src = reinterpret_cast<W const*>(part.w + slot * c.dim);
-        for (std::size_t i = lane; i < vecs; i += ways) {
-          W const v = load_vec<true>(src + i);
-          for (std::size_t q = 0; q < copies; ++q) { reinterpret_cast<W*>(to(q))[i] = v; }
-        }
+        warp_copy_row<W, true>(to, copies, part.w + slot * c.dim, row_bytes, lane);
         cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_system);
         served =
             __all_sync(full_warp, copy_stands(before, word.load(cuda::memory_order_relaxed), k));
@@ -122,19 +114,20 @@ __global__ void __launch_bounds__(line_block)
     }
     refused += hit_lanes != 0 ? 1 : 0;  // the probe saw the key, the word changed since
     // A miss (or a line replaced while it was read): the table's row, and a hint to the holder.
-    auto const* const src = reinterpret_cast<W const*>(table.row(k));
-    for (std::size_t i = lane; i < vecs; i += ways) {
-      W const v = load_vec<true>(src + i);
-      for (std::size_t q = 0; q < copies; ++q) { reinterpret_cast<W*>(to(q))[i] = v; }
-    }
+    warp_copy_row<W, true>(to, copies, table.row(k), row_bytes, lane);
     misses += len;
     from_host += row_bytes;
     if (lane == 0) { hint(part, k, c.hint_cap); }
   }
   // Every lane of a warp counted the same keys: lane 0's counts are the warp's.
-  if (!prefetch) {
-    add_group_stats(c.stats, lane, requests, distinct, hits, misses, from_host, from_peers);
-    if (lane == 0 && refused != 0) { atomicAdd(c.refused, refused); }
+  if (!prefetch && lane == 0) {
+    add_counts(c.stats, {.requests         = requests,
+                         .distinct_keys    = distinct,
+                         .hits             = hits,
+                         .misses           = misses,
+                         .bytes_from_host  = from_host,
+                         .bytes_from_peers = from_peers});
+    if (refused != 0) { atomicAdd(c.refused, refused); }
   }
 }
 
@@ -198,7 +191,6 @@ __global__ void __launch_bounds__(line_block)
   std::uint32_t const epoch    = *c.epoch;
   group_part<T> const part     = c.parts[c.me];
   std::size_t const row_bytes  = c.dim * sizeof(T);
-  std::size_t const vecs       = row_bytes / sizeof(W);
   unsigned long long evictions = 0, loaded = 0;
   for (std::size_t i = warp; i < n; i += n_warps) {
     std::uint32_t key = 0;
@@ -233,9 +225,7 @@ __global__ void __launch_bounds__(line_block)
       __syncwarp();
       // Readers that see any of the new row's values see the emptied key word afterwards.
       cuda::atomic_thread_fence(cuda::memory_order_seq_cst, cuda::thread_scope_system);
-      auto const* const src = reinterpret_cast<W const*>(table.row(key));
-      auto* const dst       = reinterpret_cast<W*>(part.w + slot * c.dim);
-      for (std::size_t v = lane; v < vecs; v += ways) { dst[v] = load_vec<true>(src + v); }
+      warp_copy_row<W, true>(part.w + slot * c.dim, table.row(key), row_bytes, lane);
       // Every lane's writes of the row come before the key that publishes it.
       cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
       __syncwarp();
@@ -245,10 +235,7 @@ __global__ void __launch_bounds__(line_block)
     }
     unlock_set(set.header, lane);
   }
-  if (lane == 0) {
-    if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
-    if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
-  }
+  if (lane == 0) { add_counts(c.stats, {.evictions = evictions, .bytes_from_host = loaded}); }
 }
 
 /// Empties every line of this rank (one thread per line; set headers by the way-0 thread).

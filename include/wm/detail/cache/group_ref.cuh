@@ -79,19 +79,4 @@ __device__ void hint(group_part<T> const& part, std::uint32_t key, std::uint32_t
   if (at < cap) { shared_word(part.hints + at).store(key, cuda::memory_order_relaxed); }
 }
 
-/// Adds a warp's counts to the statistics (lane 0; the values are the warp's sums).
-__device__ inline void add_group_stats(device_statistics* st, unsigned lane,
-                                       unsigned long long requests, unsigned long long distinct,
-                                       unsigned long long hits, unsigned long long misses,
-                                       unsigned long long from_host,
-                                       unsigned long long from_peers) noexcept {
-  if (lane != 0) { return; }
-  if (requests != 0) { atomicAdd(&st->requests, requests); }
-  if (distinct != 0) { atomicAdd(&st->distinct_keys, distinct); }
-  if (hits != 0) { atomicAdd(&st->hits, hits); }
-  if (misses != 0) { atomicAdd(&st->misses, misses); }
-  if (from_host != 0) { atomicAdd(&st->bytes_from_host, from_host); }
-  if (from_peers != 0) { atomicAdd(&st->bytes_from_peers, from_peers); }
-}
-
 }  // namespace wm::detail::cache

@@ -19,11 +19,8 @@
 #include <wm/detail/rows/views.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 
-#include <cuda/atomic>
-
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 namespace wm::detail::cache {
 
@@ -52,46 +49,6 @@ __device__ inline bool first_bypass(miss_list const& m, std::uint32_t key) noexc
   return true;
 }
 inline constexpr std::uint64_t deferred_touch = std::uint64_t{1} << 63;
-
-/// The replacement update of a hit on @p way without the set's lock, by one thread, in a
-/// hit-first pass: only the batch's first hit of a way updates it, so no other thread writes this
-/// way's state meanwhile (others may update other ways of the set). False when the update needs a
-/// set-wide decay: the caller leaves it to the locked kernel.
-template <class Impl>
-__device__ bool touch_unlocked(set_ref<Impl> const& s, int way) noexcept {
-  if constexpr (std::is_same_v<Impl, lru_impl>) {
-    // At most 32 stamps per set and batch: far enough below the wrap, the clock cannot reach it.
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> clock{s.header->clock};
-    if (clock.load(cuda::memory_order_relaxed) >= 0xffffffffu - 2u * ways) { return false; }
-    s.states[way] = clock.fetch_add(1u, cuda::memory_order_relaxed) + 1u;
-    return true;
-  } else {
-    static_assert(std::is_same_v<Impl, lfu_impl>, "touch_unlocked: an unknown replacement policy");
-    auto const state = s.states[way];
-    if (Impl::needs_decay(state, *s.header)) { return false; }
-    s.states[way] = static_cast<typename Impl::state_type>(state + 1);
-    return true;
-  }
-}
-
-/// Sets way @p way's bit in the set's batch mask for @p epoch (one 64-bit CAS on the adjacent
-/// batch and epoch words; a mask of another epoch is reset first). True for the thread that set
-/// it, false when it was set already.
-__device__ inline bool join_batch(set_header* h, int way, std::uint32_t epoch) noexcept {
-  static_assert(offsetof(set_header, epoch) == offsetof(set_header, batch) + 4);
-  auto* const word        = reinterpret_cast<unsigned long long*>(&h->batch);
-  std::uint32_t const bit = 1u << static_cast<unsigned>(way);
-  unsigned long long seen = *reinterpret_cast<unsigned long long volatile*>(word);
-  for (;;) {
-    auto const at            = static_cast<std::uint32_t>(seen >> 32);
-    std::uint32_t const mask = at == epoch ? static_cast<std::uint32_t>(seen) : 0u;
-    if ((mask & bit) != 0) { return false; }
-    unsigned long long const next = (static_cast<unsigned long long>(epoch) << 32) | (mask | bit);
-    unsigned long long const prev = atomicCAS(word, seen, next);
-    if (prev == seen) { return true; }
-    seen = prev;
-  }
-}
 
 /**
  * The hit-first pass over the @p n keys of a staged gather (output row i for key i): a warp takes
@@ -148,7 +105,7 @@ __global__ void __launch_bounds__(line_block)
       auto const set = c.meta.set(s);
       if (join_batch(set.header, way, epoch)) {
         ++distinct;
-        deferred = !touch_unlocked(set, way);
+        deferred = !Impl::touch_unlocked(set.states[way], *set.header);
       }
     }
     requests += live ? 1 : 0;
@@ -190,11 +147,9 @@ __global__ void __launch_bounds__(line_block)
   requests = __reduce_add_sync(full_warp, static_cast<unsigned>(requests));
   hits     = __reduce_add_sync(full_warp, static_cast<unsigned>(hits));
   distinct = __reduce_add_sync(full_warp, static_cast<unsigned>(distinct));
-  if (lane == 0 && requests != 0) {
-    atomicAdd(&c.stats->requests, requests);
-    atomicAdd(&c.stats->hits, hits);
-    if (distinct != 0) { atomicAdd(&c.stats->distinct_keys, distinct); }
-    atomicAdd(&c.call->requests, requests);
+  if (lane == 0) {
+    add_counts(c.stats, {.requests = requests, .distinct_keys = distinct, .hits = hits});
+    add_counts(c.call, {.requests = requests});
   }
 }
 
@@ -227,9 +182,7 @@ __global__ void __launch_bounds__(line_block)
       ++misses;
       if (!valid_index(key, rows)) {
         ++distinct;
-        for (std::size_t v = lane; v < row_bytes / sizeof(W); v += ways) {
-          static_cast<W*>(dst)[v] = W{};
-        }
+        warp_copy_row<W>(dst, nullptr, row_bytes, lane);  // a zero row
         if (lane == 0) { atomicOr(err, 1u); }
         continue;
       }
@@ -274,27 +227,22 @@ __global__ void __launch_bounds__(line_block)
     }
     unlock_set(set.header, lane);
     if (bypassed) {
-      warp_copy<W>(dst, table.locate(k).w, row_bytes, lane);
+      warp_copy_row<W>(dst, table.locate(k).w, row_bytes, lane);
       loaded += row_bytes;  // once per occurrence: no other warp's copy to take it from
       ++bypass_rows;
     } else {
-      warp_copy<W>(dst, c.line(cache_ref<Impl>::slot(s, way)).w, row_bytes, lane);
+      warp_copy_row<W>(dst, c.line(cache_ref<Impl>::slot(s, way)).w, row_bytes, lane);
     }
   }
   if (lane == 0) {
-    if (misses != 0) {
-      atomicAdd(&c.stats->misses, misses);
-      atomicAdd(&c.call->misses, misses);
-    }
-    if (distinct != 0) { atomicAdd(&c.stats->distinct_keys, distinct); }
-    if (evictions != 0) { atomicAdd(&c.stats->evictions, evictions); }
-    if (write_backs != 0) { atomicAdd(&c.stats->write_backs, write_backs); }
-    if (loaded != 0) { atomicAdd(&c.stats->bytes_from_host, loaded); }
-    if (bypass_rows != 0) { atomicAdd(&c.stats->bypass_rows, bypass_rows); }
-    if (bypasses != 0) {
-      atomicAdd(&c.stats->bypasses, bypasses);
-      atomicAdd(&c.call->bypasses, bypasses);
-    }
+    add_counts(c.stats, {.distinct_keys   = distinct,
+                         .misses          = misses,
+                         .evictions       = evictions,
+                         .write_backs     = write_backs,
+                         .bytes_from_host = loaded,
+                         .bypasses        = bypasses,
+                         .bypass_rows     = bypass_rows});
+    add_counts(c.call, {.misses = misses, .bypasses = bypasses});
   }
 }
 

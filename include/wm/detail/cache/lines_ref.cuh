@@ -17,14 +17,6 @@
 
 namespace wm::detail::cache {
 
-/// One staged gather's counts (device, zeroed by the next call's first kernel, which publishes
-/// them to host-mapped memory): what the host reads to choose the next call's path.
-struct call_counters {
-  unsigned long long requests{};
-  unsigned long long misses{};
-  unsigned long long bypasses{};
-};
-
 /// One rank's lines as kernels see them (trivially copyable).
 template <class T, class Impl>
 struct lines_ref {

@@ -27,6 +27,11 @@
 #include <wm/config.hpp>
 #include <wm/detail/base/hash.hpp>
 
+#if defined(__CUDACC__)
+#include <cuda/atomic>
+#endif
+
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -88,7 +93,9 @@ struct set_header {
 // line (admitted), and a set-wide decay (decayed, after_decay) that runs before a hit when
 // needs_decay says so and before an admission when admit_needs_decay says so. The
 // victim among valid lines is always the lowest state (lowest way on ties): the state orders the
-// lines from "evict first" up.
+// lines from "evict first" up. touch_unlocked is the hit of a thread that does not hold the set:
+// the hit-first pass (hit_first_kernels.cuh), where only the batch's first hit of a line updates
+// it, so no other thread writes that line's state meanwhile (others may update other lines).
 
 /// Decayed LFU: a 16-bit use count per line (see wm::lfu).
 struct lfu_impl {
@@ -122,6 +129,15 @@ struct lfu_impl {
     if (!replaced_valid) { return 1; }
     return static_cast<state_type>(victim < limit ? victim + 1 : limit);
   }
+  /// A hit on a line with state @p s without the set's lock: false (nothing changed) when it
+  /// needs a set-wide decay first, which is left to a thread that holds the set.
+  [[nodiscard]] WM_HOST_DEVICE static bool touch_unlocked(state_type& s,
+                                                          set_header const& h) noexcept {
+    state_type const state = s;
+    if (needs_decay(state, h)) { return false; }
+    s = static_cast<state_type>(state + 1);
+    return true;
+  }
 };
 
 /// LRU: a 32-bit stamp per line from the set's clock (see wm::lru).
@@ -147,6 +163,23 @@ struct lru_impl {
   [[nodiscard]] WM_HOST_DEVICE static constexpr state_type admitted(state_type, bool,
                                                                     set_header& h) noexcept {
     return ++h.clock;
+  }
+  /// A hit on a line with state @p s without the set's lock: the next stamp from the set's clock
+  /// (an atomic add: other lines of the set are stamped meanwhile); false (nothing changed) near
+  /// the wrap, whose renumbering is left to a thread that holds the set. At most 32 stamps per set
+  /// and batch: a clock below the margin cannot reach the wrap.
+  [[nodiscard]] WM_HOST_DEVICE static bool touch_unlocked(state_type& s, set_header& h) noexcept {
+    constexpr std::uint32_t margin = 0xffffffffu - 2u * ways;
+#if defined(__CUDACC__)
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> clock{h.clock};
+    if (clock.load(cuda::memory_order_relaxed) >= margin) { return false; }
+    s = clock.fetch_add(1u, cuda::memory_order_relaxed) + 1u;
+#else
+    std::atomic_ref<std::uint32_t> clock{h.clock};
+    if (clock.load(std::memory_order_relaxed) >= margin) { return false; }
+    s = clock.fetch_add(1u, std::memory_order_relaxed) + 1u;
+#endif
+    return true;
   }
 };
 

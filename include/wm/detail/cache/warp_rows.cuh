@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The warp's row primitives of the cache kernels: copies and the payload move (weight, states
-// and step of a row with the loads of all parts in flight together), and the set lock.
+// The warp's row and set primitives of the cache kernels: the payload move (weight, states and
+// step of a row with the loads of all parts in flight together; plain rows go through the warp row
+// copy of detail/rows/move.cuh), the set lock, and the lock-free join of a line to a batch.
 //
 // The lock: a warp takes the set's lock word (set_header::lock) before it probes, and keeps it
 // until the row is in its line (and, unless the call is staged, copied out): lane 0 spins with
@@ -10,6 +11,7 @@
 #pragma once
 
 #include <wm/detail/cache/set.hpp>
+#include <wm/detail/rows/move.cuh>
 #include <wm/detail/tensor/table_rows.cuh>
 
 #include <cuda/atomic>
@@ -20,26 +22,6 @@
 namespace wm::detail::cache {
 
 inline constexpr int line_block = 256;  ///< threads per block of the line kernels (8 warps)
-
-/// Copies @p bytes (a multiple of sizeof(W)) from @p src to @p dst with the warp's lanes.
-template <class W>
-__device__ void warp_copy(void* dst, void const* src, std::size_t bytes, unsigned lane) noexcept {
-  auto* d       = static_cast<W*>(dst);
-  auto const* q = static_cast<W const*>(src);
-  for (std::size_t i = lane; i < bytes / sizeof(W); i += ways) { d[i] = q[i]; }
-}
-
-/// Copies one row of @p bytes at @p src to the @p copies rows `dst(0)`, ..., `dst(copies - 1)`
-/// with the warp: each lane loads its vectors of the row once and stores them to every copy.
-template <class W, class Dst>
-__device__ void warp_copy_to(Dst const& dst, std::size_t copies, void const* src, std::size_t bytes,
-                             unsigned lane) noexcept {
-  auto const* q = static_cast<W const*>(src);
-  for (std::size_t i = lane; i < bytes / sizeof(W); i += ways) {
-    W const v = q[i];
-    for (std::size_t k = 0; k < copies; ++k) { reinterpret_cast<W*>(dst(k))[i] = v; }
-  }
-}
 
 /// Vectors per lane a warp_move loads before it stores (one round for a 128-float Adam row).
 inline constexpr int move_depth = 8;
@@ -108,6 +90,25 @@ __device__ inline void unlock_set(set_header* h, unsigned lane) noexcept {
     word.store(0u, cuda::memory_order_release);
   }
   __syncwarp();
+}
+
+/// Sets way @p way's bit in the set's batch mask for @p epoch without the set's lock (one 64-bit
+/// CAS on the adjacent batch and epoch words; a mask of another epoch is reset first). True for
+/// the thread that set it, false when it was set already.
+__device__ __forceinline__ bool join_batch(set_header* h, int way, std::uint32_t epoch) noexcept {
+  static_assert(offsetof(set_header, epoch) == offsetof(set_header, batch) + 4);
+  auto* const word        = reinterpret_cast<unsigned long long*>(&h->batch);
+  std::uint32_t const bit = 1u << static_cast<unsigned>(way);
+  unsigned long long seen = *reinterpret_cast<unsigned long long volatile*>(word);
+  for (;;) {
+    auto const at            = static_cast<std::uint32_t>(seen >> 32);
+    std::uint32_t const mask = at == epoch ? static_cast<std::uint32_t>(seen) : 0u;
+    if ((mask & bit) != 0) { return false; }
+    unsigned long long const next = (static_cast<unsigned long long>(epoch) << 32) | (mask | bit);
+    unsigned long long const prev = atomicCAS(word, seen, next);
+    if (prev == seen) { return true; }
+    seen = prev;
+  }
 }
 
 }  // namespace wm::detail::cache

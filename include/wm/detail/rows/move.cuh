@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The row mover: one kernel that gathers and scatters rows (it moves bytes: element types only
-// set the row size), and the launch plan every row kernel uses.
+// set the row size), the launch plan every row kernel uses, and the warp row copy of kernels that
+// give one warp a row (the cache's).
 //
 // A group of G lanes (G = 1..32, a power of two) moves one row with vector accesses of
 // sizeof(Vec) bytes; each group keeps U rows in flight (U loads issued before the first store).
@@ -47,6 +48,45 @@ __device__ inline void store_vec(Vec* p, Vec v) {
   } else {
     __stcs(p, v);
   }
+}
+
+/// Lanes of a warp: the stride of the warp row copy.
+inline constexpr unsigned warp_lanes = 32;
+
+/**
+ * The warp row copy: the 32 lanes of a warp copy the row of @p bytes (a multiple of sizeof(Vec))
+ * at @p src to the @p copies rows `dst(0)`, ..., `dst(copies - 1)`; each lane loads its vectors of
+ * the row once and stores them to every copy. A null @p src writes zero rows. `Fresh`: loads
+ * through load_vec<true> (memory another GPU may rewrite); otherwise plain loads, which see rows
+ * written earlier in the same kernel (by another warp, under a lock).
+ */
+template <class Vec, bool Fresh = false, class Dst>
+__device__ __forceinline__ void warp_copy_row(Dst const& dst, std::size_t copies, void const* src,
+                                              std::size_t bytes, unsigned lane) noexcept {
+  std::size_t const vecs = bytes / sizeof(Vec);
+  auto const* const q    = static_cast<Vec const*>(src);
+  if (q == nullptr) {
+    for (std::size_t i = lane; i < vecs; i += warp_lanes) {
+      for (std::size_t k = 0; k < copies; ++k) { reinterpret_cast<Vec*>(dst(k))[i] = Vec{}; }
+    }
+    return;
+  }
+  for (std::size_t i = lane; i < vecs; i += warp_lanes) {
+    Vec v;
+    if constexpr (Fresh) {
+      v = load_vec<true>(q + i);
+    } else {
+      v = q[i];
+    }
+    for (std::size_t k = 0; k < copies; ++k) { reinterpret_cast<Vec*>(dst(k))[i] = v; }
+  }
+}
+
+/// The warp row copy to the one row @p dst.
+template <class Vec, bool Fresh = false>
+__device__ __forceinline__ void warp_copy_row(void* dst, void const* src, std::size_t bytes,
+                                              unsigned lane) noexcept {
+  warp_copy_row<Vec, Fresh>([dst](std::size_t) { return dst; }, 1, src, bytes, lane);
 }
 
 /// Where one row comes from and goes to: no source with a destination writes a zero row; no
