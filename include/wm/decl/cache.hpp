@@ -17,6 +17,10 @@ class communicator;
 namespace detail::cache {
 struct lfu_impl;
 struct lru_impl;
+template <class T, class Impl>
+class line_storage;  // a device cache's lines (detail/cache/line_storage.cuh)
+template <class T, class Impl>
+class group_storage;  // a group cache's lines (detail/cache/group_storage.cuh)
 }  // namespace detail::cache
 
 // ---------------------------------------------------------------------------------------------
@@ -101,6 +105,9 @@ struct device_cache {
   static constexpr char const* name     = "device_cache";    ///< for messages
   static constexpr bool writable        = Access::writable;  ///< write-back with `read_write`
   static constexpr bool caches_own_rows = true;  ///< each rank caches rows of its own part
+  /// The lines of a table of @p T rows: each rank's own, in its device memory.
+  template <class T>
+  using storage_type = detail::cache::line_storage<T, typename Replacement::impl>;
 };
 
 /**
@@ -116,6 +123,9 @@ struct group_cache {
   static constexpr char const* name     = "group_cache";  ///< for messages
   static constexpr bool writable        = false;          ///< read-only by nature
   static constexpr bool caches_own_rows = false;          ///< the group caches the whole table
+  /// The lines of a table of @p T rows: shared over the group (one rank: its own).
+  template <class T>
+  using storage_type = detail::cache::group_storage<T, typename Replacement::impl>;
 };
 
 /**

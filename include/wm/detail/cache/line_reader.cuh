@@ -28,7 +28,14 @@ struct line_reader {
   template <class Index>
   void operator()(Index const* keys, std::size_t const* order, std::size_t n, packed_rows dst,
                   cudaStream_t s, int blocks_per_sm) const {
-    lines->admit(table, rows, keys, n, order, dst, true, err, s != main_stream, s, blocks_per_sm);
+    lines->admit(table, rows, keys, n,
+                 {.order          = order,
+                  .out            = dst,
+                  .count_requests = true,
+                  .err            = err,
+                  .aux            = s != main_stream,
+                  .blocks_per_sm  = blocks_per_sm},
+                 s);
   }
 };
 

@@ -45,6 +45,37 @@ inline constexpr unsigned long long hit_first_miss_share = 32;
 /// keys, up to twice the batch).
 inline constexpr std::size_t hit_first_memo_keys = std::size_t{1} << 16;
 
+/// What a cache's lines hold: the constructors' options of the cache engines (line_storage, and
+/// group_storage, which a group cache names).
+struct line_options {
+  std::size_t rows{};        ///< rows cached: this rank's part, or the table's when `shared`
+  std::size_t dim{};         ///< values per row
+  std::size_t state_cols{};  ///< optimizer state floats per row (0: none)
+  bool steps{false};         ///< whether lines keep the per-row step
+  double ratio{0.1};         ///< cache_options::ratio
+  std::uint32_t seed{};      ///< cache_options::hash_seed
+  /// Dirty victims of one-rank gathers staged and written back in ascending key order (a
+  /// writable cache).
+  bool stage_write_backs{false};
+  /// Lines shared over the communicator's ranks, each holding the rows hashed to it (a group
+  /// cache on several ranks); otherwise each rank caches rows of its own part.
+  bool shared{false};
+};
+
+/// What one admission call does besides admitting its keys (line_storage::admit).
+struct admit_options {
+  std::size_t const* order{};  ///< output row of key i: order[i] (null: i)
+  packed_rows out{};           ///< the output (a null base: none, as a prefetch)
+  bool count_requests{false};  ///< count requests, hits, misses and bypasses (a gather)
+  unsigned* err{};             ///< set when a key is not below the call's rows
+  /// The second workspace: a call on another stream beside the first (the exchange engine's
+  /// own-rows read, a prefetch).
+  bool aux{false};
+  int blocks_per_sm{8};  ///< the most blocks per multiprocessor (the engine leaves room)
+  /// A one-rank gather: a batch of its own, dirty victims staged, the hit-first path allowed.
+  bool staged{false};
+};
+
 /**
  * One rank's cache: set metadata sized by plan_cache from the rank's rows and the ratio, the
  * line payloads, the device statistics and the workspace of the distinct-key plan. Device
@@ -61,19 +92,24 @@ class line_storage {
    * builds its cache): if any rank cannot allocate, every rank throws the same error naming it
    * and the bytes it asked for, and each unwinds its table in the same order as its peers.
    * @param comm the table's communicator
-   * @param rows this rank's rows; @param ratio cache_options::ratio; @param seed the hash seed
-   * @param dim values per row; @param st_cols optimizer state floats per row (0: none)
-   * @param steps whether lines keep the per-row step
-   * @throw wm::logic_error for a ratio outside (0, 1] or more than 2^32 rows (this rank only)
+   * @param o this rank's rows, the row's parts, ratio, seed, staging (never `shared`: each rank
+   * caches rows of its own part)
+   * @throw wm::logic_error for a ratio outside (0, 1], more than 2^32 rows or `shared` (this
+   * rank only)
    * @throw wm::comm_error on every rank when any rank's allocation failed
    */
-  line_storage(communicator& comm, std::size_t rows, double ratio, std::uint32_t seed,
-               std::size_t dim, std::size_t st_cols, bool steps, bool stage_write_backs = false)
-      : plan_{plan_cache<Impl>(rows, ratio)},
-        seed_{seed},
-        dim_{dim},
-        st_cols_{st_cols},
-        stage_cap_{stage_write_backs ? std::min<std::size_t>(plan_.lines, max_staged) : 0} {
+  line_storage(communicator& comm, line_options const& o)
+      : plan_{plan_cache<Impl>(o.rows, o.ratio)},
+        seed_{o.seed},
+        dim_{o.dim},
+        st_cols_{o.state_cols},
+        stage_cap_{o.stage_write_backs ? std::min<std::size_t>(plan_.lines, max_staged) : 0} {
+    WM_EXPECTS(!o.shared,
+               "device_cache: each rank caches rows of its own part; no lines are "
+               "shared over a group");
+    bool const steps             = o.steps;
+    std::size_t const dim        = o.dim;
+    std::size_t const st_cols    = o.state_cols;
     std::size_t const step_bytes = steps ? sizeof(std::int64_t) : 0;
     std::size_t const bytes =
         plan_.lines * (sizeof(std::uint32_t) + sizeof(state_type) + dim * sizeof(T) +
@@ -137,27 +173,32 @@ class line_storage {
     return {table, ref()};
   }
 
+  /// The lines of this rank's own rows: all of them (the engine's side for row_source, as
+  /// group_storage's).
+  [[nodiscard]] line_storage* own_lines() noexcept { return this; }
+  /// Whether the lines are shared over a group: never (each rank caches its own rows).
+  [[nodiscard]] static constexpr bool shared() noexcept { return false; }
+  /// Calls @p f with the lines shared over a group: there are none, so it is never called.
+  template <class F>
+  static void with_shared(F&&) noexcept {}
+
   /**
    * Admits the distinct keys among @p keys (@p n of them; write-allocate) and, with an output
-   * (@p out.base not null), writes row keys[i] to out row (@p order ? order[i] : i). Keys are
-   * this rank's local rows, valid below @p rows. @p aux: use the second workspace (a call on
-   * another stream beside the first, as the exchange engine's own-rows read); @p blocks_per_sm:
-   * the most blocks per multiprocessor (the engine leaves room for its other work). Enqueued on
-   * @p s; no host synchronization.
+   * (@p o.out.base not null), writes row keys[i] to out row (@p o.order ? order[i] : i). Keys are
+   * this rank's local rows, valid below @p rows. Enqueued on @p s; no host synchronization.
    */
   template <class Index>
   void admit(table_rows<T> const& table, std::size_t rows, Index const* keys, std::size_t n,
-             std::size_t const* order, packed_rows out, bool count_requests, unsigned* err,
-             bool aux, cudaStream_t s, int blocks_per_sm = 8, bool staged = false) {
+             admit_options const& o, cudaStream_t s) {
     if (n == 0) { return; }
     auto c = ref();
-    if (staged) { c.call = call_.data(); }
-    int const vec = width(table, out);
+    if (o.staged) { c.call = call_.data(); }
+    int const vec = width(table, o.out);
     std::size_t const bl =
         std::min<std::size_t>(cuda::ceil_div(n, std::size_t{line_block / ways}),
                               static_cast<std::size_t>(sm_count()) *
-                                  static_cast<std::size_t>(std::max(blocks_per_sm, 1)));
-    if (staged && take_hit_first(n, order, out, count_requests, s)) {
+                                  static_cast<std::size_t>(std::max(o.blocks_per_sm, 1)));
+    if (o.staged && take_hit_first(n, o.order, o.out, o.count_requests, s)) {
       std::size_t const memo =
           std::size_t{2} << cuda::std::bit_width(std::min<std::size_t>(n, hit_first_memo_keys) - 1);
       carver k;
@@ -172,18 +213,18 @@ class line_storage {
       WM_CHECK_LAUNCH();
       with_vector(vec, [&]<class W>() {
         hit_first_kernel<W, T, Impl, Index>
-            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, keys, n, out, m);
+            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, rows, keys, n, o.out, m);
         WM_CHECK_LAUNCH();
-        miss_kernel<W, T, Impl, Index>
-            <<<static_cast<unsigned>(bl), line_block, 0, s>>>(c, table, rows, keys, out, m, err);
+        miss_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
+            c, table, rows, keys, o.out, m, o.err);
         WM_CHECK_LAUNCH();
       });
       ++hit_first_calls_;
       return;
     }
-    auto const b = plan_distinct(keys, n, row_bits(rows), aux ? ws_aux_ : ws_, s);
+    auto const b = plan_distinct(keys, n, row_bits(rows), o.aux ? ws_aux_ : ws_, s);
     // Staged write-backs: at most one victim per distinct key, so n slots are enough.
-    std::size_t const sn = staged ? std::min(stage_cap_, n) : 0;
+    std::size_t const sn = o.staged ? std::min(stage_cap_, n) : 0;
     // Every allocation of the call comes before the admission kernel: from the moment it stages a
     // dirty victim (and cleans its line) until write_back_staged has written it, the victim's row
     // is in a staging slot only, which the next call overwrites. A call that fails for want of
@@ -199,7 +240,7 @@ class line_storage {
       c.stage_rows  = sn;
       WM_CUDA_TRY(cudaMemsetAsync(stage_count_.data(), 0, sizeof(unsigned), s));
     }
-    if (staged) {  // this call is a batch of its own
+    if (o.staged) {  // this call is a batch of its own
       begin_staged_call_kernel<<<1, 1, 0, s>>>(epoch_.data(), c.call, shown_.data(),
                                                static_cast<unsigned long long*>(nullptr));
     } else {
@@ -212,13 +253,13 @@ class line_storage {
     }
     with_vector(vec, [&]<class W>() {
       admit_kernel<W, T, Impl, Index><<<static_cast<unsigned>(bl), line_block, 0, s>>>(
-          c, table, rows, b, order, out, count_requests, err);
+          c, table, rows, b, o.order, o.out, o.count_requests, o.err);
       WM_CHECK_LAUNCH();
     });
     if (sn != 0) {  // the long runs' copies too
-      write_back_staged(c, table, sn, sort, sort_base, b, order, out, s);
-    } else if (out.base != nullptr) {
-      replicate_runs_to(b, order, out, dim_ * sizeof(T), fused_copies, s);
+      write_back_staged(c, table, sn, sort, sort_base, b, o.order, o.out, s);
+    } else if (o.out.base != nullptr) {
+      replicate_runs_to(b, o.order, o.out, dim_ * sizeof(T), fused_copies, s);
     }
   }
 

@@ -8,7 +8,7 @@
 #include <wm/comm.hpp>
 #include <wm/detail/base/deadline.hpp>
 #include <wm/detail/base/resources.hpp>
-#include <wm/detail/cache/group_lines.cuh>
+#include <wm/detail/cache/group_storage.cuh>
 #include <wm/detail/cache/line_reader.cuh>
 #include <wm/detail/cache/line_storage.cuh>
 #include <wm/detail/cache/lines_ref.cuh>
@@ -167,12 +167,15 @@ template <class CachePolicy>
 /**
  * A cache in front of this rank's rows: its lines hold rows with their optimizer state; the
  * gather (one rank) or the owner side of the exchange (several) serves hits from lines and admits
- * misses; the update writes cached rows in their lines.
+ * misses; the update writes cached rows in their lines. The lines are the engine the policy names
+ * (CachePolicy::storage_type: a device cache's own lines, or a group cache's lines, shared over
+ * the group on several ranks).
  */
 template <caching_policy CachePolicy, class T>
 class row_source<CachePolicy, T> {
  public:
-  using impl_type = typename CachePolicy::replacement_type::impl;
+  using impl_type    = typename CachePolicy::replacement_type::impl;
+  using storage_type = typename CachePolicy::template storage_type<T>;
 
   row_source() = default;
   /// Lines for @p rows local rows of @p dim values, @p st_cols state floats and (@p steps) a
@@ -180,30 +183,42 @@ class row_source<CachePolicy, T> {
   /// its lines makes every rank throw the same wm::comm_error, naming it).
   row_source(communicator& comm, std::size_t rows, std::size_t dim, std::size_t st_cols, bool steps,
              cache_options const& cache)
-      : lines_{std::make_unique<cache::line_storage<T, impl_type>>(
-            comm, rows, cache.ratio, cache.hash_seed, dim, st_cols, steps, CachePolicy::writable)} {
-  }
+      : lines_{std::make_unique<storage_type>(
+            comm, cache::line_options{.rows              = rows,
+                                      .dim               = dim,
+                                      .state_cols        = st_cols,
+                                      .steps             = steps,
+                                      .ratio             = cache.ratio,
+                                      .seed              = cache.hash_seed,
+                                      .stage_write_backs = CachePolicy::writable})} {}
 
   /// A group cache on several ranks: lines shared over @p group (collective over it), for a
   /// table of @p rows rows of @p dim values.
   row_source(communicator& group, std::size_t rows, std::size_t dim, cache_options const& cache)
-      : group_{std::make_unique<cache::group_lines<T, impl_type>>(group, rows, cache.ratio,
-                                                                  cache.hash_seed, dim)} {}
+      : lines_{std::make_unique<storage_type>(group, cache::line_options{.rows   = rows,
+                                                                         .dim    = dim,
+                                                                         .ratio  = cache.ratio,
+                                                                         .seed   = cache.hash_seed,
+                                                                         .shared = true})} {}
 
   /// Whether this is a group cache's shared lines (then gathers take group_gather).
-  [[nodiscard]] bool shared() const noexcept { return group_ != nullptr; }
+  [[nodiscard]] bool shared() const noexcept { return lines_ != nullptr && lines_->shared(); }
   /// A group cache's gather: @p table is the table's ref (every row through the mapping).
   template <class Table, class Index>
   void group_gather(Table const& table, std::size_t rows, std::span<Index const> indices, T* out,
                     unsigned* err, cudaStream_t s) {
-    marked(s, [&] { group_->gather(table, rows, indices, out, err, s); });
+    marked(s, [&] {
+      lines_->with_shared([&](auto& group) { group.gather(table, rows, indices, out, err, s); });
+    });
   }
 
   /// A group cache's prefetch: misses hinted to their holders, this rank's hints admitted.
   template <class Table, class Index>
   void group_prefetch(Table const& table, std::size_t rows, std::span<Index const> keys,
                       unsigned* err, cudaStream_t s) {
-    marked(s, [&] { group_->prefetch(table, rows, keys, err, s); });
+    marked(s, [&] {
+      lines_->with_shared([&](auto& group) { group.prefetch(table, rows, keys, err, s); });
+    });
   }
 
   /// The gather of this rank's rows (one rank: every row): hits from lines, misses admitted
@@ -213,10 +228,13 @@ class row_source<CachePolicy, T> {
   void gather(table_rows<T> const& table, std::size_t rows, std::span<Index const> indices, T* out,
               unsigned* err, cudaStream_t s) {
     marked(s, [&] {
-      lines_->admit(table, rows, indices.data(), indices.size(),
-                    static_cast<std::size_t const*>(nullptr),
-                    packed_rows{reinterpret_cast<std::byte*>(out), table.w.cols * sizeof(T)}, true,
-                    err, false, s, 8, true);
+      lines_->own_lines()->admit(
+          table, rows, indices.data(), indices.size(),
+          {.out = packed_rows{reinterpret_cast<std::byte*>(out), table.w.cols * sizeof(T)},
+           .count_requests = true,
+           .err            = err,
+           .staged         = true},
+          s);
     });
   }
   /// The exchange engine's owner-side reader (several ranks): this rank's rows through its
@@ -224,7 +242,7 @@ class row_source<CachePolicy, T> {
   [[nodiscard]] cache::line_reader<T, impl_type> reader(table_rows<T> const& table,
                                                         std::size_t rows, unsigned* err,
                                                         cudaStream_t s) const {
-    return {lines_.get(), table, rows, err, s};
+    return {lines_->own_lines(), table, rows, err, s};
   }
   /// prefetch: the gather's admissions without output or request counts (its own workspace, so
   /// it may run on another stream beside a gather).
@@ -232,8 +250,8 @@ class row_source<CachePolicy, T> {
   void prefetch(table_rows<T> const& table, std::size_t rows, std::span<Index const> keys,
                 unsigned* err, cudaStream_t s) {
     marked(s, [&] {
-      lines_->admit(table, rows, keys.data(), keys.size(), static_cast<std::size_t const*>(nullptr),
-                    packed_rows{nullptr, 0}, false, err, true, s);
+      lines_->own_lines()->admit(table, rows, keys.data(), keys.size(), {.err = err, .aux = true},
+                                 s);
     });
   }
   /// The update's row locator: the row's line, else the table.
@@ -244,19 +262,11 @@ class row_source<CachePolicy, T> {
   /// this cache has issued, on whatever stream (call_marks).
   void write_back(table_rows<T> const& table, bool drop, cudaStream_t s) {
     marks_.order_before(s);
-    if (group_) {  // read-only: nothing to write back
-      if (drop) { group_->invalidate(s); }
-      return;
-    }
     lines_->write_back(table, drop, s);
   }
-  [[nodiscard]] cache_statistics statistics() const {
-    return group_ ? group_->statistics() : lines_->statistics();
-  }
-  void reset_statistics() { group_ ? group_->reset_statistics() : lines_->reset_statistics(); }
-  [[nodiscard]] std::size_t lines() const noexcept {
-    return group_ ? group_->lines() : lines_ ? lines_->lines() : 0;
-  }
+  [[nodiscard]] cache_statistics statistics() const { return lines_->statistics(); }
+  void reset_statistics() { lines_->reset_statistics(); }
+  [[nodiscard]] std::size_t lines() const noexcept { return lines_ ? lines_->lines() : 0; }
   /// Waits on the host until every gather and prefetch this cache has issued is done, at most
   /// @p timeout; false past it.
   [[nodiscard]] bool wait_for_calls(std::chrono::milliseconds timeout) const {
@@ -276,8 +286,7 @@ class row_source<CachePolicy, T> {
     marks_.record(s);
   }
 
-  std::unique_ptr<cache::line_storage<T, impl_type>> lines_;
-  std::unique_ptr<cache::group_lines<T, impl_type>> group_;  // a group cache on several ranks
+  std::unique_ptr<storage_type> lines_;  // the policy's engine
   call_marks marks_;  // the ends of gathers and prefetches that return before their work is done
 };
 
