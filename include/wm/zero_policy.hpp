@@ -16,6 +16,12 @@
 #include <vector>
 
 namespace wm {
+namespace detail::zero {
+template <class Owner>
+class device_update;  // detail/zero/device_update.cuh
+template <class Owner>
+class host_offload;  // detail/zero/offload/host_offload.cuh
+}  // namespace detail::zero
 
 /**
  * @brief ZeRO stage N: 1 partitions the optimizer states, 2 also the gradients, 3 also the
@@ -30,6 +36,10 @@ requires(N >= 1 && N <= 3) struct zero_stage {
 /// Optimizer states, master weights and the update stay on the GPU.
 struct no_offload {
   static constexpr bool host = false;  ///< nothing on the host
+  /// The engine `wm::zero_optimizer` holds: device master weights and states, the fused update
+  /// kernel per bucket shard (detail/zero/device_update.cuh).
+  template <class Owner>
+  using engine = detail::zero::device_update<Owner>;
 };
 
 /// fp32 master weights and Adam moments in pinned host memory, updated by the CPU Adam
@@ -39,6 +49,10 @@ struct no_offload {
 /// `wm::adam` only.
 struct offload_host {
   static constexpr bool host = true;  ///< masters and moments on the host
+  /// The engine `wm::zero_optimizer` holds: pinned host master weights and moments, the CPU Adam
+  /// and its pipeline (detail/zero/offload/host_offload.cuh).
+  template <class Owner>
+  using engine = detail::zero::host_offload<Owner>;
 };
 
 /// A ZeRO stage policy: `wm::zero_stage<1>`, `<2>` or `<3>`.

@@ -27,6 +27,10 @@
 
 using namespace zero_cases;
 
+// The policy names the engine: an optimizer without offload carries none of the offload's members.
+static_assert(sizeof(wm::zero_optimizer<wm::zero_stage<2>>) + 256 <
+              sizeof(wm::zero_optimizer<wm::zero_stage<2>, wm::adam, wm::offload_host>));
+
 TEMPLATE_TEST_CASE("zero_optimizer offload pipeline equals the unpipelined offload bit for bit",
                    "[ranked]", wm::zero_stage<1>, wm::zero_stage<2>, wm::zero_stage<3>) {
   // Two optimizers on the same weights and gradients, one with the offload pipeline (each

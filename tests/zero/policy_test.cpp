@@ -3,6 +3,8 @@
 // reads it): stages 1 to 3 only, the offload policies, and the concepts that accept exactly them.
 #include <wm/zero_policy.hpp>
 
+#include <type_traits>
+
 #include "catch.hpp"
 
 namespace {
@@ -29,6 +31,14 @@ TEST_CASE("zero policies: stages 1 to 3, two offload kinds", "[host]") {
   STATIC_REQUIRE(!wm::offload_policy<wm::zero_stage<1>>);
   STATIC_REQUIRE(wm::offload_host::host);
   STATIC_REQUIRE(!wm::no_offload::host);
+}
+
+TEST_CASE("zero policies name the engine the optimizer holds", "[host]") {
+  struct owner {};
+  STATIC_REQUIRE(
+      std::is_same_v<wm::no_offload::engine<owner>, wm::detail::zero::device_update<owner>>);
+  STATIC_REQUIRE(
+      std::is_same_v<wm::offload_host::engine<owner>, wm::detail::zero::host_offload<owner>>);
 }
 
 TEST_CASE("zero_parameter: elements is the product of the shape", "[host]") {

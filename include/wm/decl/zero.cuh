@@ -7,12 +7,11 @@
 #pragma once
 
 #include <wm/decl/comm.hpp>
-#include <wm/detail/zero/failure_latch.hpp>
+#include <wm/detail/base/resources.hpp>
+#include <wm/detail/zero/arenas.hpp>
+#include <wm/detail/zero/counters.hpp>
 #include <wm/detail/zero/plan.hpp>
 #include <wm/detail/zero/residency.hpp>
-#include <wm/detail/zero/serial_worker.hpp>
-#include <wm/detail/zero/spare_regions.hpp>
-#include <wm/detail/zero/thread_pool.hpp>
 #include <wm/optimizer.hpp>
 #include <wm/zero_policy.hpp>
 
@@ -20,12 +19,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include <array>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
-#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -66,10 +62,6 @@ namespace wm {
 template <zero_stage_policy Stage, sparse_optimizer Optimizer = adam,
           offload_policy Offload = no_offload>
 class zero_optimizer {
-  static_assert(!Offload::host || std::same_as<Optimizer, adam>,
-                "wm::zero_optimizer: wm::offload_host runs the CPU Adam; the optimizer must be "
-                "wm::adam");
-
  public:
   static constexpr int stage = Stage::value;  ///< 1, 2 or 3
   using optimizer_type       = Optimizer;     ///< the optimizer policy
@@ -148,7 +140,7 @@ class zero_optimizer {
    */
   void reset_master_weights() noexcept {
     masters_stale_ = true;
-    spec_.invalid  = true;
+    engine_.invalidate();
   }
 
   /**
@@ -198,7 +190,7 @@ class zero_optimizer {
    * last step's rate. A `step` with another rate is still right (its update is redone after
    * backward) but not overlapped. Does nothing for the other policies.
    */
-  void prepare_step(float lr) noexcept { next_lr_ = lr; }
+  void prepare_step(float lr) noexcept { engine_.prepare(lr); }
 
   /**
    * @brief `wm::offload_host` with `zero_options::offload_overlap_forward`: makes the new
@@ -274,8 +266,8 @@ class zero_optimizer {
   /// sit in a spare region back to their place (a step begun is then redone after backward).
   [[nodiscard]] float const* master_shard() const {
     expect_usable("master_shard");
-    gather_host_copies();
-    return master_;
+    engine_.settle_states();
+    return engine_.master();
   }
   /// This rank's optimizer state @p k (0 ≤ k < Optimizer::states), laid out as `master_shard`.
   /// @throw wm::logic_error on k out of range
@@ -284,22 +276,27 @@ class zero_optimizer {
     WM_EXPECTS(k >= 0 && k < Optimizer::states,
                "zero_optimizer::state_shard: a state index in [0, " +
                    std::to_string(Optimizer::states) + "), got " + std::to_string(k));
-    gather_host_copies();
-    return states_ + static_cast<std::size_t>(k) * plan_.state_elements;
+    engine_.settle_states();
+    return engine_.states() + static_cast<std::size_t>(k) * plan_.state_elements;
   }
   /**
    * @brief `wm::offload_host` with the pipeline: whether the last step's update was the one the
    * pipeline computed beside backward (false: redone after backward, skipped, or no pipeline).
    */
-  [[nodiscard]] bool last_step_pipelined() const noexcept { return pipelined_; }
+  [[nodiscard]] bool last_step_pipelined() const noexcept { return engine_.pipelined(); }
   /**
    * @brief `wm::offload_host` with the pipeline: chunks updated ahead of the step's decision, in
    * place after it, dropped and redone, waits for a spare region, and the spare pool's size and
    * peak use, since construction. Call it between steps (zero for the other policies).
    */
-  [[nodiscard]] zero_offload_stats offload_stats() const noexcept;
+  [[nodiscard]] zero_offload_stats offload_stats() const noexcept { return engine_.stats(); }
 
  private:
+  // The offload policy's engine: where the master weights and states live and how a step
+  // updates them (detail/zero/device_update.cuh, detail/zero/offload/host_offload.cuh).
+  using engine_type = typename Offload::template engine<zero_optimizer>;
+  friend engine_type;
+
   void* shard_weights(std::size_t b) const noexcept;  // the send block of bucket b's all-gather
   void all_gather_bucket(std::size_t b, std::byte* into, cuda::stream_ref stream);
   void* shard_gradients(std::size_t b) const noexcept;
@@ -307,71 +304,15 @@ class zero_optimizer {
   void widen_masters(cudaStream_t s);
   void gather_buckets(std::vector<detail::zero::residency::load> const& loads, cudaStream_t s);
   void read_counters(cuda::stream_ref stream) const;
-  void free_all() noexcept;
   void agree(std::string const& error, char const* what);
-  void step_offload(float lr, cuda::stream_ref stream);
   double* norm_async(cuda::stream_ref stream);  // the global sum of squares, on the device
   void norm_partials(std::size_t b, cudaStream_t s);
   // The partials summed, then all-reduced with @p veto beside (global[1]: the ranks' sum).
   double* norm_total(cuda::stream_ref stream, double veto = 0.0);
-  // Offload: the CPU Adam of elements [first, first + count) of bucket b's shard (this step's lr,
-  // count and gradient factor), reading master weights, m and v at @p in and writing them to
-  // @p out (the same pointers: in place), the new compute weights into host_weights_.
-  void cpu_update(std::size_t b, std::size_t first, std::size_t count, float lr, std::int64_t t,
-                  float factor, std::array<float*, 3> in, std::array<float*, 3> out);
-  // Master weights, m and v of elements [first, ...) of bucket b's shard, at their place.
-  [[nodiscard]] std::array<float*, 3> home_states(std::size_t b, std::size_t first) const noexcept;
-  // Pipeline: master weights, m and v of chunk @p c at @p where (home or a spare region).
-  [[nodiscard]] std::array<float*, 3> chunk_states(
-      std::size_t c, detail::zero::spare_regions::region_index where) const noexcept;
-  // Pipeline: elements in chunk @p c.
-  [[nodiscard]] std::size_t chunk_elements(std::size_t c) const noexcept;
-  // On the worker, no free spare region: waits for the decision (cancellable, with the deadline).
-  void wait_decision(detail::zero::serial_worker const& worker);
-  // Pipeline, the worker idle: the work done ahead becomes current (@p adopt) or is dropped.
-  void end_speculation(bool adopt) const;
-  // The worker idle: away_ and peak_regions_ from spares_.
-  void sync_spares() const noexcept {
-    away_         = spares_.away();
-    peak_regions_ = spares_.peak_in_use();
-  }
-  // On the worker: wait for the gradients, update, send the weights back.
-  void pipeline_job(std::size_t b, float lr, std::int64_t t, float factor, std::uint64_t epoch,
-                    detail::zero::serial_worker const& worker);
-  void finish_pipeline(cuda::stream_ref stream);  // waits for the worker (deadline)
-  // offload_overlap_forward: the worker's end of a step that `step` adopted without waiting for
-  // it (host only: the pending buckets' copies are left to weights_ready).
-  void settle_tail() const;
-  // Every pending bucket's weights on @p stream, then the tail settled.
-  void complete_tail(cuda::stream_ref stream) {
-    if (pending_ > 0) { weights_ready(0, stream); }
-    settle_tail();
-  }
-  // On the worker: the bucket the job posted for @p b works on (forward order once decided).
-  [[nodiscard]] std::size_t claim_bucket(std::size_t b);
-  // Bucket b's new weights, sent back by the pipeline into its gradient shard, into place on
-  // @p stream (stages 1-2: all-gathered into the arena; 3: copied into the shard weights).
-  void adopt_bucket(std::size_t b, cuda::stream_ref stream);
-  // Host poll of @p e with the communicator's deadline (stops early once @p worker is cancelled).
-  void wait_event(cudaEvent_t e, char const* what,
-                  detail::zero::serial_worker const* worker = nullptr) const;
-  // Pipeline: copies the chunks whose current values are in a spare region back to their place
-  // (master_, states_), so that those are current everywhere.
-  void gather_host_copies() const;
   // reduce_gradients (last: the step's last micro-batch) and accumulate_gradients.
   void reduce_bucket(std::size_t b, cuda::stream_ref stream, bool last);
-  // Offload: throws wm::logic_error naming @p operation once an offload step failed (failure_).
-  void expect_usable(char const* operation) const {
-    if constexpr (Offload::host) { failure_.check(operation); }
-  }
-  // Offload, inside a catch block: the exception being handled makes the optimizer unusable
-  // (the first one is kept as the cause), and the pipeline's job stops at its next chunk.
-  void fail_offload() const noexcept {
-    if constexpr (Offload::host) {
-      failure_.record_current();
-      decision_.store(2, std::memory_order_release);
-    }
-  }
+  // Throws wm::logic_error naming @p operation once the engine failed (offload: a step).
+  void expect_usable(char const* operation) const { engine_.check(operation); }
 
   communicator* comm_;
   Optimizer opt_;
@@ -383,94 +324,29 @@ class zero_optimizer {
   std::vector<std::size_t> partial_offset_;      // bucket b's first norm partial
   std::vector<int> partial_blocks_;
   std::size_t partials_{0};
+  // The buffers (detail/zero/arenas.hpp); the pointers below point into them.
+  std::unique_ptr<detail::zero::arenas> arenas_;
   std::byte* weights_{nullptr};  // stages 1-2: arena; 3: shard arena
   std::byte* grads_{nullptr};    // stage 1: arena; 2-3: shard arena
   std::byte* staging_{nullptr};  // stages 2-3: two buckets
   std::byte* pool_{nullptr};     // stage 3: gather pool
-  float* master_{nullptr};
-  float* states_{nullptr};
-  double* scratch_{nullptr};                  // partials, then [local Σ g², global Σ g²]
-  static constexpr std::size_t counters = 4;  // applied, last skipped, skipped, scale tracker
-  std::int64_t* counters_{nullptr};
-  float* scale_{nullptr};           // the loss scale of the next step (device)
-  mutable float host_scale_{1.0f};  // offload: the scale itself; else the last one read
-  std::int64_t* host_counters_{nullptr};
-  double* host_sumsq_{nullptr};       // offload: the step's global Σ g² and the ranks' vetoes
-  std::byte* host_grads_{nullptr};    // offload: the gradient shards (shard arena layout)
-  std::byte* host_weights_{nullptr};  // offload: the new weight shards (shard arena layout)
-  std::unique_ptr<detail::zero::thread_pool> cpu_pool_;  // offload: the CPU Adam's threads
-  // Offload pipeline: the spare regions (each [master | m | v] of region_elements_ floats), the
-  // copy streams, and what the worker computes.
-  float* spare_{nullptr};
-  std::size_t region_elements_{0};
-  cudaStream_t d2h_stream_{nullptr};
-  cudaStream_t h2d_stream_{nullptr};
-  cudaEvent_t reduced_{nullptr};  // on the caller's stream after a bucket's reduction
-  // The pipeline moves and updates a bucket's shard in chunks of options_.offload_chunk_elements
-  // (a multiple of 64: the CPU Adam's vector bodies then cover the same elements as in one call).
-  std::vector<cudaEvent_t> landed_;        // per chunk: its gradients are on the host
-  std::vector<std::size_t> first_chunk_;   // bucket b's first chunk in landed_
-  std::vector<std::size_t> chunk_bucket_;  // per chunk: its bucket and first element in the shard
-  std::vector<std::size_t> chunk_first_;
-  cudaEvent_t d2h_done_{nullptr};  // the last D2H of a step
-  cudaEvent_t h2d_done_{nullptr};  // the last H2D of a step
-  struct speculation {
-    bool active{false};   // jobs of this step were posted
-    bool invalid{false};  // something changed the inputs after they were posted
-    float lr{0.0f};       // what the jobs assume
-    float factor{0.0f};
-    std::int64_t t{0};
-    std::size_t posted{0};
-  };
-  mutable speculation spec_{};             // mutable: gather_host_copies may invalidate it
-  bool step_open_{false};                  // a reduce_gradients of this step was made
-  bool pipelined_{false};                  // the last step adopted the pipeline's update
+  std::byte* accum_{nullptr};    // stage 1 with gradient_accumulation: the sums (shard layout)
+  double* scratch_{nullptr};     // partials, then [local Σ g², veto, global Σ g², vetoes]
+  detail::zero::step_counters* counters_{nullptr};       // device
+  detail::zero::step_counters* host_counters_{nullptr};  // pinned host
+  float* scale_{nullptr};                                // the loss scale of the next step (device)
+  mutable float host_scale_{1.0f};         // offload: the scale itself; else the last one read
   std::vector<std::uint8_t> accumulated_;  // per bucket: a micro-batch's sum is kept this step
-  std::byte* accum_{nullptr};  // stage 1 with gradient_accumulation: the sums (shard layout)
-  // Per chunk: where its current master weights and moments are (its place or a spare region),
-  // and what the worker wrote ahead. The worker uses it during a step (between the first
-  // reduce_gradients and finish_pipeline), the caller's thread otherwise.
-  mutable detail::zero::spare_regions spares_;
-  mutable std::size_t away_{0};          // spares_.away() when the worker was last idle
-  mutable std::size_t peak_regions_{0};  // spares_.peak_in_use() then
-  // What the worker does with a chunk it starts: 0 not decided (update it ahead, into a spare
-  // region, if one is free; else wait), 1 the step applies as assumed (update in place), 2
-  // dropped (stop).
-  mutable std::atomic<int> decision_{0};
-  // Offload: the first failure of a step (its message); set, every operation on the state throws.
-  mutable detail::zero::failure_latch failure_;
-  // Statistics (offload_stats): the worker's counts, and the caller's.
-  std::atomic<std::int64_t> chunks_ahead_{0};
-  std::atomic<std::int64_t> chunks_after_{0};
-  std::atomic<std::int64_t> region_waits_{0};
-  std::atomic<std::int64_t> wait_ns_{0};
-  std::atomic<std::int64_t> cpu_ns_{0};  // wall time of cpu_update calls (offload_stats)
-  mutable std::int64_t chunks_dropped_{0};
-  std::int64_t chunks_redone_{0};
-  // Per step of the pipeline (its first reduce_gradients): the epoch its jobs publish.
-  std::uint64_t epoch_{0};
-  // Per bucket: the last H2D of its weights (h2d_stream_), and the epoch whose job recorded it.
-  std::vector<cudaEvent_t> bucket_sent_;
-  std::unique_ptr<std::atomic<std::uint64_t>[]> bucket_epoch_;
-  // The worker's claims of the step's buckets (reset by the caller while the worker is idle).
-  std::vector<std::uint8_t> claimed_;
-  std::size_t claim_top_{0};
-  // offload_overlap_forward: `step` adopted the update without waiting for the worker
-  // (tail_worker_), and buckets [0, pending_) still need their weights brought into place.
-  mutable bool tail_worker_{false};
-  mutable std::size_t pending_{0};
-  float next_lr_{std::numeric_limits<float>::quiet_NaN()};  // prepare_step's, else the last
-  int device_{0};
-  std::unique_ptr<detail::zero::serial_worker> worker_;  // last: stops before the buffers go
-  cudaStream_t gather_stream_{nullptr};
-  cudaEvent_t gather_done_{nullptr};
-  cudaEvent_t user_ready_{nullptr};
+  detail::unique_stream gather_stream_;
+  detail::unique_event gather_done_;
+  detail::unique_event user_ready_;
   detail::zero::residency residency_;
   std::vector<std::vector<std::size_t>> group_buckets_;
   std::ptrdiff_t last_group_{-1};
   int direction_{1};
   bool masters_stale_{true};
   zero_memory memory_{};
+  engine_type engine_;  // last: it stops (the offload pipeline's worker) before the buffers go
 };
 
 }  // namespace wm

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
+#include <wm/detail/zero/counters.hpp>
 #include <wm/detail/zero/plan.hpp>
 #include <wm/optimizer.hpp>
 
@@ -75,12 +76,12 @@ __global__ void __launch_bounds__(Block)
 
 /// What every shard's update needs besides its pointers.
 struct step_args {
-  float lr;                     ///< learning rate of this step
-  float inv_ranks;              ///< 1 / ranks averaged over (1: sums)
-  float const* scale;           ///< the loss scale of this step (device)
-  float max_norm;               ///< clip threshold (<= 0: none)
-  double const* sumsq;          ///< Σ g² of the raw (scaled, summed) gradients, all ranks
-  std::int64_t const* applied;  ///< steps applied before this one
+  float lr;                       ///< learning rate of this step
+  float inv_ranks;                ///< 1 / ranks averaged over (1: sums)
+  float const* scale;             ///< the loss scale of this step (device)
+  float max_norm;                 ///< clip threshold (<= 0: none)
+  double const* sumsq;            ///< Σ g² of the raw (scaled, summed) gradients, all ranks
+  step_counters const* counters;  ///< the steps before this one (device)
 };
 
 /// The gradient multiplier of a step whose raw gradients have Σ g² = @p sumsq (finite):
@@ -115,7 +116,7 @@ __global__ void update_kernel(T const* __restrict__ grad, float* __restrict__ ma
                               T* __restrict__ w_out, std::size_t n, Optimizer opt, step_args a) {
   if (!isfinite(*a.sumsq)) { return; }  // every rank skips: they all see the same sum
   float const factor = grad_factor(a);
-  update_step<float> const step{a.lr, *a.applied + 1};
+  update_step<float> const step{a.lr, a.counters->applied + 1};
   constexpr int k = Optimizer::states;
   for_each_index(n, [&](std::size_t i) {
     float st[k > 0 ? k : 1];
@@ -145,21 +146,22 @@ __host__ __device__ inline void update_scale(bool skipped, float& scale, std::in
   }
 }
 
-/// counters[0]: steps applied; [1]: 1 if the last step was skipped; [2]: steps skipped; [3]: the
-/// dynamic loss scale's growth tracker (with @p dynamic, *scale is updated too).
+/// The counters after a step (with @p dynamic, *scale is updated too).
 struct finish_step_op {
   double const* sumsq;
-  std::int64_t* counters;
+  step_counters* counters;
   float* scale;
   bool dynamic;
   float growth, backoff;
   std::int64_t interval;
   __device__ void operator()(std::size_t) const {
     bool const skip = !isfinite(*sumsq);
-    counters[0] += skip ? 0 : 1;
-    counters[1] = skip ? 1 : 0;
-    counters[2] += skip ? 1 : 0;
-    if (dynamic) { update_scale(skip, *scale, counters[3], growth, backoff, interval); }
+    counters->applied += skip ? 0 : 1;
+    counters->last_skipped = skip ? 1 : 0;
+    counters->skipped += skip ? 1 : 0;
+    if (dynamic) {
+      update_scale(skip, *scale, counters->growth_tracker, growth, backoff, interval);
+    }
   }
 };
 

@@ -43,14 +43,15 @@ void zero_optimizer<Stage, Optimizer, Offload>::save(std::filesystem::path const
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
   expect_usable("save");
-  complete_tail(stream);
-  gather_host_copies();
+  engine_.complete_tail(stream);
+  engine_.settle_states();
   if (masters_stale_) { widen_masters(stream.get()); }
   read_counters(stream);  // waits for the stream (with the communicator's deadline)
-  std::int64_t const applied = host_counters_[0];
+  std::int64_t const applied = host_counters_->applied;
   std::vector<std::vector<float>> data(streams, std::vector<float>(n));
   for (std::size_t k = 0; k < streams && n > 0; ++k) {
-    WM_CUDA_TRY(cudaMemcpyAsync(data[k].data(), k == 0 ? master_ : states_ + (k - 1) * n,
+    WM_CUDA_TRY(cudaMemcpyAsync(data[k].data(),
+                                k == 0 ? engine_.master() : engine_.states() + (k - 1) * n,
                                 n * sizeof(float), cudaMemcpyDefault, stream.get()));
   }
   comm_->synchronize(stream, "zero_optimizer::save");
@@ -79,22 +80,12 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   std::size_t const n           = plan_.state_elements;
   constexpr std::size_t streams = 1 + static_cast<std::size_t>(Optimizer::states);
   expect_usable("load");
-  if constexpr (Offload::host) {  // the pipeline's jobs of a step begun before the load end
-    complete_tail(stream);
-    if (spec_.active) {
-      decision_.store(2, std::memory_order_release);
-      finish_pipeline(stream);
-      end_speculation(false);
-    }
-    spec_      = {};
-    step_open_ = false;
-    gather_host_copies();  // every chunk at its place, which load writes (or keeps if it fails)
-  }
+  engine_.before_load(stream);  // offload: a step begun ends, every chunk at its place
   if constexpr (Stage::value == 3) {
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::load (stage 3): release every gathered group first");
     residency_.drop_prefetch();
-    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
+    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_.get(), 0));
   }
   std::vector<std::vector<float>> data(streams, std::vector<float>(n, 0.0f));
   std::int64_t applied = 0;
@@ -127,16 +118,13 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
   agree(error, "load");
   comm_->synchronize(stream, "zero_optimizer::load");  // host_counters_ and the buffers are free
   for (std::size_t k = 0; k < streams && n > 0; ++k) {
-    WM_CUDA_TRY(cudaMemcpyAsync(k == 0 ? master_ : states_ + (k - 1) * n, data[k].data(),
-                                n * sizeof(float), cudaMemcpyDefault, s));
+    WM_CUDA_TRY(cudaMemcpyAsync(k == 0 ? engine_.master() : engine_.states() + (k - 1) * n,
+                                data[k].data(), n * sizeof(float), cudaMemcpyDefault, s));
   }
-  host_counters_[0] = applied;
-  host_counters_[1] = 0;
-  host_counters_[2] = 0;
-  if constexpr (!Offload::host) {
-    WM_CUDA_TRY(cudaMemcpyAsync(counters_, host_counters_, 3 * sizeof(std::int64_t),
-                                cudaMemcpyHostToDevice, s));
-  }
+  host_counters_->applied      = applied;
+  host_counters_->last_skipped = 0;
+  host_counters_->skipped      = 0;
+  engine_.counters_loaded(s);  // to the device (offload: the host keeps them)
   // The compute weights of this rank's shard from the masters, then (stages 1-2) everyone's.
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     auto const& bk = plan_.buckets[b];
@@ -144,7 +132,8 @@ void zero_optimizer<Stage, Optimizer, Offload>::load(std::filesystem::path const
       using T = decltype(tag);
       WM_CUDA_TRY(cub::DeviceFor::Bulk(
           bk.shard_elements,
-          z::narrow_op<T>{master_ + bk.state_offset, static_cast<T*>(shard_weights(b))}, s));
+          z::narrow_op<T>{engine_.master() + bk.state_offset, static_cast<T*>(shard_weights(b))},
+          s));
     });
     if constexpr (Stage::value < 3) { all_gather_bucket(b, weights_ + bk.byte_offset, stream); }
   }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The device step of wm::zero_optimizer (declared in <wm/zero.cuh>): gradients reduced (or
-// accumulated) bucket by bucket as backward produces them, the global norm (float64 partials and
-// one all-reduce), the fused update of every shard with the loss-scale bookkeeping, and the
-// step counters read back. The host offload's step is in offload/step.cuh.
+// The step of wm::zero_optimizer (declared in <wm/zero.cuh>): gradients reduced (or accumulated)
+// bucket by bucket as backward produces them, each reduced bucket handed to the engine, the
+// global norm (float64 partials and one all-reduce) that the engines' steps use, the step
+// itself (the engine's), and the step counters read back.
 #pragma once
 
 #include <wm/detail/base/cuda.cuh>
@@ -28,7 +28,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_gradients(std::size_t b,
   try {  // offload: a bucket half sent or half posted leaves the step unfinishable
     reduce_bucket(b, stream, true);
   } catch (...) {
-    fail_offload();
+    engine_.fail();
     throw;
   }
 }
@@ -46,7 +46,7 @@ void zero_optimizer<Stage, Optimizer, Offload>::accumulate_gradients(std::size_t
   try {
     reduce_bucket(b, stream, false);
   } catch (...) {
-    fail_offload();
+    engine_.fail();
     throw;
   }
 }
@@ -55,7 +55,7 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
                                                               cuda::stream_ref stream, bool last) {
   namespace z = detail::zero;
-  complete_tail(stream);  // the last step's weights are in place before backward's next ones
+  engine_.complete_tail(stream);  // the last step's weights land before backward's next ones
   cudaStream_t const s = stream.get();
   auto const& bk       = plan_.buckets[b];
   bool const summed    = accumulated_[b] != 0;  // earlier micro-batches of this step
@@ -93,57 +93,12 @@ void zero_optimizer<Stage, Optimizer, Offload>::reduce_bucket(std::size_t b,
       WM_CUDA_TRY(cudaMemsetAsync(staging(b), 0, bk.bytes(), s));
       if (!last) { return; }
     }
-    if constexpr (Offload::host) {  // to the CPU Adam at once (overlaps the rest of backward)
-      std::size_t const size = bk.shard_elements * sizeof(T);
-      if (!options_.offload_pipeline) {
-        WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b], shard_gradients(b), size,
-                                    cudaMemcpyDeviceToHost, stream.get()));
-        return;
-      }
-      // The norm partials now: the shard is the landing place of the new weights later.
-      norm_partials(b, stream.get());
-      if (!step_open_) {  // the step's first bucket: what the CPU Adam assumes for all of them
-        step_open_ = true;
-        spec_      = {};
-        decision_.store(0, std::memory_order_relaxed);  // the worker is idle between steps
-        ++epoch_;
-        std::fill(claimed_.begin(), claimed_.end(), std::uint8_t{0});
-        claim_top_ = claimed_.size();
-        if (!masters_stale_ && std::isfinite(next_lr_)) {
-          float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-          spec_.active      = true;
-          spec_.lr          = next_lr_;
-          spec_.t           = host_counters_[0] + 1;
-          spec_.factor      = 1.0f / (host_scale_ * ranks);  // as step computes it, unclipped
-        }
-      }
-      // On the copy stream: backward goes on while the gradients go to the host.
-      WM_CUDA_TRY(cudaEventRecord(reduced_, stream.get()));
-      WM_CUDA_TRY(cudaStreamWaitEvent(d2h_stream_, reduced_, 0));
-      std::size_t const chunk_bytes = options_.offload_chunk_elements * sizeof(T);
-      std::size_t c                 = first_chunk_[b];
-      for (std::size_t at = 0; at < size; at += chunk_bytes, ++c) {
-        WM_CUDA_TRY(cudaMemcpyAsync(host_grads_ + shard_bytes_offset_[b] + at,
-                                    static_cast<std::byte*>(shard_gradients(b)) + at,
-                                    std::min(chunk_bytes, size - at), cudaMemcpyDeviceToHost,
-                                    d2h_stream_));
-        WM_CUDA_TRY(cudaEventRecord(landed_[c], d2h_stream_));
-      }
-      if (spec_.active) {
-        ++spec_.posted;
-        detail::zero::serial_worker const* w = worker_.get();
-        worker_->post([this, b, lr = spec_.lr, t = spec_.t, f = spec_.factor, e = epoch_, w] {
-          pipeline_job(b, lr, t, f, e, *w);
-        });
-      }
-    }
   });
+  if (last) { engine_.reduced(b, stream); }  // offload: to the host at once (backward goes on)
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref stream) {
-  namespace z          = detail::zero;
-  cudaStream_t const s = stream.get();
   expect_usable("step");
   WM_EXPECTS(
       std::find(accumulated_.begin(), accumulated_.end(), std::uint8_t{1}) == accumulated_.end(),
@@ -153,50 +108,29 @@ void zero_optimizer<Stage, Optimizer, Offload>::step(float lr, cuda::stream_ref 
     WM_EXPECTS(!residency_.any_held(),
                "zero_optimizer::step (stage 3): release every gathered group first");
   }
-  complete_tail(stream);  // a step without backward: the last step's update ends first
+  engine_.complete_tail(stream);  // a step without backward: the last step's update ends first
   if constexpr (Stage::value == 3) {
     residency_.drop_prefetch();  // its copies would be stale after the update
     // A prefetch may still be reading the shard weights that the update rewrites.
-    WM_CUDA_TRY(cudaStreamWaitEvent(s, gather_done_, 0));
+    WM_CUDA_TRY(cudaStreamWaitEvent(stream.get(), gather_done_.get(), 0));
   }
-  if constexpr (Offload::host) {
-    try {
-      step_offload(lr, stream);
-    } catch (...) {  // the masters and moments may be half updated, the step half decided
-      fail_offload();
-      throw;
-    }
-  } else {
-    if (masters_stale_) { widen_masters(s); }
-    double* const global = norm_async(stream);
-    // 3. The fused update of every shard, cast into the all-gather's send block.
-    float const ranks = options_.average_gradients ? static_cast<float>(world_) : 1.0f;
-    z::step_args const args{lr, 1.0f / ranks, scale_, options_.max_grad_norm, global, counters_};
-    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-      auto const& bk = plan_.buckets[b];
-      z::with_element_type(bk.type, [&](auto tag) {
-        using T = decltype(tag);
-        z::update_kernel<T, Optimizer>
-            <<<detail::elementwise_blocks(bk.shard_elements), 256, 0, s>>>(
-                static_cast<T const*>(shard_gradients(b)), master_ + bk.state_offset,
-                states_ + bk.state_offset, plan_.state_elements, static_cast<T*>(shard_weights(b)),
-                bk.shard_elements, opt_, args);
-        WM_CHECK_LAUNCH();
-      });
-    }
-    WM_CUDA_TRY(cub::DeviceFor::Bulk(
-        1,
-        z::finish_step_op{global, counters_, scale_, options_.dynamic_loss_scale,
-                          options_.scale_growth, options_.scale_backoff,
-                          options_.scale_growth_interval},
-        s));
-    // 4. Stages 1-2: the in-place all-gather of the new weights.
-    if constexpr (Stage::value < 3) {
-      for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-        all_gather_bucket(b, weights_ + plan_.buckets[b].byte_offset, stream);
-      }
-    }
+  try {
+    engine_.step(lr, stream);
+  } catch (...) {  // offload: the masters and moments may be half updated, the step half decided
+    engine_.fail();
+    throw;
   }
+}
+
+template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
+void zero_optimizer<Stage, Optimizer, Offload>::weights_ready(std::size_t b,
+                                                              cuda::stream_ref stream) {
+  expect_usable("weights_ready");
+  if (b == detail::zero::no_bucket) { return; }  // a parameter without elements
+  WM_EXPECTS(b < plan_.buckets.size(),
+             "zero_optimizer::weights_ready: a bucket index below the count (" +
+                 std::to_string(plan_.buckets.size()) + "), got " + std::to_string(b));
+  engine_.weights_ready(b, stream);
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -238,12 +172,7 @@ double* zero_optimizer<Stage, Optimizer, Offload>::norm_total(cuda::stream_ref s
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
 void zero_optimizer<Stage, Optimizer, Offload>::read_counters(cuda::stream_ref stream) const {
-  if constexpr (!Offload::host) {  // offload: the host keeps them
-    WM_CUDA_TRY(cudaMemcpyAsync(host_counters_, counters_, counters * sizeof(std::int64_t),
-                                cudaMemcpyDeviceToHost, stream.get()));
-    WM_CUDA_TRY(
-        cudaMemcpyAsync(&host_scale_, scale_, sizeof(float), cudaMemcpyDeviceToHost, stream.get()));
-  }
+  engine_.read_counters(stream);  // from the device (offload: the host keeps them)
   comm_->synchronize(stream, "zero_optimizer counters");
 }
 
@@ -251,7 +180,7 @@ template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Of
 bool zero_optimizer<Stage, Optimizer, Offload>::last_step_skipped(cuda::stream_ref stream) const {
   expect_usable("last_step_skipped");
   read_counters(stream);
-  return host_counters_[1] != 0;
+  return host_counters_->last_skipped != 0;
 }
 
 template <zero_stage_policy Stage, sparse_optimizer Optimizer, offload_policy Offload>
@@ -266,7 +195,7 @@ std::int64_t zero_optimizer<Stage, Optimizer, Offload>::applied_steps(
     cuda::stream_ref stream) const {
   expect_usable("applied_steps");
   read_counters(stream);
-  return host_counters_[0];
+  return host_counters_->applied;
 }
 
 }  // namespace wm
