@@ -79,16 +79,17 @@ std::size_t global_row(wm::block_partition const& p, int world, int r, std::size
   }
 }
 
-// Calls run.template operator()<Location, Layout>() for every location and layout.
-template <class Run>
-void for_every_kind(Run&& run) {
-  run.template operator()<wm::device, wm::continuous>();
-  run.template operator()<wm::device, wm::chunked>();
-  run.template operator()<wm::device, wm::distributed>();
-  run.template operator()<wm::host, wm::continuous>();
-  run.template operator()<wm::host, wm::chunked>();
-  run.template operator()<wm::host, wm::distributed>();
-}
+// The TEMPLATE_TEST_CASE arguments for every location x layout, each a std::tuple of location,
+// layout and the given types (a mapping, then an index type where a case needs one).
+#define WM_TENSOR_EVERY_LAYOUT(...)                           \
+  (std::tuple<wm::device, wm::continuous, __VA_ARGS__>),      \
+      (std::tuple<wm::device, wm::chunked, __VA_ARGS__>),     \
+      (std::tuple<wm::device, wm::distributed, __VA_ARGS__>), \
+      (std::tuple<wm::host, wm::continuous, __VA_ARGS__>),    \
+      (std::tuple<wm::host, wm::chunked, __VA_ARGS__>),       \
+      (std::tuple<wm::host, wm::distributed, __VA_ARGS__>)
+// Every kind: each location x layout with the block mapping, then with the cyclic one.
+#define WM_TENSOR_EVERY_KIND WM_TENSOR_EVERY_LAYOUT(wm::block), WM_TENSOR_EVERY_LAYOUT(wm::cyclic)
 
 // Writes this rank's rows of @p table (rows of rb bytes, global order) into @p t's local rows.
 template <class M, class Tensor>
@@ -134,10 +135,6 @@ void gather_checks(Tensor& t, std::vector<std::byte> const& table, std::size_t r
 template <class T, class L, class Y, class M, class Index>
 void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std::size_t cols,
               std::size_t stride);
-
-// exercise() on every element type: 16-byte rows, odd rows, padded rows, 1D, one row (++seed each).
-template <class L, class Y, class M, class Index>
-void all_types(wm::communicator& comm, std::uint64_t& seed);
 
 // Half values and outputs one element past an aligned address, scattered and gathered.
 template <class L, class Y, class M>

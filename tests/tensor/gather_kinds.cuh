@@ -259,18 +259,6 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
   comm.barrier();
 }
 
-template <class L, class Y, class M, class Index>
-void all_types(wm::communicator& comm, std::uint64_t& seed) {
-  // 16-byte rows, odd rows, padded rows, 1D; row counts not divisible by the rank count.
-  exercise<float, L, Y, M, Index>(comm, ++seed, 1001, 128, 0);
-  exercise<float, L, Y, M, Index>(comm, ++seed, 777, 33, 36);
-  exercise<__half, L, Y, M, Index>(comm, ++seed, 513, 7, 0);
-  exercise<__nv_bfloat16, L, Y, M, Index>(comm, ++seed, 300, 64, 72);
-  exercise<std::int32_t, L, Y, M, Index>(comm, ++seed, 1003, 1, 0);
-  exercise<std::int64_t, L, Y, M, Index>(comm, ++seed, 99, 5, 0);
-  exercise<float, L, Y, M, Index>(comm, ++seed, 1, 4, 0);  // one row: other ranks own nothing
-}
-
 // Values and outputs one element past an aligned address, as an odd-element slice of half
 // values is: rows of 16 halves would allow 16-byte vectors, the address only 2-byte ones. Rank r
 // scatters the rows k with k % world == r (in a shuffled order, so writes cross ranks) from
@@ -435,11 +423,6 @@ void zero_rows(wm::communicator& comm) {
   RANK_REQUIRE_MSG(threw, what << ": a scatter of 70,000 indices into 0 rows did not throw");
   t.gather(std::span<std::int64_t const>{}, reinterpret_cast<float*>(out.ptr), s);  // empty: fine
   comm.barrier();
-}
-
-template <class M>
-void zero_rows_all_kinds(wm::communicator& comm) {
-  for_every_kind([&]<class L, class Y>() { zero_rows<L, Y, M>(comm); });
 }
 
 // scatter_async on a stream of the caller's, then store() at once: the files hold the new rows.
@@ -614,15 +597,20 @@ void column_views(wm::communicator& comm, std::uint64_t seed) {
 
 // The gather/scatter suite on L.Y: every element type with both index types (block mapping),
 // float rows with int32 and int64 rows with int64 indices (cyclic mapping).
-#define WM_TENSOR_SUITE(L, Y)                                                             \
-  template void gather_tests::all_types<L, Y, wm::block, std::int32_t>(wm::communicator&, \
-                                                                       std::uint64_t&);   \
-  template void gather_tests::all_types<L, Y, wm::block, std::int64_t>(wm::communicator&, \
-                                                                       std::uint64_t&);   \
-  template void gather_tests::exercise<float, L, Y, wm::cyclic, std::int32_t>(            \
-      wm::communicator&, std::uint64_t, std::size_t, std::size_t, std::size_t);           \
-  template void gather_tests::exercise<std::int64_t, L, Y, wm::cyclic, std::int64_t>(     \
-      wm::communicator&, std::uint64_t, std::size_t, std::size_t, std::size_t)
+#define WM_TENSOR_SUITE_TYPE(T, L, Y, M, I)                                             \
+  template void gather_tests::exercise<T, L, Y, M, I>(wm::communicator&, std::uint64_t, \
+                                                      std::size_t, std::size_t, std::size_t)
+#define WM_TENSOR_SUITE_INDEX(L, Y, I)                     \
+  WM_TENSOR_SUITE_TYPE(float, L, Y, wm::block, I);         \
+  WM_TENSOR_SUITE_TYPE(__half, L, Y, wm::block, I);        \
+  WM_TENSOR_SUITE_TYPE(__nv_bfloat16, L, Y, wm::block, I); \
+  WM_TENSOR_SUITE_TYPE(std::int32_t, L, Y, wm::block, I);  \
+  WM_TENSOR_SUITE_TYPE(std::int64_t, L, Y, wm::block, I)
+#define WM_TENSOR_SUITE(L, Y)                                  \
+  WM_TENSOR_SUITE_INDEX(L, Y, std::int32_t);                   \
+  WM_TENSOR_SUITE_INDEX(L, Y, std::int64_t);                   \
+  WM_TENSOR_SUITE_TYPE(float, L, Y, wm::cyclic, std::int32_t); \
+  WM_TENSOR_SUITE_TYPE(std::int64_t, L, Y, wm::cyclic, std::int64_t)
 
 // The bodies every kind L.Y.M runs: misaligned halves and the [ranked] cases of ranked_test.cu.
 #define WM_TENSOR_KIND(L, Y, M)                                                             \

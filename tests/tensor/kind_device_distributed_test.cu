@@ -8,7 +8,3 @@ WM_TENSOR_KIND(wm::device, wm::distributed, wm::block);
 WM_TENSOR_KIND(wm::device, wm::distributed, wm::cyclic);
 WM_TENSOR_BACK_TO_BACK(wm::device, wm::distributed, wm::block);
 WM_TENSOR_BACK_TO_BACK(wm::device, wm::distributed, wm::cyclic);
-
-// Called on its own by the long-gather and put/NCCL cases (gather_test.cu).
-template void gather_tests::exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(
-    wm::communicator&, std::uint64_t, std::size_t, std::size_t, std::size_t);

@@ -235,20 +235,6 @@ std::uint64_t shared_seed(wm::communicator& comm) {
 
 // ---- cases run inside every rank (--ranks; tests/support/ranks.hpp) ----------------------------
 
-#define WM_EVERY_KIND                                        \
-  (std::tuple<wm::device, wm::continuous, wm::block>),       \
-      (std::tuple<wm::device, wm::chunked, wm::block>),      \
-      (std::tuple<wm::device, wm::distributed, wm::block>),  \
-      (std::tuple<wm::host, wm::continuous, wm::block>),     \
-      (std::tuple<wm::host, wm::chunked, wm::block>),        \
-      (std::tuple<wm::host, wm::distributed, wm::block>),    \
-      (std::tuple<wm::device, wm::continuous, wm::cyclic>),  \
-      (std::tuple<wm::device, wm::chunked, wm::cyclic>),     \
-      (std::tuple<wm::device, wm::distributed, wm::cyclic>), \
-      (std::tuple<wm::host, wm::continuous, wm::cyclic>),    \
-      (std::tuple<wm::host, wm::chunked, wm::cyclic>),       \
-      (std::tuple<wm::host, wm::distributed, wm::cyclic>)
-
 TEST_CASE(
     "ranked: a null pointer in a distributed call makes every rank throw within 5 s; the next call "
     "works",
@@ -281,7 +267,7 @@ TEST_CASE(
 }
 
 TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters", "[ranked]",
-                   WM_EVERY_KIND) {
+                   WM_TENSOR_EVERY_KIND) {
   using L = std::tuple_element_t<0, TestType>;
   using Y = std::tuple_element_t<1, TestType>;
   using M = std::tuple_element_t<2, TestType>;
@@ -289,7 +275,7 @@ TEMPLATE_TEST_CASE("ranked: 0-row tensors take 70,000-index gathers and scatters
 }
 
 TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, stores the new rows",
-                   "[ranked]", WM_EVERY_KIND) {
+                   "[ranked]", WM_TENSOR_EVERY_KIND) {
   using L                  = std::tuple_element_t<0, TestType>;
   using Y                  = std::tuple_element_t<1, TestType>;
   using M                  = std::tuple_element_t<2, TestType>;
@@ -304,7 +290,7 @@ TEMPLATE_TEST_CASE("ranked: scatter_async on a stream, then store() at once, sto
 }
 
 TEMPLATE_TEST_CASE("ranked: views of a tensor's columns share its memory", "[ranked]",
-                   WM_EVERY_KIND) {
+                   WM_TENSOR_EVERY_KIND) {
   using L    = std::tuple_element_t<0, TestType>;
   using Y    = std::tuple_element_t<1, TestType>;
   using M    = std::tuple_element_t<2, TestType>;
@@ -312,7 +298,7 @@ TEMPLATE_TEST_CASE("ranked: views of a tensor's columns share its memory", "[ran
   column_views<L, Y, M>(comm, shared_seed(comm));
 }
 
-TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_EVERY_KIND) {
+TEMPLATE_TEST_CASE("ranked: move-assignment while gathers run", "[ranked]", WM_TENSOR_EVERY_KIND) {
   using L    = std::tuple_element_t<0, TestType>;
   using Y    = std::tuple_element_t<1, TestType>;
   using M    = std::tuple_element_t<2, TestType>;
