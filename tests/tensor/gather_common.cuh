@@ -3,8 +3,9 @@
 // cases run on, and the per-kind bodies of the cases. Those bodies (exercise, misaligned_values,
 // zero_rows, ...) are defined in gather_kinds.cuh and instantiated once each, in the
 // kind_<location>_<layout>_test.cu file of their kind (both mappings); the cases (gather_test.cu,
-// ranked_test.cu) see these declarations only and link against them, so a kind's kernels compile
-// in one translation unit and the kinds in several at once. A case that calls a body for a kind
+// gather_path_test.cu, unwind_test.cu, ranked_test.cu) see these declarations only and link
+// against them, so a kind's kernels compile in one translation unit and the kinds in several at
+// once. A case that calls a body for a kind
 // no kind_*_test.cu instantiates fails at link (undefined reference).
 #pragma once
 
