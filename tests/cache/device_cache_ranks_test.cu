@@ -95,11 +95,21 @@ TEST_CASE("ranks: a device cache on each rank's rows trains bit for bit like no 
           "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   INFO("seed " << seed);
-  wm::launch(2, [&](wm::communicator& comm) {
-    train_ranks<float, wm::lfu, wm::adam, wm::distributed, wm::block>(comm, wm::adam{}, seed);
-    train_ranks<float, wm::lru, wm::sgd, wm::chunked, wm::cyclic>(comm, wm::sgd{}, seed + 1);
-    train_ranks<__half, wm::lru, wm::adam, wm::continuous, wm::block>(comm, wm::adam{}, seed + 2);
-  });
+  SECTION("float, LFU, Adam, host distributed, block mapping") {
+    wm::launch(2, [&](wm::communicator& comm) {
+      train_ranks<float, wm::lfu, wm::adam, wm::distributed, wm::block>(comm, wm::adam{}, seed);
+    });
+  }
+  SECTION("float, LRU, SGD, host chunked, cyclic mapping") {
+    wm::launch(2, [&](wm::communicator& comm) {
+      train_ranks<float, wm::lru, wm::sgd, wm::chunked, wm::cyclic>(comm, wm::sgd{}, seed + 1);
+    });
+  }
+  SECTION("half, LRU, Adam, host continuous, block mapping") {
+    wm::launch(2, [&](wm::communicator& comm) {
+      train_ranks<__half, wm::lru, wm::adam, wm::continuous, wm::block>(comm, wm::adam{}, seed + 2);
+    });
+  }
 }
 
 namespace {

@@ -222,11 +222,21 @@ TEST_CASE(
     "device cache: more than 32 keys of one set in a batch bypass; training still equals "
     "no cache bit for bit",
     "[gpu]") {
-  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
-    train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed);
-    train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed + 1);
-    train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed + 2);
-  });
+  SECTION("float, LFU, SGD") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      train_with_bypasses<float, wm::lfu>(comm, wm::sgd{}, seed);
+    });
+  }
+  SECTION("float, LRU, Adam") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      train_with_bypasses<float, wm::lru>(comm, wm::adam{}, seed);
+    });
+  }
+  SECTION("half, LFU, Adam") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      train_with_bypasses<__half, wm::lfu>(comm, wm::adam{}, seed);
+    });
+  }
 }
 
 TEST_CASE("device cache: every replay of a captured gather is a batch of its own (bypass counts)",
@@ -334,11 +344,21 @@ TEST_CASE(
     "device cache: many dirty victims per gather; exact write-backs, the flushed table equals "
     "no cache bit for bit",
     "[gpu]") {
-  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
-    many_victims<float, wm::lfu>(comm, wm::adam{}, seed);
-    many_victims<__half, wm::lru>(comm, wm::sgd{0.01f}, seed + 1);
-    many_victims<float, wm::lru>(comm, wm::sgd{}, seed + 2);
-  });
+  SECTION("float, LFU, Adam") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      many_victims<float, wm::lfu>(comm, wm::adam{}, seed);
+    });
+  }
+  SECTION("half, LRU, SGD(wd)") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      many_victims<__half, wm::lru>(comm, wm::sgd{0.01f}, seed);
+    });
+  }
+  SECTION("float, LRU, SGD") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      many_victims<float, wm::lru>(comm, wm::sgd{}, seed);
+    });
+  }
 }
 
 TEST_CASE("device cache: the one-rank gather is captured in a CUDA graph and replayed on new keys",

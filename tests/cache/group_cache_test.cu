@@ -33,8 +33,22 @@
 
 using namespace cache_tests;
 
+namespace {
+
+/// The read-only cache a section of the case below checks.
+enum class read_only_cache { group_of_one_rank, device_read_only };
+
+}  // namespace
+
 TEST_CASE("read-only caches (group cache of one rank, read-only device cache) gather the table",
           "[gpu]") {
+  auto which = read_only_cache::group_of_one_rank;
+  SECTION("group_cache<lru> of one rank") {
+    which = read_only_cache::group_of_one_rank;
+  }
+  SECTION("device_cache<read_only, lfu>") {
+    which = read_only_cache::device_read_only;
+  }
   on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
     cudaStream_t s{};
     WM_CUDA_TRY(cudaStreamCreate(&s));
@@ -59,18 +73,21 @@ TEST_CASE("read-only caches (group cache of one rank, read-only device cache) ga
     auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
     wm::embedding<float, wm::no_cache, wm::no_optimizer, wm::device> plain{
         comm, 2000, 24, {}, init};
-    wm::cache_options co;
-    co.ratio = 0.2;
-    co.group = &comm;  // a group of one rank: a read-only device cache of the whole table
-    wm::embedding<float, wm::group_cache<wm::lru>, wm::no_optimizer, wm::host> group{
-        comm, 2000, 24, {}, init, co};
-    check(group, plain, "group_cache<lru>", seed + 1);
-    wm::cache_options ro;
-    ro.ratio = 0.05;
-    wm::embedding<float, wm::device_cache<wm::read_only, wm::lfu>, wm::no_optimizer, wm::host,
-                  wm::distributed>
-        read_only{comm, 2000, 24, {}, init, ro};
-    check(read_only, plain, "device_cache<read_only, lfu>", seed + 2);
+    if (which == read_only_cache::group_of_one_rank) {
+      wm::cache_options co;
+      co.ratio = 0.2;
+      co.group = &comm;  // a group of one rank: a read-only device cache of the whole table
+      wm::embedding<float, wm::group_cache<wm::lru>, wm::no_optimizer, wm::host> group{
+          comm, 2000, 24, {}, init, co};
+      check(group, plain, "group_cache<lru>", seed + 1);
+    } else {
+      wm::cache_options ro;
+      ro.ratio = 0.05;
+      wm::embedding<float, wm::device_cache<wm::read_only, wm::lfu>, wm::no_optimizer, wm::host,
+                    wm::distributed>
+          read_only{comm, 2000, 24, {}, init, ro};
+      check(read_only, plain, "device_cache<read_only, lfu>", seed + 2);
+    }
     WM_CUDA_TRY(cudaStreamDestroy(s));
   });
 }
@@ -278,14 +295,28 @@ TEST_CASE("group cache lines on one rank: rows read while a prefetch beside repl
 }
 
 TEST_CASE("group cache lines on one rank (the several-rank path, a group of one)", "[gpu]") {
-  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
-    using wm::detail::cache::lfu_impl;
-    using wm::detail::cache::lru_impl;
-    group_lines_one_rank<float, lfu_impl>(comm, 0.001, seed);  // one set
-    group_lines_one_rank<float, lru_impl>(comm, 0.1, seed + 1);
-    group_lines_one_rank<__half, lfu_impl>(comm, 1.0, seed + 2);
-    group_lines_one_rank<__half, lru_impl>(comm, 0.001, seed + 3);
-  });
+  using wm::detail::cache::lfu_impl;
+  using wm::detail::cache::lru_impl;
+  SECTION("float, LFU, ratio 0.001: one set") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      group_lines_one_rank<float, lfu_impl>(comm, 0.001, seed);
+    });
+  }
+  SECTION("float, LRU, ratio 0.1") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      group_lines_one_rank<float, lru_impl>(comm, 0.1, seed);
+    });
+  }
+  SECTION("half, LFU, ratio 1") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      group_lines_one_rank<__half, lfu_impl>(comm, 1.0, seed);
+    });
+  }
+  SECTION("half, LRU, ratio 0.001: one set") {
+    on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+      group_lines_one_rank<__half, lru_impl>(comm, 0.001, seed);
+    });
+  }
 }
 
 namespace {
@@ -565,35 +596,45 @@ TEST_CASE("ranks: a group cache on several ranks gathers the table (float, LFU, 
           "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   INFO("seed " << seed);
-  wm::launch(2, [&](wm::communicator& comm) {
-    group_cache_ranks<float, wm::lfu, wm::host, wm::chunked, wm::block>(comm, grouping::table, 0.05,
-                                                                        seed);
-    group_cache_ranks<float, wm::lfu, wm::host, wm::chunked, wm::block>(comm, grouping::table, 1.0,
-                                                                        seed + 1);
-  });
+  for (double const ratio : {0.05, 1.0}) {
+    DYNAMIC_SECTION("ratio " << ratio) {
+      wm::launch(2, [&](wm::communicator& comm) {
+        group_cache_ranks<float, wm::lfu, wm::host, wm::chunked, wm::block>(comm, grouping::table,
+                                                                            ratio, seed);
+      });
+    }
+  }
 }
 
 TEST_CASE("ranks: a group cache on several ranks gathers the table (half, LRU, device continuous)",
           "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   INFO("seed " << seed);
-  wm::launch(2, [&](wm::communicator& comm) {
-    group_cache_ranks<__half, wm::lru, wm::device, wm::continuous, wm::cyclic>(
-        comm, grouping::explicit_whole, 0.05, seed);
-    group_cache_ranks<__half, wm::lru, wm::device, wm::continuous, wm::cyclic>(
-        comm, grouping::explicit_whole, 1.0, seed + 1);
-  });
+  for (double const ratio : {0.05, 1.0}) {
+    DYNAMIC_SECTION("ratio " << ratio) {
+      wm::launch(2, [&](wm::communicator& comm) {
+        group_cache_ranks<__half, wm::lru, wm::device, wm::continuous, wm::cyclic>(
+            comm, grouping::explicit_whole, ratio, seed);
+      });
+    }
+  }
 }
 
 TEST_CASE("ranks: group caches of one rank each on a table of several", "[multi_gpu]") {
   std::uint64_t const seed = std::random_device{}();
   INFO("seed " << seed);
-  wm::launch(2, [&](wm::communicator& comm) {
-    group_cache_ranks<float, wm::lru, wm::host, wm::continuous, wm::cyclic>(
-        comm, grouping::each_alone, 0.05, seed);
-    group_cache_ranks<float, wm::lfu, wm::host, wm::continuous, wm::cyclic>(
-        comm, grouping::each_alone, 1.0, seed + 1);
-  });
+  SECTION("float, LRU, host continuous, ratio 0.05") {
+    wm::launch(2, [&](wm::communicator& comm) {
+      group_cache_ranks<float, wm::lru, wm::host, wm::continuous, wm::cyclic>(
+          comm, grouping::each_alone, 0.05, seed);
+    });
+  }
+  SECTION("float, LFU, host continuous, ratio 1") {
+    wm::launch(2, [&](wm::communicator& comm) {
+      group_cache_ranks<float, wm::lfu, wm::host, wm::continuous, wm::cyclic>(
+          comm, grouping::each_alone, 1.0, seed + 1);
+    });
+  }
 }
 
 TEST_CASE("ranks: a group cache's lines replaced while peers read them (one set per rank)",

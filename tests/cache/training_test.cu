@@ -197,12 +197,16 @@ constexpr geometry geometries[] = {
     {4000, 192, 600, 0.05, "wide rows"},
 };
 
+// Every geometry a section, on a rank of its own.
 template <class T, class R, class Opt>
 void every_geometry(Opt opt) {
-  on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
-    std::uint64_t sd = seed;
-    for (auto const& g : geometries) { train_bitwise<T, R, Opt>(comm, opt, g, sd++); }
-  });
+  for (auto const& g : geometries) {
+    DYNAMIC_SECTION(g.what) {
+      on_one_rank([&](wm::communicator& comm, std::uint64_t seed) {
+        train_bitwise<T, R, Opt>(comm, opt, g, seed);
+      });
+    }
+  }
 }
 
 }  // namespace
