@@ -23,12 +23,14 @@ inline constexpr int locate_shared_ranks = 4096;
 /**
  * For the dispatch path: owner rank (world for an invalid index) and local row of each index,
  * the identity position (for the sort; @p position may be null when nothing sorts), and the
- * count per owner. Counting with one global atomic per index serialized a million
- * indices on a few addresses (~0.8 ms); lanes with the same owner add once per warp, into the
- * block's counters, which go to @p counts once per block.
+ * count per owner. @p owner is int for place_by_owner_kernel, or the index type where the owners
+ * are radix-sort keys: the sort then shares its instantiation with the index sorts of the same
+ * translation unit (one CUB radix sort compiled instead of two). Counting with one global atomic
+ * per index serialized a million indices on a few addresses (~0.8 ms); lanes with the same owner
+ * add once per warp, into the block's counters, which go to @p counts once per block.
  */
-template <class Map, class Index>
-__global__ void locate_kernel(Map map, Index const* idx, std::size_t n, int world, int* owner,
+template <class Map, class Index, class Owner>
+__global__ void locate_kernel(Map map, Index const* idx, std::size_t n, int world, Owner* owner,
                               Index* local, std::size_t* position, unsigned long long* counts,
                               unsigned* err) {
   extern __shared__ unsigned long long block_counts[];  // world + 1 when they fit
@@ -51,7 +53,7 @@ __global__ void locate_kernel(Map map, Index const* idx, std::size_t n, int worl
     } else {
       atomicOr(err, 1u);
     }
-    owner[i] = r;
+    owner[i] = static_cast<Owner>(r);
     local[i] = l;
     if (position != nullptr) { position[i] = i; }
     unsigned const same = __match_any_sync(__activemask(), r);

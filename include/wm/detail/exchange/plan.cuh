@@ -117,8 +117,11 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
   if (fault == exchange_fault::none) {
     try {
       carver c;
-      auto const o_owner    = c.add<int>(n);
-      auto const o_sowner   = c.add<int>(place ? 0 : n);
+      // Owners: int for place_by_owner; the index type where they are sort keys (see
+      // locate_kernel).
+      auto const o_owner    = c.add<int>(place ? n : 0);
+      auto const o_okeys    = c.add<Index>(place ? 0 : n);
+      auto const o_sowner   = c.add<Index>(place ? 0 : n);
       auto const o_local    = c.add<Index>(n);
       auto const o_pos      = c.add<std::size_t>(place ? 0 : n);
       auto const o_order    = c.add<std::size_t>(n);
@@ -126,7 +129,7 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
       std::size_t cub_bytes = 0;
       if (!place) {
         WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
-            nullptr, cub_bytes, static_cast<int const*>(nullptr), static_cast<int*>(nullptr),
+            nullptr, cub_bytes, static_cast<Index const*>(nullptr), static_cast<Index*>(nullptr),
             static_cast<std::size_t const*>(nullptr), static_cast<std::size_t*>(nullptr),
             std::max<std::size_t>(n, 1), 0, bits, s));
       }
@@ -135,19 +138,27 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
       std::byte* base    = scratch.a.reserve(c.total(), s);
       p.agree            = c.take<unsigned long long>(base, o_agree);
       p.agree_host       = scratch.words_host.data();
-      p.owner            = c.take<int>(base, o_owner);
+      p.owner            = place ? c.take<int>(base, o_owner) : nullptr;
       p.local            = c.take<Index>(base, o_local);
       p.order            = c.take<std::size_t>(base, o_order);
       p.send_keys        = c.take<Index>(base, o_keys);
       auto* pos          = c.take<std::size_t>(base, o_pos);
-      auto* sowner       = c.take<int>(base, o_sowner);
+      auto* owner_keys   = c.take<Index>(base, o_okeys);
+      auto* sowner       = c.take<Index>(base, o_sowner);
       WM_CUDA_TRY(cudaMemsetAsync(counts, 0, (w + 1) * sizeof(unsigned long long), s));
       if (n > 0) {
         std::size_t const shared =
             world < locate_shared_ranks ? (w + 1) * sizeof(unsigned long long) : 0;
-        locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, p.owner,
-                                                                 p.local, place ? nullptr : pos,
-                                                                 counts, scratch.err.data());
+        auto const locate = [&](auto* owner) {
+          locate_kernel<<<elementwise_blocks(n), 256, shared, s>>>(map, idx, n, world, owner,
+                                                                   p.local, place ? nullptr : pos,
+                                                                   counts, scratch.err.data());
+        };
+        if (place) {
+          locate(p.owner);
+        } else {
+          locate(owner_keys);
+        }
         WM_CHECK_LAUNCH();
       }
       // Counts and headers travel on the device, then both directions come back at once.
@@ -161,7 +172,8 @@ dispatch_plan_device<Index> plan_exchange(communicator& comm, Map map, Index con
                               elementwise_blocks(n));
       } else if (n > 0) {
         WM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(c.take<std::byte>(base, o_cub), cub_bytes,
-                                                    p.owner, sowner, pos, p.order, n, 0, bits, s));
+                                                    owner_keys, sowner, pos, p.order, n, 0, bits,
+                                                    s));
         permute_async(p.local, p.order, n, p.send_keys, s);
       }
     } catch (...) { fault = fault_of(std::current_exception()); }
