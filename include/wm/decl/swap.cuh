@@ -8,6 +8,7 @@
 
 #include <wm/decl/transfer_queue.hpp>
 #include <wm/decl/zero_codec.cuh>
+#include <wm/detail/base/resources.hpp>
 #include <wm/error.hpp>
 
 #include <cuda/stream_ref>
@@ -15,10 +16,14 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace wm {
 
@@ -258,6 +263,328 @@ class swappable {
   detail::swap_core* core_{nullptr};
   std::uint64_t id_{0};
   std::size_t count_{0};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Saved tensors: a framework's saved activations over a swap scope (docs/guide/swap.md, "Saved
+// tensors"). The scheduling of PyTorch's saved-tensor hooks, usable from C++.
+
+/** @brief Where `saved_tensors` keeps a save's data on the device while it is paged out. */
+enum class save_mode {
+  /// The page-out reads the source's own memory (`swap_scope::pageout_from`); the page-in goes
+  /// into memory of the caller's allocator (`swappable::pagein_to`). No device pool needed.
+  direct,
+  /// A device copy into the scope's pool, paged out and in there; a restore returns a pointer
+  /// into the pool.
+  pool,
+};
+
+/** @brief How a `saved_tensors` schedules its saves (its options may change between passes). */
+struct saved_tensors_options {
+  save_mode mode{save_mode::direct};            ///< direct (page-outs from the source) or pool
+  std::size_t min_bytes{std::size_t{1} << 20};  ///< smaller sources are kept as they are
+  /// Direct: page-out bytes that may still run before the producer waits for the oldest (0: no
+  /// limit). The producer is the host (`host_pacing`) or the stream of `save()`.
+  std::size_t max_outstanding_bytes{0};
+  /// Direct: bytes restored ahead of their `restore()` in backward order (at least one save).
+  std::size_t stage_bytes{0};
+  /// Direct: the newest `keep_last` saves are held (not copied) until newer ones come; those
+  /// still held when the backward pass starts are never copied.
+  std::size_t keep_last{0};
+  /// Direct: encode each save of 1-, 2-, 4- or 8-byte elements with `wm::zero_codec` before it
+  /// goes out (the encoding's page-out is issued at the next save, once its size is known).
+  bool compress{false};
+  /// Direct: the host, not the stream, waits for the page-outs beyond `max_outstanding_bytes`,
+  /// and `end_forward()` waits for all of them: a caching allocator that reuses a block once the
+  /// host has seen its copy end then reuses the sources in time.
+  bool host_pacing{false};
+  /// The first `restore()` after saves calls `prefetch_all()` (the backward pass has started).
+  bool auto_prefetch{true};
+};
+
+/** @brief What a `saved_tensors` did since it was made or since `reset_statistics()`. */
+struct saved_tensors_statistics {
+  std::uint64_t saves{0};              ///< `save()` calls
+  std::uint64_t copies{0};             ///< saves that took a copy (or, keep_last, were held)
+  std::uint64_t bytes_copied{0};       ///< their bytes
+  std::uint64_t shared{0};             ///< saves answered with an earlier save of the same data
+  std::uint64_t kept{0};               ///< saves declined: the source stays as it is
+  std::uint64_t kept_no_room{0};       ///< of those: the pool or the slab could not hold it
+  std::uint64_t restores{0};           ///< `restore()` calls
+  std::uint64_t live{0};               ///< saves alive now
+  std::uint64_t reused_sources{0};     ///< restores that returned the source itself
+  std::uint64_t staged_restores{0};    ///< restores of a page-in started ahead (staged)
+  std::uint64_t unstaged_restores{0};  ///< restores that started their page-in
+  std::uint64_t throttle_waits{0};     ///< stream waits of `max_outstanding_bytes`
+  std::uint64_t kept_last{0};          ///< restores of a save keep_last held (never copied)
+  std::uint64_t encoded{0};            ///< saves paged out zero-encoded
+  std::uint64_t encoded_raw_bytes{0};  ///< their bytes before encoding
+  std::uint64_t encoded_bytes{0};      ///< their encodings' bytes (what crossed the link)
+  std::uint64_t host_waits{0};         ///< host waits on an encoding or a page-out (pacing)
+  double host_wait_seconds{0};         ///< how long they took
+};
+
+/**
+ * @brief Device memory of a framework's allocator, as `saved_tensors` uses it: the sources it
+ * saves, the memory it restores into and its scratch.
+ *
+ * - `handle_type`: a copyable owning reference to device memory (a `torch::Tensor`, a
+ *   `std::shared_ptr<stream_block>`); a source of `save()` is one.
+ * - `watch_type`: what a save remembers of its source without keeping it alive: identity,
+ *   layout, version.
+ * - `bytes(h)` (0: never save it), `element_bytes(h)`, `data(h)`, `base(h)` (the address of
+ *   the whole allocation: what `set_skip` names); `watch(h)`; `reuse(w)`: the source itself if it
+ *   is alive and unchanged since `watch`, else nothing; `same(a, b)`: two watches of the same
+ *   live data, layout and version; `unchanged(h, w)`: @p h not modified since @p w.
+ * - `allocate(bytes, s)` and `allocate_like(w, s)` (shaped as the watched source): memory usable
+ *   on stream @p s in its order, freed in that order when its last handle goes;
+ *   `record_stream(h, s)`: not reused before the work queued so far on @p s is done.
+ */
+template <class M>
+concept saved_memory = std::copyable<typename M::handle_type> &&
+    std::copyable<typename M::watch_type> &&
+    requires(M& m, M const& cm, typename M::handle_type const& h, typename M::watch_type const& w,
+             std::size_t n, cudaStream_t s) {
+  { cm.bytes(h) } -> std::same_as<std::size_t>;
+  { cm.element_bytes(h) } -> std::same_as<std::size_t>;
+  { cm.data(h) } -> std::same_as<void*>;
+  { cm.base(h) } -> std::same_as<void const*>;
+  { cm.watch(h) } -> std::same_as<typename M::watch_type>;
+  { cm.reuse(w) } -> std::same_as<std::optional<typename M::handle_type>>;
+  { cm.same(w, w) } -> std::same_as<bool>;
+  { cm.unchanged(h, w) } -> std::same_as<bool>;
+  { m.allocate(n, s) } -> std::same_as<typename M::handle_type>;
+  { m.allocate_like(w, s) } -> std::same_as<typename M::handle_type>;
+  m.record_stream(h, s);
+};
+
+/**
+ * @brief Device memory from `cudaMallocAsync` on a stream, freed by `cudaFreeAsync` there after
+ * the work of every stream it was recorded on: the handle of `stream_memory`, a stream-ordered
+ * allocator with version counters (the parts of PyTorch's caching allocator and tensors that
+ * `saved_tensors` relies on).
+ */
+class stream_block {
+ public:
+  /**
+   * @brief @p bytes of device memory (current device) usable on @p stream in its order.
+   * @param element_bytes the size of one element (1, 2, 4 or 8 can be zero-encoded)
+   * @throw wm::logic_error if @p bytes is not a multiple of @p element_bytes (or it is 0);
+   * wm::cuda_error on CUDA errors
+   */
+  stream_block(std::size_t bytes, std::size_t element_bytes, cudaStream_t stream);
+  stream_block(stream_block const&)            = delete;
+  stream_block& operator=(stream_block const&) = delete;
+  /// Frees the memory stream-ordered after every recorded stream's work; never throws.
+  ~stream_block();
+
+  [[nodiscard]] void* data() const noexcept { return data_; }          ///< the device memory
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }  ///< its size
+  /// The size of one element.
+  [[nodiscard]] std::size_t element_bytes() const noexcept { return element_bytes_; }
+  /// The stream it was allocated on (and is freed on).
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  /** @brief The memory is freed only after the work queued so far on @p s.
+   * @throw wm::cuda_error on CUDA errors */
+  void record_stream(cudaStream_t s);
+  /// Changes of the data in place so far (`bump_version()` calls).
+  [[nodiscard]] std::uint64_t version() const noexcept { return version_; }
+  /// Says that the data changed in place: saves made before no longer reuse it.
+  void bump_version() noexcept { ++version_; }
+
+ private:
+  void* data_{nullptr};
+  std::size_t bytes_{0};
+  std::size_t element_bytes_{1};
+  cudaStream_t stream_{nullptr};
+  std::uint64_t version_{0};
+  std::vector<std::pair<cudaStream_t, cudaEvent_t>> recorded_;  // one event per stream
+};
+
+/** @brief The `saved_memory` of plain CUDA code: `std::shared_ptr<stream_block>` handles. */
+struct stream_memory {
+  using handle_type = std::shared_ptr<stream_block>;  ///< an owning reference
+  /// What a save remembers of its source.
+  struct watch_type {
+    std::weak_ptr<stream_block> block;  ///< expired once the source is freed
+    std::size_t bytes{0};               ///< its size
+    std::size_t element_bytes{1};       ///< its element size
+    std::uint64_t version{0};           ///< its version at the save
+  };
+
+  /** @brief A new block (see `stream_block`). @throw as `stream_block` */
+  [[nodiscard]] static handle_type make(std::size_t bytes, std::size_t element_bytes,
+                                        cudaStream_t stream);
+
+  /// @p h's bytes (0 for a null handle: not saved).
+  [[nodiscard]] std::size_t bytes(handle_type const& h) const noexcept;
+  /// @p h's element size.
+  [[nodiscard]] std::size_t element_bytes(handle_type const& h) const noexcept;
+  /// @p h's memory.
+  [[nodiscard]] void* data(handle_type const& h) const noexcept;
+  /// @p h's memory: a block is its own allocation.
+  [[nodiscard]] void const* base(handle_type const& h) const noexcept;
+  /// A weak reference, the size and the version of @p h.
+  [[nodiscard]] watch_type watch(handle_type const& h) const;
+  /// The watched block if it is alive at the same version.
+  [[nodiscard]] std::optional<handle_type> reuse(watch_type const& w) const;
+  /// Both watch the same live block at the same version.
+  [[nodiscard]] bool same(watch_type const& a, watch_type const& b) const;
+  /// @p h is at the version @p w saw.
+  [[nodiscard]] bool unchanged(handle_type const& h, watch_type const& w) const noexcept;
+  /// A new block of @p bytes on @p s (element size 1). @throw wm::cuda_error on CUDA errors
+  [[nodiscard]] handle_type allocate(std::size_t bytes, cudaStream_t s);
+  /// A new block shaped as @p w's source on @p s. @throw wm::cuda_error on CUDA errors
+  [[nodiscard]] handle_type allocate_like(watch_type const& w, cudaStream_t s);
+  /// `h->record_stream(s)`. @throw wm::cuda_error on CUDA errors
+  void record_stream(handle_type const& h, cudaStream_t s);
+};
+
+namespace detail {
+template <class Memory>
+class saved_tensors_core;
+}
+
+/**
+ * @brief One save of a `saved_tensors`: the data of a source while the backward pass needs it.
+ *
+ * Shared (`std::shared_ptr`) by every save of the same data; destroying the last reference
+ * returns its host slab range (and pool block), stream-ordered.
+ * @tparam Memory the `saved_memory` of the sources
+ */
+template <class Memory>
+class saved_tensor {
+ public:
+  using handle_type = typename Memory::handle_type;  ///< the memory handle of `Memory`
+  using watch_type  = typename Memory::watch_type;   ///< what is remembered of the source
+
+  saved_tensor(saved_tensor const&)            = delete;
+  saved_tensor& operator=(saved_tensor const&) = delete;
+  /// Returns the slab range (and pool block) after the work queued so far; never throws.
+  ~saved_tensor();
+
+  /// The source's bytes.
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  /// The source's identity, layout and version at the save (e.g. to shape a restored pointer).
+  [[nodiscard]] watch_type const& source() const noexcept { return watch_; }
+  /// The mode it was saved in.
+  [[nodiscard]] save_mode mode() const noexcept { return mode_; }
+  /// Its data is in device memory of the pool (pool mode; false in direct mode).
+  [[nodiscard]] bool resident() const;
+
+ private:
+  friend class detail::saved_tensors_core<Memory>;
+  saved_tensor() = default;
+
+  std::shared_ptr<detail::saved_tensors_core<Memory>> core_;  // keeps the scope alive
+  swappable<std::byte> buf_;
+  watch_type watch_{};
+  save_mode mode_{save_mode::direct};
+  std::size_t bytes_{0};
+  std::optional<handle_type> staged_;    // direct: restored ahead (its copy may still run)
+  cudaStream_t staged_stream_{nullptr};  // where staged_ was allocated (it waits before a drop)
+  std::optional<handle_type> held_;      // keep_last: the source itself, not (yet) paged out
+  std::optional<handle_type> restored_;  // what restore returned: a second restore gets it again
+  bool encoded_{false};                  // the slab holds the zero encoding
+  std::size_t numel_{0};
+  std::size_t element_bytes_{0};
+  std::size_t encoded_bytes_{0};
+  std::optional<detail::unique_event> decoded_;  // page-in stream, after the last decode
+};
+
+/** @brief What `saved_tensors::restore` returns: memory that holds the saved data on a stream. */
+template <class Memory>
+struct restored_tensor {
+  /// Direct mode: the memory (the source itself, or memory of `Memory` filled by a page-in).
+  /// Pool mode: nothing; the data is at `data` in the pool while the save lives.
+  std::optional<typename Memory::handle_type> memory;
+  void* data{nullptr};  ///< the saved bytes, usable on the stream of `restore()`
+};
+
+/**
+ * @brief The saved activations of a training step over a swap scope it owns: the scheduling of
+ * PyTorch's saved-tensor hooks (examples/pytorch) for any framework's memory.
+ *
+ * Forward: `save(source, stream)` pages each saved tensor out (or declines it), sharing one save
+ * among saves of the same data; `end_forward(stream)`. Backward: `prefetch_all(stream)` (or the
+ * first `restore`) queues the page-ins in reverse order of the saves; `restore(save, stream)`
+ * gives memory that holds the data on @p stream. The modes, pacing, compression and staging are
+ * in `saved_tensors_options` and docs/guide/swap.md, "Saved tensors".
+ *
+ * Thread-safe; saves may outlive it (each keeps the scope alive). A call that drops the last
+ * reference to a save releases it after the object's lock.
+ * @tparam Memory the framework's memory (`saved_memory`): `stream_memory` for plain CUDA code
+ */
+template <class Memory = stream_memory>
+requires saved_memory<Memory>
+class saved_tensors {
+ public:
+  using memory_type   = Memory;                        ///< the framework's memory
+  using handle_type   = typename Memory::handle_type;  ///< its handles
+  using save_type     = saved_tensor<Memory>;          ///< one save
+  using save_ptr      = std::shared_ptr<save_type>;    ///< how saves are held
+  using restored_type = restored_tensor<Memory>;       ///< what `restore` returns
+
+  /**
+   * @brief Creates the swap scope (`swap_scope{scope_options}`) and the bookkeeping.
+   * @throw wm::logic_error, wm::cuda_error as `swap_scope`'s constructor
+   */
+  saved_tensors(swap_options const& scope_options, saved_tensors_options const& options,
+                Memory memory = Memory{});
+  saved_tensors(saved_tensors const&)            = delete;
+  saved_tensors& operator=(saved_tensors const&) = delete;
+  /// Waits (within the scope's timeout) for encodings in flight; the scope goes with the last
+  /// save. Never throws.
+  ~saved_tensors();
+
+  /// The options now.
+  [[nodiscard]] saved_tensors_options options() const;
+  /// New options, for the saves from now on.
+  void set_options(saved_tensors_options const& options);
+  /// Allocations (by `Memory::base`) never saved, e.g. parameters.
+  void set_skip(std::vector<void const*> const& bases);
+
+  /**
+   * @brief Saves @p source, whose data was produced by the work queued so far on @p stream.
+   * @return the save (an earlier one of the same live data, layout and version, if any), or
+   * null: keep @p source as it is (0 bytes, under `min_bytes`, skipped, or no room in the pool or
+   * the slab)
+   * @throw wm::cuda_error on CUDA errors and timeouts
+   */
+  [[nodiscard]] save_ptr save(handle_type const& source, cudaStream_t stream);
+
+  /**
+   * @brief The saved data, usable on @p stream: the memory of an earlier restore of @p save, the
+   * source itself if it is alive and unchanged, a staged page-in, or a page-in now; then the next
+   * saves in backward order are staged (direct mode). Pool mode: the pool pointer (a page-in if
+   * it is not resident).
+   * @throw wm::logic_error if @p save is null or of another object, or a held source changed in
+   * place; wm::cuda_error on CUDA errors and timeouts
+   */
+  [[nodiscard]] restored_type restore(save_ptr const& save, cudaStream_t stream);
+
+  /// The forward pass ended (work on @p stream): the encoding still waiting goes out; with host
+  /// pacing the host waits for every page-out. @throw wm::cuda_error on timeouts
+  void end_forward(cudaStream_t stream);
+  /// Queues every save since the last call for page-in, most recent first, and starts the
+  /// queue (direct mode: stages on @p stream). @throw wm::cuda_error on CUDA errors
+  void prefetch_all(cudaStream_t stream);
+  /// Blocks until every queued page-in is done (a host wait; not needed for correctness).
+  void wait_prefetches();
+  /// Whether @p save was made by this object (`restore` takes no other).
+  [[nodiscard]] bool owns(save_ptr const& save) const noexcept;
+
+  /// What it did (its own counters; the scope's are `scope().statistics()`).
+  [[nodiscard]] saved_tensors_statistics statistics() const;
+  /// Zeroes its counters and the scope's.
+  void reset_statistics();
+  /// The swap scope it owns.
+  [[nodiscard]] swap_scope& scope() const noexcept;
+  /// The device pool's usable bytes (the budget rounded down to the pool's alignment).
+  [[nodiscard]] std::size_t pool_bytes() const noexcept;
+
+ private:
+  std::shared_ptr<detail::saved_tensors_core<Memory>> core_;
 };
 
 }  // namespace wm

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Bodies of wm::swap_scope and wm::swappable (declared in <wm/swap.cuh>). The scope's core is
 // in swap_core.cuh (its class), swap_blocks.cuh (the device pool), swap_buffers.cuh (buffer
-// operations) and swap_copy.cuh (the copiers).
+// operations) and swap_copy.cuh (the copiers); saved_tensors on top of a scope in
+// saved_tensors.cuh and saved_tensors_core.cuh, its plain-CUDA memory in stream_memory.cuh.
 #pragma once
 
+#include <wm/detail/swap/saved_tensors.cuh>
+#include <wm/detail/swap/stream_memory.cuh>
 #include <wm/detail/swap/swap_blocks.cuh>
 #include <wm/detail/swap/swap_buffers.cuh>
 #include <wm/detail/swap/swap_copy.cuh>
