@@ -8,44 +8,38 @@
  *  - wm::embedding tables (wm_torch_tables.hpp: device tables, host tables with a device cache)
  *    fed with CUDA tensors by pointer and the current stream: `gather` into a tensor the caller
  *    allocated, `apply_gradients` from the keys and gradients autograd produced. No copies.
- *  - A wm::swap_scope as the storage behind torch.autograd.graph.saved_tensors_hooks: `pack`
- *    copies a saved CUDA tensor into a swappable buffer of the scope's device pool and queues its
- *    page-out (the copy runs on the current stream; the page-out waits for it by an event);
- *    `unpack` returns a tensor over the buffer's device memory (`data(stream)` on the current
- *    stream: a page-in if it is not resident) whose deleter releases the buffer stream-ordered.
+ *  - A wm::saved_tensors (the swap module's scheduling of a framework's saved activations) behind
+ *    torch.autograd.graph.saved_tensors_hooks: `pack` hands a saved CUDA tensor to
+ *    `saved_tensors::save` (paged out from its own memory in the direct mode, zero-encoded with
+ *    compress, shared among saves of the same data), `unpack` returns what
+ *    `saved_tensors::restore` gives on the current stream. `torch_memory` is all this file adds:
+ *    torch's allocator, record_stream, storages and version counters as the library's
+ *    `saved_memory` policy.
  *
  * The Python side (wm_torch.py) builds this file with torch.utils.cpp_extension.load and wraps
  * it in torch.nn.Module / optimizer / hooks classes; everything here checks its inputs and
  * raises Python exceptions with a message that says what was expected.
  */
 #include <wm/comm.hpp>
-#include <wm/detail/base/deadline.hpp>
 #include <wm/error.hpp>
 #include <wm/swap.cuh>
 
 #include <ATen/cuda/CUDAContext.h>
-#include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
-#include <deque>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <torch/extension.h>
 #include <type_traits>
-#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
-#include "wm_torch_codec.hpp"
 #include "wm_torch_tables.hpp"
 
 namespace py = pybind11;
@@ -311,110 +305,121 @@ struct table_handle {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Swap scope and saved-tensor hooks
-
-class swap_handle;
-
-/// One saved tensor's copy: a swappable buffer and the tensor's metadata.
-struct saved_buffer {
-  std::shared_ptr<swap_handle> owner;  // keeps the scope alive while the buffer lives
-  wm::swappable<std::byte> buf;
-  std::vector<std::int64_t> sizes;
-  std::vector<std::int64_t> strides;
-  c10::ScalarType dtype{};
-  int device{0};
-  std::size_t bytes{0};
-  // Direct mode (page-outs from the tensor's memory, page-ins into torch's memory):
-  bool direct{false};
-  torch::Tensor staged;                 // paged in ahead of its unpack (its copy may still run)
-  cudaStream_t staged_stream{nullptr};  // where `staged` was allocated (it waits before a drop)
-  torch::Tensor held;                   // keep_last: the tensor itself, not (yet) paged out
-  std::int64_t held_version{0};
-  // compress: the slab holds the zero encoding (wm::zero_codec) of numel elements of elem bytes
-  bool encoded{false};
-  std::size_t numel{0};
-  std::size_t elem{0};
-  std::size_t encoded_bytes{0};
-  cudaEvent_t decoded{nullptr};  // on the page-in stream, after the decode of the last page-in
-  torch::Tensor dev;  // what unpack returned: a second unpack (a shared save) gets it again
-  // The saved tensor itself while it is alive and unchanged: unpack returns it, no page-in.
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> source;
-  void const* source_data{nullptr};  // its storage's data pointer at pack time
-  std::int64_t source_offset{0};
-  std::optional<c10::VariableVersion> source_version_counter;
-  std::uint32_t source_version{0};
-  ~saved_buffer();
-};
-
-/// Where a saved tensor came from, to hand the same buffer to a second save of the same data.
-struct saved_key {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // expired once the tensor's memory is freed
-  std::int64_t offset{0};
-  std::vector<std::int64_t> sizes;
-  std::vector<std::int64_t> strides;
-  c10::ScalarType dtype{};
-  std::int64_t version{0};
-  std::weak_ptr<saved_buffer> saved;
-};
+// Swap scope and saved-tensor hooks: wm::saved_tensors over torch's memory
 
 /**
- * A swap scope with the bookkeeping of the hooks: which storages were saved (the same tensor
- * saved twice, e.g. a ReLU output that the next Linear saves too, is copied once), the order of
- * the saves (the backward pass needs them in reverse), the storages never to copy (parameters),
- * and counters. One recursive mutex guards it: a buffer's destructor (from a tensor's deleter,
- * on whichever thread frees it) may run while this thread holds it.
+ * Torch's memory as wm::saved_tensors uses it (wm::saved_memory): tensors as handles, torch's
+ * caching allocator for restores and encodings (allocated under a stream guard: reused in that
+ * stream's order), `record_stream` for the streams that read a tensor, the storage and the
+ * version counter to tell whether a saved tensor is still alive and unchanged.
  */
-class swap_handle : public std::enable_shared_from_this<swap_handle> {
+struct torch_memory {
+  using handle_type = torch::Tensor;
+  /// A saved tensor's identity (its storage, weakly), layout and version.
+  struct watch_type {
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;  // expires with the memory
+    void const* storage_data{nullptr};  // the storage's data pointer at the save
+    std::int64_t offset{0};
+    std::vector<std::int64_t> sizes;
+    std::vector<std::int64_t> strides;
+    c10::ScalarType dtype{};
+    std::int64_t version{0};
+    // The version counter, if enabled: reuse() returns the tensor only while it has not moved.
+    std::optional<c10::VariableVersion> counter;
+    std::uint32_t counter_version{0};
+  };
+
+  int device{0};  ///< the scope's GPU
+
+  [[nodiscard]] c10::cuda::CUDAStream stream(cudaStream_t s) const {
+    return c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device));
+  }
+
+  /// 0 (keep it as it is) unless a dense tensor with storage on this GPU.
+  [[nodiscard]] std::size_t bytes(torch::Tensor const& t) const {
+    if (!t.defined() || !t.is_cuda() || t.device().index() != device || !t.has_storage() ||
+        !t.is_non_overlapping_and_dense()) {
+      return 0;
+    }
+    return static_cast<std::size_t>(t.numel()) * t.element_size();
+  }
+  [[nodiscard]] std::size_t element_bytes(torch::Tensor const& t) const {
+    return static_cast<std::size_t>(t.element_size());
+  }
+  // A dense tensor with non-negative strides starts at its lowest address and fills its bytes.
+  [[nodiscard]] void* data(torch::Tensor const& t) const { return t.data_ptr(); }
+  [[nodiscard]] void const* base(torch::Tensor const& t) const { return t.storage().data(); }
+
+  [[nodiscard]] watch_type watch(torch::Tensor const& t) const {
+    watch_type w;
+    w.storage.emplace(t.storage().getWeakStorageImpl());
+    w.storage_data = static_cast<void const*>(t.storage().unsafeGetStorageImpl()->data_ptr().get());
+    w.offset       = t.storage_offset();
+    w.sizes        = t.sizes().vec();
+    w.strides      = t.strides().vec();
+    w.dtype        = t.scalar_type();
+    w.version      = t._version();
+    if (auto const& vc = t.unsafeGetTensorImpl()->version_counter(); vc.enabled()) {
+      w.counter         = vc;
+      w.counter_version = vc.current_version();
+    }
+    return w;
+  }
+
+  /// The saved tensor itself, if its storage is alive with the same memory and its version
+  /// counter says it was not modified since the save.
+  [[nodiscard]] std::optional<torch::Tensor> reuse(watch_type const& w) const {
+    if (!w.storage || !w.counter) { return std::nullopt; }
+    c10::intrusive_ptr<c10::StorageImpl> si = w.storage->lock();
+    if (!si || static_cast<void const*>(si->data_ptr().get()) != w.storage_data ||
+        w.counter->current_version() != w.counter_version) {
+      return std::nullopt;
+    }
+    auto t = at::empty({0}, torch::TensorOptions{}.dtype(w.dtype).device(torch::kCUDA, device));
+    t.set_(c10::Storage{std::move(si)}, w.offset, w.sizes, w.strides);
+    return t;
+  }
+
+  /// The same live storage, offset, layout, dtype and version.
+  [[nodiscard]] bool same(watch_type const& a, watch_type const& b) const {
+    if (!a.storage || !b.storage) { return false; }
+    auto const x = a.storage->lock();
+    return x && x.get() == b.storage->lock().get() && a.offset == b.offset &&
+           a.version == b.version && a.dtype == b.dtype && a.sizes == b.sizes &&
+           a.strides == b.strides;
+  }
+
+  [[nodiscard]] bool unchanged(torch::Tensor const& t, watch_type const& w) const {
+    return t._version() == w.version;
+  }
+
+  [[nodiscard]] torch::Tensor allocate(std::size_t bytes, cudaStream_t s) {
+    c10::cuda::CUDAStreamGuard on{stream(s)};
+    return at::empty({static_cast<std::int64_t>(bytes)},
+                     torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, device));
+  }
+
+  [[nodiscard]] torch::Tensor allocate_like(watch_type const& w, cudaStream_t s) {
+    c10::cuda::CUDAStreamGuard on{stream(s)};
+    return at::empty_strided(w.sizes, w.strides,
+                             torch::TensorOptions{}.dtype(w.dtype).device(torch::kCUDA, device));
+  }
+
+  void record_stream(torch::Tensor const& t, cudaStream_t s) { t.record_stream(stream(s)); }
+};
+
+using saved_tensors = wm::saved_tensors<torch_memory>;
+using saved_buffer  = saved_tensors::save_type;
+
+/**
+ * The Python SwapScope: a wm::saved_tensors over torch's memory, whose scope copies on two
+ * streams of torch's pool. Everything it schedules is the library's; this class converts
+ * tensors, streams and statistics.
+ */
+class swap_handle {
  public:
   swap_handle(wm::swap_options const& o, std::size_t min_bytes)
-      : scope_{std::make_shared<wm::swap_scope>(with_torch_streams(o))}, min_bytes_{min_bytes} {
-    device_        = scope_->options().device;
-    capacity_      = o.device_budget / pool_alignment * pool_alignment;  // the pool's usable bytes
-    host_capacity_ = o.host_bytes / pool_alignment * pool_alignment;
-    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
-    void* p = nullptr;
-    WM_CUDA_TRY(cudaHostAlloc(&p, nonzero_slots * sizeof(std::uint64_t), cudaHostAllocDefault));
-    slots_ = static_cast<std::uint64_t*>(p);
-    for (int i = 0; i < nonzero_slots; ++i) { free_slots_.push_back(i); }
-  }
-
-  swap_handle(swap_handle const&)            = delete;
-  swap_handle& operator=(swap_handle const&) = delete;
-
-  ~swap_handle() {
-    int previous = 0;  // no CUDAGuard: its constructor may throw, and destructors must not
-    bool const switched =
-        cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess;
-    // The encode kernels write the slots: the host polls for them, at most the scope's timeout
-    // in all; past it they are abandoned with a line on stderr and the slots left allocated.
-    auto const deadline = wm::detail::deadline_after(scope_->options().timeout);
-    bool stuck          = false;
-    for (auto& p : pending_) {
-      cudaError_t r = cudaSuccess;
-      while (!stuck && p.done != nullptr && (r = cudaEventQuery(p.done)) == cudaErrorNotReady) {
-        if (std::chrono::steady_clock::now() >= deadline) {
-          stuck = true;
-        } else {
-          std::this_thread::sleep_for(std::chrono::microseconds{20});
-        }
-      }
-      if (r != cudaSuccess && r != cudaErrorNotReady) { (void)cudaGetLastError(); }
-      give_event(p.done);  // destroyed or pooled, its work pending or not: CUDA allows both
-    }
-    pending_.clear();
-    for (auto const& [e, n] : host_out_) { give_event(e); }
-    for (cudaEvent_t e : free_events_) { (void)cudaEventDestroy(e); }
-    if (stuck) {
-      std::fprintf(stderr,
-                   "wm_torch: SwapScope: the teardown gave up after %lld ms waiting for an "
-                   "encode kernel; abandoned, left allocated: its pinned count slots (%p)\n",
-                   static_cast<long long>(scope_->options().timeout.count()),
-                   static_cast<void*>(slots_));
-    } else {
-      (void)cudaFreeHost(slots_);
-    }
-    if (switched) { (void)cudaSetDevice(previous); }
-  }
+      : swap_handle{with_torch_streams(o), initial_options(min_bytes)} {}
 
   /**
    * @p o with two streams of torch's pool as the scope's copy streams. Tensors are
@@ -434,116 +439,104 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     return o;
   }
 
-  /**
-   * Direct mode (for the saves from now on): pack pages a tensor out from its own memory
-   * (swap_scope::pageout_from; the tensor's block is record_stream-ed on the page-out copy
-   * stream, so torch's allocator reuses it only after the copy) and unpack pages it into a tensor
-   * from torch's allocator (pagein_to), prefetched in backward order up to @p stage_bytes ahead
-   * (at least one tensor). @p max_outstanding_bytes > 0: the current stream waits for the oldest
-   * page-outs when more than that many bytes of them may still be running (the forward pass is
-   * held to the link's pace; the tensors they read are freed in time). Off: the pool mode (pack
-   * copies into the scope's device pool).
-   */
-  void set_direct(bool on, std::size_t max_outstanding_bytes, std::size_t stage_bytes,
-                  std::size_t keep_last, bool compress, bool host_pacing) {
-    std::lock_guard lk{mutex_};
-    direct_        = on;
-    max_out_bytes_ = max_outstanding_bytes;
-    stage_bytes_   = stage_bytes;
-    keep_last_     = keep_last;
-    compress_      = compress;
-    host_pacing_   = host_pacing;
+  /// Pool mode until SwapHooks picks one (set_direct).
+  static wm::saved_tensors_options initial_options(std::size_t min_bytes) {
+    wm::saved_tensors_options o;
+    o.mode      = wm::save_mode::pool;
+    o.min_bytes = min_bytes;
+    return o;
   }
 
-  /**
-   * The end of the forward pass (leaving the hooks' `with` block): the encoded save still
-   * waiting goes out, and with host pacing the host waits until every page-out is done, so that
-   * torch's allocator can hand the memory of every saved tensor to what comes next (the loss).
-   */
-  void end_forward() {
-    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
-    py::gil_scoped_release nogil;
-    std::lock_guard lk{mutex_};
-    issue_pending(0, current_stream(device_));
-    while (host_pacing_ && !host_out_.empty()) { wait_host_oldest(); }
+  /// The mode of the saves from now on (wm::saved_tensors_options, wm_torch.py's SwapHooks).
+  void set_direct(bool on, std::size_t max_outstanding_bytes, std::size_t stage_bytes,
+                  std::size_t keep_last, bool compress, bool host_pacing) {
+    auto o                  = saves_.options();
+    o.mode                  = on ? wm::save_mode::direct : wm::save_mode::pool;
+    o.max_outstanding_bytes = max_outstanding_bytes;
+    o.stage_bytes           = stage_bytes;
+    o.keep_last             = keep_last;
+    o.compress              = compress;
+    o.host_pacing           = host_pacing;
+    saves_.set_options(o);
+  }
+
+  void set_auto_prefetch(bool on) {
+    auto o          = saves_.options();
+    o.auto_prefetch = on;
+    saves_.set_options(o);
   }
 
   /// Storages (by data pointer) that pack never copies: parameters, buffers.
   void set_skip(std::vector<std::uintptr_t> const& ptrs) {
-    std::lock_guard lk{mutex_};
-    skip_.clear();
-    skip_.insert(ptrs.begin(), ptrs.end());
+    std::vector<void const*> bases;
+    bases.reserve(ptrs.size());
+    for (auto p : ptrs) { bases.push_back(reinterpret_cast<void const*>(p)); }
+    saves_.set_skip(bases);
   }
 
-  /// The pack hook: a saved_buffer holding a copy of @p t, or None to keep @p t as it is (not
-  /// on this GPU, smaller than min_bytes, not dense, a skipped storage, no room in the pool).
+  /// The end of the forward pass (leaving the hooks' `with` block).
+  void end_forward() {
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device())};
+    cudaStream_t const s = current_stream(device());
+    py::gil_scoped_release nogil;
+    saves_.end_forward(s);
+  }
+
+  /// The pack hook: a SavedBuffer, or None to keep @p t as it is.
   py::object pack(torch::Tensor const& t) {
     std::shared_ptr<saved_buffer> sp;
     {
+      c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device())};
+      cudaStream_t const s = current_stream(device());
       py::gil_scoped_release nogil;
-      sp = pack_impl(t);
+      sp = saves_.save(t, s);
     }
     if (!sp) { return py::none(); }
     return py::cast(sp);
   }
 
-  /// The unpack hook: a tensor over the buffer's device memory, valid on the current stream.
+  /// The unpack hook: the saved tensor, valid on the current stream.
   torch::Tensor unpack(std::shared_ptr<saved_buffer> const& sp) {
-    expect_value(sp && sp->owner.get() == this, "wm_torch: unpack of a buffer of another scope");
-    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(sp->device)};
-    cudaStream_t const s = current_stream(sp->device);
-    void* p              = nullptr;
-    // Buffers locked from weak pointers are dropped here, after the mutex and with the GIL (a
-    // tensor handed to Python may need it to go).
-    std::vector<std::shared_ptr<saved_buffer>> hold;
-    torch::Tensor out;
+    expect_value(saves_.owns(sp), "wm_torch: unpack of a buffer of another scope");
+    int const dev = device();
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(dev)};
+    cudaStream_t const s = current_stream(dev);
+    saved_tensors::restored_type r;
     {
       py::gil_scoped_release nogil;
-      std::lock_guard lk{mutex_};
-      issue_pending(0, s);  // backward has started: the last encoded save goes out
-      if (auto_prefetch_ && !order_.empty()) { prefetch_all_locked(hold); }
-      ++unpacks_;
-      if (sp->direct) {
-        out = unpack_direct(*sp, s, hold);
-      } else {
-        p = sp->buf.data(cuda::stream_ref{s});
-      }
+      r = saves_.restore(sp, s);
     }
-    if (sp->direct) { return out; }
-    // The deleter holds the buffer: it goes back to the pool (after the work queued on `s` at
-    // that time) when the last of the tensor and the packed handle is gone.
+    if (r.memory) { return std::move(*r.memory); }
+    // Pool mode: a tensor over the pool buffer, whose deleter holds the save: the block goes
+    // back (after the work queued on `s` at that time) when the tensor and the handle are gone.
+    auto const& w                      = sp->source();
     std::shared_ptr<saved_buffer> keep = sp;
     return torch::from_blob(
-        p, sp->sizes, sp->strides, [keep](void*) mutable { keep.reset(); },
-        torch::TensorOptions{}.dtype(sp->dtype).device(torch::kCUDA, sp->device));
+        r.data, w.sizes, w.strides, [keep](void*) mutable { keep.reset(); },
+        torch::TensorOptions{}.dtype(w.dtype).device(torch::kCUDA, dev));
   }
 
-  /// Queues every buffer saved since the last call for page-in, most recent first (the order
-  /// in which the backward pass needs them), then starts the page-in queue.
+  /// Queues every buffer saved since the last call for page-in, most recent first.
   void prefetch_all() {
-    std::vector<std::shared_ptr<saved_buffer>> hold;  // dropped after the mutex, with the GIL
-    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
+    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device())};
+    cudaStream_t const s = current_stream(device());
     py::gil_scoped_release nogil;
-    std::lock_guard lk{mutex_};
-    prefetch_all_locked(hold);
-  }
-
-  void set_auto_prefetch(bool on) {
-    std::lock_guard lk{mutex_};
-    auto_prefetch_ = on;
+    saves_.prefetch_all(s);
   }
 
   /// Waits until every queued page-in is done (tests; not needed for correctness).
   void wait_prefetches() {
     py::gil_scoped_release nogil;
-    scope_->wait_prefetches();
+    saves_.wait_prefetches();
   }
 
   [[nodiscard]] py::dict statistics() {
     wm::swap_statistics st;
+    wm::saved_tensors_statistics h;
     {
       py::gil_scoped_release nogil;
-      st = scope_->statistics();
+      st = saves_.scope().statistics();
+      h  = saves_.statistics();
     }
     py::dict d;
     d["bytes_out"]             = st.bytes_out;
@@ -563,578 +556,47 @@ class swap_handle : public std::enable_shared_from_this<swap_handle> {
     d["peak_resident_bytes"]   = st.peak_resident_bytes;
     d["device_allocations"]    = st.device_allocations;
     d["pinned_allocations"]    = st.pinned_allocations;
-    std::lock_guard lk{mutex_};
-    d["packs"]             = packs_;
-    d["copies"]            = copies_;
-    d["bytes_copied"]      = bytes_copied_;
-    d["shared"]            = shared_;
-    d["kept"]              = kept_;
-    d["kept_no_room"]      = kept_no_room_;
-    d["unpacks"]           = unpacks_;
-    d["live_buffers"]      = live_;
-    d["pageouts_from"]     = st.pageouts_from;
-    d["pageins_to"]        = st.pageins_to;
-    d["reused_sources"]    = reused_sources_;
-    d["staged_unpacks"]    = staged_unpacks_;
-    d["unstaged_unpacks"]  = unstaged_unpacks_;
-    d["throttle_waits"]    = throttle_waits_;
-    d["kept_last"]         = kept_last_;
-    d["encoded"]           = encoded_;
-    d["encoded_raw_bytes"] = encoded_raw_bytes_;
-    d["encoded_bytes"]     = encoded_bytes_;
-    d["host_waits"]        = host_waits_;
+    d["packs"]                 = h.saves;
+    d["copies"]                = h.copies;
+    d["bytes_copied"]          = h.bytes_copied;
+    d["shared"]                = h.shared;
+    d["kept"]                  = h.kept;
+    d["kept_no_room"]          = h.kept_no_room;
+    d["unpacks"]               = h.restores;
+    d["live_buffers"]          = h.live;
+    d["pageouts_from"]         = st.pageouts_from;
+    d["pageins_to"]            = st.pageins_to;
+    d["reused_sources"]        = h.reused_sources;
+    d["staged_unpacks"]        = h.staged_restores;
+    d["unstaged_unpacks"]      = h.unstaged_restores;
+    d["throttle_waits"]        = h.throttle_waits;
+    d["kept_last"]             = h.kept_last;
+    d["encoded"]               = h.encoded;
+    d["encoded_raw_bytes"]     = h.encoded_raw_bytes;
+    d["encoded_bytes"]         = h.encoded_bytes;
+    d["host_waits"]            = h.host_waits;
     // Not "host_wait_seconds": that key is the scope's (its host-blocking syncs), set above.
-    d["hooks_host_wait_seconds"] = host_wait_seconds_;
-    d["direct"]                  = direct_;
-    d["device_pool_bytes"]       = capacity_;
-    d["device_budget"]           = scope_->options().device_budget;
-    d["host_bytes"]              = scope_->options().host_bytes;
+    d["hooks_host_wait_seconds"] = h.host_wait_seconds;
+    d["direct"]                  = saves_.options().mode == wm::save_mode::direct;
+    d["device_pool_bytes"]       = saves_.pool_bytes();
+    d["device_budget"]           = saves_.scope().options().device_budget;
+    d["host_bytes"]              = saves_.scope().options().host_bytes;
     return d;
   }
 
   void reset_statistics() {
     py::gil_scoped_release nogil;
-    std::lock_guard lk{mutex_};
-    scope_->reset_statistics();
-    packs_ = copies_ = bytes_copied_ = shared_ = kept_ = kept_no_room_ = unpacks_ = 0;
-    reused_sources_ = staged_unpacks_ = unstaged_unpacks_ = throttle_waits_ = kept_last_ = 0;
-    encoded_ = encoded_raw_bytes_ = encoded_bytes_ = host_waits_ = 0;
-    host_wait_seconds_                                           = 0;
+    saves_.reset_statistics();
   }
 
-  [[nodiscard]] int device() const noexcept { return device_; }
-
-  void released() noexcept {
-    std::lock_guard lk{mutex_};
-    --live_;
-  }
-  void staged_dropped(std::size_t bytes) noexcept {
-    std::lock_guard lk{mutex_};
-    staged_bytes_ -= std::min(bytes, staged_bytes_);
-  }
-  std::recursive_mutex& mutex() noexcept { return mutex_; }
+  [[nodiscard]] int device() const noexcept { return saves_.scope().options().device; }
 
  private:
-  std::shared_ptr<saved_buffer> pack_impl(torch::Tensor const& t) {
-    std::lock_guard lk{mutex_};
-    ++packs_;
-    if (!t.defined() || !t.is_cuda() || t.device().index() != device_ || !t.has_storage()) {
-      ++kept_;
-      return nullptr;
-    }
-    std::size_t const bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
-    if (bytes == 0 || bytes < min_bytes_ || !t.is_non_overlapping_and_dense() ||
-        skip_.contains(reinterpret_cast<std::uintptr_t>(t.storage().data()))) {
-      ++kept_;
-      return nullptr;
-    }
-    if (direct_ ? bytes > host_capacity_ : bytes > capacity_) {  // could never fit
-      ++kept_;
-      ++kept_no_room_;
-      return nullptr;
-    }
-    auto const version         = t._version();
-    auto const sizes           = t.sizes().vec();
-    auto const strides         = t.strides().vec();
-    c10::StorageImpl* const si = t.storage().unsafeGetStorageImpl();
-    // 1. The same data saved before (and still alive): share its buffer.
-    auto& keys = saved_[si];
-    std::erase_if(keys,
-                  [](saved_key const& k) { return k.storage.expired() || k.saved.expired(); });
-    for (auto const& k : keys) {
-      if (k.offset == t.storage_offset() && k.version == version && k.dtype == t.scalar_type() &&
-          k.sizes == sizes && k.strides == strides) {
-        if (auto sp = k.saved.lock()) {
-          ++shared_;
-          return sp;
-        }
-      }
-    }
-    c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device_)};
-    cudaStream_t const s = current_stream(device_);
-    auto sp              = std::make_shared<saved_buffer>();
-    if (direct_) {
-      // 2'. Direct: the page-out reads the tensor's own memory, after the current stream's work.
-      // With keep_last the newest keep_last tensors wait (held) and go out when newer ones come;
-      // those still held when backward starts are never copied (backward needs them first).
-      bool issued = false;
-      if (keep_last_ == 0) {
-        try {
-          issued = start_pageout(sp, t, bytes, s);
-        } catch (wm::logic_error const&) {  // larger than the slab
-          ++kept_;
-          ++kept_no_room_;
-          return nullptr;
-        }
-      } else {
-        sp->held         = t;
-        sp->held_version = version;
-      }
-      sp->owner   = shared_from_this();
-      sp->direct  = true;
-      sp->sizes   = sizes;
-      sp->strides = strides;
-      sp->dtype   = t.scalar_type();
-      sp->device  = device_;
-      sp->bytes   = bytes;
-      if (auto const& vc = t.unsafeGetTensorImpl()->version_counter(); vc.enabled()) {
-        sp->source.emplace(t.storage().getWeakStorageImpl());
-        sp->source_data =
-            static_cast<void const*>(t.storage().unsafeGetStorageImpl()->data_ptr().get());
-        sp->source_offset          = t.storage_offset();
-        sp->source_version_counter = vc;
-        sp->source_version         = vc.current_version();
-      }
-      ++live_;
-      if (keep_last_ == 0) {
-        if (issued) { pace(sp, bytes, s); }
-      } else {  // the oldest held beyond keep_last go out now
-        deferred_.push_back(sp);
-        while (deferred_.size() > keep_last_) {
-          auto o = deferred_.front().lock();
-          deferred_.pop_front();
-          if (!o || !o->held.defined()) { continue; }
-          torch::Tensor h = std::move(o->held);
-          o->held.reset();
-          if (start_pageout(o, h, o->bytes, s)) { pace(o, o->bytes, s); }  // fits: checked at pack
-        }
-      }
-      keys.push_back(saved_key{t.storage().getWeakStorageImpl(), t.storage_offset(), sizes, strides,
-                               t.scalar_type(), version, sp});
-      order_.push_back(sp);
-      ++copies_;
-      bytes_copied_ += bytes;
-      return sp;
-    }
-    // 2. A new buffer: device copy on the current stream, then the page-out after it.
-    try {
-      sp->buf = scope_->allocate<std::byte>(bytes, cuda::stream_ref{s});
-    } catch (wm::logic_error const&) {  // every pool block held by buffers in use
-      ++kept_;
-      ++kept_no_room_;
-      return nullptr;
-    }
-    sp->owner = shared_from_this();
-    ++live_;
-    sp->sizes   = sizes;
-    sp->strides = strides;
-    sp->dtype   = t.scalar_type();
-    sp->device  = device_;
-    sp->bytes   = bytes;
-    // A dense tensor with non-negative strides starts at its lowest address and fills `bytes`.
-    std::byte* const dst = sp->buf.data(cuda::stream_ref{s});
-    WM_CUDA_TRY(cudaMemcpyAsync(dst, t.data_ptr(), bytes, cudaMemcpyDeviceToDevice, s));
-    // The caching allocator must not hand the source to another stream before the copy ran.
-    t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)));
-    (void)sp->buf.pageout(cuda::stream_ref{s});
-    keys.push_back(saved_key{t.storage().getWeakStorageImpl(), t.storage_offset(), sizes, strides,
-                             t.scalar_type(), version, sp});
-    order_.push_back(sp);
-    ++copies_;
-    bytes_copied_ += bytes;
-    if (saved_.size() > 4096) {  // drop the entries of freed storages now and then
-      std::erase_if(saved_, [](auto const& e) {
-        return std::all_of(e.second.begin(), e.second.end(), [](saved_key const& k) {
-          return k.storage.expired() || k.saved.expired();
-        });
-      });
-    }
-    return sp;
-  }
+  swap_handle(wm::swap_options const& o, wm::saved_tensors_options const& so)
+      : saves_{o, so, torch_memory{o.device}} {}
 
-  /// Starts @p sp's page-out from @p t (direct mode): first the encoded save still waiting goes
-  /// out (issue_pending), then, with compress, @p t is encoded on @p s into a tensor from torch's
-  /// allocator, which goes out at the next save, at backward or at end_forward (returns false),
-  /// else @p t's own memory is copied (issue_pageout; returns true).
-  bool start_pageout(std::shared_ptr<saved_buffer> const& sp, torch::Tensor const& t,
-                     std::size_t bytes, cudaStream_t s) {
-    issue_pending(0, s);
-    auto const n    = static_cast<std::size_t>(t.numel());
-    auto const elem = static_cast<std::size_t>(t.element_size());
-    if (compress_ && codec_supports(elem) && codec_max_encoded_bytes(n, elem) <= host_capacity_) {
-      encode(sp, t, n, elem, s);
-      return false;
-    }
-    issue_pageout(*sp, t, bytes, s);
-    return true;
-  }
-
-  /// Encodes @p t (wm::zero_codec: a bit per element, then the nonzero elements) on @p s, its
-  /// nonzero count into a pinned slot; the page-out waits in pending_ for the count (its size).
-  /// @p t is read on @p s only, so torch's allocator may reuse it in @p s's order: no
-  /// record_stream on a copy stream, nothing held until a copy ends.
-  void encode(std::shared_ptr<saved_buffer> const& sp, torch::Tensor const& t, std::size_t n,
-              std::size_t elem, cudaStream_t s) {
-    auto const opts = torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, device_);
-    // (pack runs without the GIL: a wm::logic_error, not a Python error set here)
-    WM_EXPECTS(!free_slots_.empty(), "wm_torch: no free slot for an encoding's count");
-    pending_encoding p;
-    p.sp    = sp;
-    p.numel = n;
-    p.elem  = elem;
-    p.enc   = at::empty({static_cast<std::int64_t>(codec_max_encoded_bytes(n, elem))}, opts);
-    std::size_t const scratch_bytes = codec_scratch_bytes(n, elem);
-    auto scratch =
-        at::empty({static_cast<std::int64_t>(std::max<std::size_t>(scratch_bytes, 1))}, opts);
-    p.slot = free_slots_.back();
-    free_slots_.pop_back();
-    try {
-      codec_encode(t.data_ptr(), n, elem, p.enc.data_ptr(), &slots_[p.slot], scratch.data_ptr(),
-                   scratch_bytes, s);
-      p.done = take_event();
-      WM_CUDA_TRY(cudaEventRecord(p.done, s));
-    } catch (...) {
-      free_slots_.push_back(p.slot);
-      give_event(p.done);
-      throw;
-    }
-    // Read on s: a tensor made on another stream is kept until s has passed the encode.
-    t.record_stream(c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device_)));
-    sp->encoded = true;
-    sp->numel   = n;
-    sp->elem    = elem;
-    pending_.push_back(std::move(p));
-  }
-
-  /// Issues the page-outs of the encodings in pending_ beyond the newest @p keep: the host waits
-  /// for each encoding (one save behind the forward pass, so the GPU still has a layer queued),
-  /// reads its nonzero count and pages out exactly the encoded bytes on the page-out stream; the
-  /// encoding's tensor is record_stream-ed there and dropped.
-  void issue_pending(std::size_t keep, cudaStream_t s) {
-    while (pending_.size() > keep) {
-      pending_encoding p = std::move(pending_.front());
-      pending_.pop_front();
-      std::uint64_t nonzeros = 0;
-      try {
-        wait_host(p.done, "the encoding of a saved tensor");
-        nonzeros = *static_cast<std::uint64_t volatile*>(&slots_[p.slot]);
-      } catch (...) {
-        free_slots_.push_back(p.slot);
-        give_event(p.done);
-        throw;
-      }
-      free_slots_.push_back(p.slot);
-      give_event(p.done);
-      auto sp = p.sp.lock();
-      if (!sp) { continue; }  // dropped before it went out: the encoding goes in s's order
-      std::size_t const eb   = codec_encoded_bytes(p.numel, nonzeros, p.elem);
-      cudaStream_t const out = scope_->pageout_stream();
-      sp->buf = scope_->pageout_from(static_cast<std::byte const*>(p.enc.data_ptr()), eb,
-                                     cuda::stream_ref{out});
-      p.enc.record_stream(
-          c10::cuda::getStreamFromExternal(out, static_cast<c10::DeviceIndex>(device_)));
-      sp->encoded_bytes = eb;
-      ++encoded_;
-      encoded_raw_bytes_ += sp->bytes;
-      encoded_bytes_ += eb;
-      pace(sp, eb, s);
-    }
-  }
-
-  /// The host waits for @p e (polling, within the scope's timeout); counted when it had to.
-  void wait_host(cudaEvent_t e, char const* what) {
-    auto const t0       = std::chrono::steady_clock::now();
-    auto const deadline = wm::detail::deadline_after(scope_->options().timeout, t0);  // saturates
-    bool waited         = false;
-    for (;;) {
-      cudaError_t const r = cudaEventQuery(e);
-      if (r == cudaSuccess) { break; }
-      if (r != cudaErrorNotReady) { WM_CUDA_TRY(r); }
-      waited = true;
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw wm::cuda_error{"wm_torch: SwapHooks gave up waiting for " + std::string{what} +
-                                 " after " + wm::detail::timeout_text(scope_->options().timeout),
-                             static_cast<int>(cudaErrorTimeout)};
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds{20});
-    }
-    if (waited) {
-      ++host_waits_;
-      host_wait_seconds_ +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-  }
-
-  /// Host pacing: the host waits for the oldest page-out still listed and drops it.
-  void wait_host_oldest() {
-    auto [e, n] = host_out_.front();
-    host_out_.pop_front();
-    host_out_bytes_ -= n;
-    try {
-      wait_host(e, "a page-out (host pacing)");
-    } catch (...) {
-      give_event(e);
-      throw;
-    }
-    give_event(e);
-  }
-
-  [[nodiscard]] cudaEvent_t take_event() {
-    if (!free_events_.empty()) {
-      cudaEvent_t e = free_events_.back();
-      free_events_.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    WM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return e;
-  }
-
- public:
-  void give_event(cudaEvent_t e) noexcept {
-    if (e != nullptr) { free_events_.push_back(e); }
-  }
-
- private:
-  /// Queues @p b's page-out from @p t's memory after the work on @p s. The copy is issued
-  /// (pageout_from returns after that): when the tensor is freed, torch's allocator records an
-  /// event on the copy stream and reuses the block after it, i.e. after the copy. No reference is
-  /// held: the memory goes as soon as both are done.
-  void issue_pageout(saved_buffer& b, torch::Tensor const& t, std::size_t bytes, cudaStream_t s) {
-    b.buf = scope_->pageout_from(static_cast<std::byte const*>(t.data_ptr()), bytes,
-                                 cuda::stream_ref{s});
-    t.record_stream(c10::cuda::getStreamFromExternal(scope_->pageout_stream(),
-                                                     static_cast<c10::DeviceIndex>(device_)));
-  }
-
-  /// max_outstanding_bytes: holds the forward pass (stream @p s) to the link's pace.
-  void pace(std::shared_ptr<saved_buffer> const& sp, std::size_t bytes, cudaStream_t s) {
-    if (host_pacing_) {  // the host waits, so that the allocator sees the memory free in time
-      cudaEvent_t e = take_event();
-      try {
-        WM_CUDA_TRY(cudaEventRecord(e, scope_->pageout_stream()));
-      } catch (...) {
-        give_event(e);
-        throw;
-      }
-      host_out_.emplace_back(e, bytes);
-      host_out_bytes_ += bytes;
-      while (host_out_bytes_ > max_out_bytes_ && host_out_.size() > 1) { wait_host_oldest(); }
-      return;
-    }
-    if (max_out_bytes_ == 0) { return; }
-    outstanding_.emplace_back(sp, bytes);
-    outstanding_bytes_ += bytes;
-    while (outstanding_bytes_ > max_out_bytes_ && outstanding_.size() > 1) {
-      auto [w, n] = outstanding_.front();
-      outstanding_.pop_front();
-      outstanding_bytes_ -= n;
-      if (auto o = w.lock()) {
-        o->buf.wait_pageout(cuda::stream_ref{s});
-        ++throttle_waits_;
-      }
-    }
-  }
-
-  /// The saved tensor itself, if its storage is alive with the same memory and its version
-  /// counter says it was not modified since the save; else undefined.
-  [[nodiscard]] static torch::Tensor source_if_alive(saved_buffer const& b) {
-    if (!b.source || !b.source_version_counter) { return {}; }
-    c10::intrusive_ptr<c10::StorageImpl> si = b.source->lock();
-    if (!si || static_cast<void const*>(si->data_ptr().get()) != b.source_data ||
-        b.source_version_counter->current_version() != b.source_version) {
-      return {};
-    }
-    auto t = at::empty({0}, torch::TensorOptions{}.dtype(b.dtype).device(torch::kCUDA, b.device));
-    t.set_(c10::Storage{std::move(si)}, b.source_offset, b.sizes, b.strides);
-    return t;
-  }
-
-  /// A tensor with sizes and strides of @p b from torch's allocator (on the current stream @p s),
-  /// filled by pagein_to on the page-in copy stream after that stream's work so far.
-  /// No record_stream on the page-in stream: its block would stay unusable for the allocator
-  /// until the host had seen an event on that stream, and in backward the host runs far ahead
-  /// of the GPU, so every page-in would take new memory. Instead @p s waits for the copy before
-  /// any use (unpack_direct) or before the tensor is dropped unused (~saved_buffer), so that
-  /// the block is reused in @p s's order only after the copy.
-  [[nodiscard]] torch::Tensor page_in_new(saved_buffer& b, cudaStream_t s) {
-    auto t = at::empty_strided(
-        b.sizes, b.strides, torch::TensorOptions{}.dtype(b.dtype).device(torch::kCUDA, b.device));
-    if (b.encoded) {  // the encoding comes in, then it is decoded into t on the page-in stream
-      cudaStream_t const in = scope_->pagein_stream();
-      auto const in_torch =
-          c10::cuda::getStreamFromExternal(in, static_cast<c10::DeviceIndex>(b.device));
-      auto const opts = torch::TensorOptions{}.dtype(torch::kUInt8).device(torch::kCUDA, b.device);
-      std::size_t const scratch_bytes = codec_scratch_bytes(b.numel, b.elem);
-      torch::Tensor enc;
-      torch::Tensor scratch;
-      {  // used on the page-in stream only: allocated there, reused in its order, no events
-        c10::cuda::CUDAStreamGuard on_in{in_torch};
-        enc =
-            at::empty({static_cast<std::int64_t>(std::max<std::size_t>(b.encoded_bytes, 1))}, opts);
-        scratch =
-            at::empty({static_cast<std::int64_t>(std::max<std::size_t>(scratch_bytes, 1))}, opts);
-      }
-      b.buf.pagein_to(static_cast<std::byte*>(enc.data_ptr()), cuda::stream_ref{s});
-      b.buf.wait_pagein(cuda::stream_ref{in});  // the copy is there already; to be sure
-      codec_decode(enc.data_ptr(), b.numel, b.elem, t.data_ptr(), scratch.data_ptr(), scratch_bytes,
-                   in);
-      if (b.decoded == nullptr) { b.decoded = take_event(); }
-      WM_CUDA_TRY(cudaEventRecord(b.decoded, in));
-      return t;
-    }
-    b.buf.pagein_to(static_cast<std::byte*>(t.data_ptr()), cuda::stream_ref{s});
-    return t;
-  }
-
-  /// Direct mode's unpack, on stream @p s: the tensor of an earlier unpack, the saved tensor
-  /// itself while it is alive and unchanged, the staged page-in, or a page-in now; then the next
-  /// buffers in backward order are staged.
-  torch::Tensor unpack_direct(saved_buffer& b, cudaStream_t s,
-                              std::vector<std::shared_ptr<saved_buffer>>& hold) {
-    torch::Tensor t = b.dev;
-    deferred_.clear();  // backward has started: what is still held stays on the device
-    if (!t.defined() && b.held.defined()) {
-      TORCH_CHECK(b.held._version() == b.held_version,
-                  "wm_torch.SwapHooks: a tensor saved for backward was modified in place");
-      t = std::move(b.held);
-      b.held.reset();
-      ++kept_last_;
-      b.dev = t;
-      t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(b.device)));
-      stage_more(s, hold);
-      return t;
-    }
-    if (!t.defined()) {
-      t = source_if_alive(b);
-      if (t.defined()) {
-        ++reused_sources_;
-      } else if (b.staged.defined()) {
-        t = std::move(b.staged);
-        b.staged.reset();
-        staged_bytes_ -= std::min(b.bytes, staged_bytes_);
-        ++staged_unpacks_;
-      } else {
-        t = page_in_new(b, s);
-        ++unstaged_unpacks_;
-      }
-      b.dev = t;
-    }
-    // Nothing once the copy has completed; a tensor keep_last held has no buffer.
-    if (b.buf) { b.buf.wait_pagein(cuda::stream_ref{s}); }
-    if (b.decoded != nullptr) { WM_CUDA_TRY(cudaStreamWaitEvent(s, b.decoded, 0)); }
-    // Used on s (a no-op if s is where it was allocated).
-    t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(b.device)));
-    stage_more(s, hold);
-    return t;
-  }
-
-  /// Stages the next buffers of the backward order (page-ins into new tensors) while fewer than
-  /// stage_bytes_ are staged and not yet unpacked (at least one).
-  void stage_more(cudaStream_t s, std::vector<std::shared_ptr<saved_buffer>>& hold) {
-    while (!in_order_.empty()) {
-      auto o = in_order_.front().lock();
-      if (!o || o->dev.defined() || o->staged.defined() || o->held.defined() ||
-          source_if_alive(*o).defined()) {
-        in_order_.pop_front();  // gone, unpacked, staged, or still on the device as it was
-        if (o) { hold.push_back(std::move(o)); }
-        continue;
-      }
-      if (staged_bytes_ > 0 && staged_bytes_ + o->bytes > stage_bytes_) { return; }
-      o->staged        = page_in_new(*o, s);
-      o->staged_stream = s;
-      staged_bytes_ += o->bytes;
-      in_order_.pop_front();
-      hold.push_back(std::move(o));
-    }
-  }
-
-  void prefetch_all_locked(std::vector<std::shared_ptr<saved_buffer>>& hold) {
-    issue_pending(0, current_stream(device_));
-    for (auto const& [e, n] : host_out_) { give_event(e); }
-    host_out_.clear();
-    host_out_bytes_ = 0;
-    outstanding_.clear();  // backward: the forward's page-out pacing ends
-    deferred_.clear();     // and what keep_last still holds stays on the device
-    outstanding_bytes_ = 0;
-    bool any_pool      = false;
-    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-      auto sp = it->lock();
-      if (!sp) { continue; }
-      if (sp->direct) {
-        in_order_.push_back(sp);
-      } else {
-        any_pool = true;
-      }
-      hold.push_back(std::move(sp));
-    }
-    if (!in_order_.empty()) { stage_more(current_stream(device_), hold); }
-    if (!any_pool) {
-      order_.clear();
-      return;
-    }
-    scope_->prefetch_init();
-    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-      auto sp = it->lock();
-      if (sp && !sp->direct) { sp->buf.need_prefetch(); }
-      if (sp) { hold.push_back(std::move(sp)); }
-    }
-    order_.clear();
-    scope_->prefetch_all();
-  }
-
-  static constexpr std::size_t pool_alignment = 256;  // the scope hands out multiples of it
-  std::shared_ptr<wm::swap_scope> scope_;
-  std::size_t min_bytes_;
-  std::size_t capacity_{0};
-  std::size_t host_capacity_{0};
-  int device_{0};
-  bool direct_{false};
-  std::size_t max_out_bytes_{0};  // direct: page-out bytes that may run before the stream waits
-  std::size_t stage_bytes_{0};    // direct: bytes staged (paged in) ahead of their unpack
-  std::size_t staged_bytes_{0};
-  std::size_t outstanding_bytes_{0};
-  std::deque<std::pair<std::weak_ptr<saved_buffer>, std::size_t>> outstanding_;
-  std::deque<std::weak_ptr<saved_buffer>> in_order_;  // direct: still to stage, backward order
-  std::deque<std::weak_ptr<saved_buffer>> deferred_;  // keep_last: held, newest last
-  std::size_t keep_last_{0};
-  std::uint64_t kept_last_{0};  // unpacks served by a tensor keep_last never paged out
-  // compress: encodings whose page-out waits for their size (at most one: the previous save)
-  struct pending_encoding {
-    std::weak_ptr<saved_buffer> sp;
-    torch::Tensor enc;  // max_encoded_bytes from torch's allocator, on the forward's stream
-    cudaEvent_t done{nullptr};
-    int slot{-1};
-    std::size_t numel{0};
-    std::size_t elem{0};
-  };
-  static constexpr int nonzero_slots = 8;
-  bool compress_{false};
-  bool host_pacing_{false};
-  std::deque<pending_encoding> pending_;
-  std::deque<std::pair<cudaEvent_t, std::size_t>> host_out_;  // host pacing: page-outs issued
-  std::size_t host_out_bytes_{0};
-  std::vector<cudaEvent_t> free_events_;
-  std::uint64_t* slots_{nullptr};  // pinned: each encoding's nonzero count
-  std::vector<int> free_slots_;
-  std::uint64_t encoded_{0}, encoded_raw_bytes_{0}, encoded_bytes_{0}, host_waits_{0};
-  double host_wait_seconds_{0};
-  std::recursive_mutex mutex_;
-  std::unordered_map<c10::StorageImpl*, std::vector<saved_key>> saved_;
-  std::unordered_set<std::uintptr_t> skip_;
-  std::vector<std::weak_ptr<saved_buffer>> order_;  // saves since the last prefetch_all
-  bool auto_prefetch_{true};
-  std::uint64_t packs_{0}, copies_{0}, bytes_copied_{0}, shared_{0}, kept_{0}, kept_no_room_{0},
-      unpacks_{0}, live_{0}, reused_sources_{0}, staged_unpacks_{0}, unstaged_unpacks_{0},
-      throttle_waits_{0};
+  saved_tensors saves_;
 };
-
-saved_buffer::~saved_buffer() {
-  if (!owner) { return; }  // never held pool memory
-  std::lock_guard lk{owner->mutex()};
-  if (staged.defined()) {  // never unpacked: its stream waits for the page-in before the drop
-    owner->staged_dropped(bytes);
-    try {
-      if (buf) { buf.wait_pagein(cuda::stream_ref{staged_stream}); }
-      if (decoded != nullptr) { (void)cudaStreamWaitEvent(staged_stream, decoded, 0); }
-    } catch (...) {  // destructors never throw; the copy's error resurfaces on the next check
-    }
-  }
-  owner->give_event(decoded);
-  buf.reset();  // after the work queued so far on the stream of its last data() call
-  owner->released();
-}  // then the tensors (after the lock), and `owner`: the last buffer of a dropped scope
-   // destroys the scope
 
 /// Raises one error by one of the paths an error can take to Python (tests/pytorch/
 /// error_probe.py runs each in its own process to tell which path, if any, kills it).
@@ -1288,8 +750,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("prefix"), "Reads a checkpoint (collective)");
 
   py::class_<saved_buffer, std::shared_ptr<saved_buffer>>(m, "SavedBuffer")
-      .def_property_readonly("nbytes", [](saved_buffer const& b) { return b.bytes; })
-      .def_property_readonly("resident", [](saved_buffer const& b) { return b.buf.resident(); });
+      .def_property_readonly("nbytes", [](saved_buffer const& b) { return b.bytes(); })
+      .def_property_readonly("resident", [](saved_buffer const& b) { return b.resident(); });
 
   py::class_<swap_handle, std::shared_ptr<swap_handle>>(m, "SwapScope")
       .def(py::init([](std::size_t device_budget, std::size_t host_bytes, int max_in_flight,
