@@ -368,7 +368,9 @@ class stream_block {
  public:
   /**
    * @brief @p bytes of device memory (current device) usable on @p stream in its order.
+   * @param bytes the size (0: no memory)
    * @param element_bytes the size of one element (1, 2, 4 or 8 can be zero-encoded)
+   * @param stream where it is allocated, and freed when the last handle goes
    * @throw wm::logic_error if @p bytes is not a multiple of @p element_bytes (or it is 0);
    * wm::cuda_error on CUDA errors
    */
