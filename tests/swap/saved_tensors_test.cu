@@ -442,7 +442,8 @@ TEST_CASE("saved_tensors: declined saves keep the source", "[gpu][swap][saved]")
   CHECK(st.kept == 5);
   CHECK(st.kept_no_room == 1);
   CHECK(st.copies == 0);
-  CHECK(saves.save(fits, s) != nullptr);
+  auto const fitting = saves.save(fits, s);
+  CHECK(fitting != nullptr);
   // Pool mode: larger than the pool.
   o.mode = wm::save_mode::pool;
   saves.set_options(o);
@@ -454,7 +455,7 @@ TEST_CASE("saved_tensors: declined saves keep the source", "[gpu][swap][saved]")
   CHECK(st.copies == 1);
   saves.reset_statistics();
   CHECK(saves.statistics().saves == 0);
-  CHECK(saves.statistics().live == 1);  // live is a state, not a counter
+  CHECK(saves.statistics().live == 1);  // `fitting`: live is a state, not a counter
   CHECK_THROWS_AS(saves.restore(nullptr, s), wm::logic_error);
   CHECK_THROWS_AS(wm::stream_memory::make(6, 4, s), wm::logic_error);
 }
