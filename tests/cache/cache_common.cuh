@@ -134,6 +134,11 @@ void on_one_rank(F&& f) {
   wm::launch(1, [&](wm::communicator& comm) { f(comm, seed); });
 }
 
+/// A seed drawn on rank 0, the same on every rank of @p comm (for a [ranked] case).
+inline std::uint64_t shared_seed(wm::communicator& comm) {
+  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
+}
+
 /// Bytes one cache line moves to or from the host: the weight row, its states, its step.
 template <class T, class Opt>
 std::size_t line_payload(Opt const& opt, std::size_t dim) {

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // GPU tests of read-write device caches in wm::embedding on several ranks (the
-// embedding_cache_test program, [multi_gpu]): a device cache on each rank's own rows trains bit
-// for bit like the uncached table of the same layout, through flush(), invalidate(), store() and
-// load() into another layout. A [ranked] case (run inside every rank, one or one per GPU): a rank
-// that cannot allocate its cache lines makes every rank throw the same error, naming it.
+// embedding_cache_test program), [ranked] cases run inside every rank: a device cache on each
+// rank's own rows trains bit for bit like the uncached table of the same layout, through flush(),
+// invalidate(), store() and load() into another layout (one rank per GPU, each combination a
+// section); a rank that cannot allocate its cache lines makes every rank throw the same error,
+// naming it (one rank, and one per GPU).
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
@@ -91,24 +92,19 @@ void train_ranks(wm::communicator& comm, Opt opt, std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("ranks: a device cache on each rank's rows trains bit for bit like no cache",
-          "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
+TEST_CASE("ranked: a device cache on each rank's rows trains bit for bit like no cache",
+          "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
   INFO("seed " << seed);
   SECTION("float, LFU, Adam, host distributed, block mapping") {
-    wm::launch(2, [&](wm::communicator& comm) {
-      train_ranks<float, wm::lfu, wm::adam, wm::distributed, wm::block>(comm, wm::adam{}, seed);
-    });
+    train_ranks<float, wm::lfu, wm::adam, wm::distributed, wm::block>(comm, wm::adam{}, seed);
   }
   SECTION("float, LRU, SGD, host chunked, cyclic mapping") {
-    wm::launch(2, [&](wm::communicator& comm) {
-      train_ranks<float, wm::lru, wm::sgd, wm::chunked, wm::cyclic>(comm, wm::sgd{}, seed + 1);
-    });
+    train_ranks<float, wm::lru, wm::sgd, wm::chunked, wm::cyclic>(comm, wm::sgd{}, seed + 1);
   }
   SECTION("half, LRU, Adam, host continuous, block mapping") {
-    wm::launch(2, [&](wm::communicator& comm) {
-      train_ranks<__half, wm::lru, wm::adam, wm::continuous, wm::block>(comm, wm::adam{}, seed + 2);
-    });
+    train_ranks<__half, wm::lru, wm::adam, wm::continuous, wm::block>(comm, wm::adam{}, seed + 2);
   }
 }
 

@@ -4,10 +4,11 @@
 // group cache's lines (detail::cache::group_lines) on a group of one, through admissions,
 // evictions, prefetches and invalidate(), while a prefetch beside a gather replaces lines, and
 // with replacements started while a gather is copying the same lines (the copies must be refused,
-// counted in cache_statistics::refused_copies, and never served). On several ranks
-// ([multi_gpu]): a group cache on every rank gathers the table bit for bit (several layouts,
-// groups of the table's ranks, of the whole communicator, of one rank each), peers' lines serve
-// hits, lines are replaced while peers read them, prefetches; a distributed table is refused.
+// counted in cache_statistics::refused_copies, and never served). On several ranks ([ranked]
+// cases run inside every rank, one per GPU): a group cache on every rank gathers the table bit for
+// bit (several layouts, groups of the table's ranks, of the whole communicator, of one rank each),
+// peers' lines serve hits, lines are replaced while peers read them, prefetches; a distributed
+// table is refused.
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
@@ -30,6 +31,7 @@
 #include "catch.hpp"
 #include "device_array.cuh"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 using namespace cache_tests;
 
@@ -592,112 +594,107 @@ void group_cache_ranks(wm::communicator& comm, grouping how, double ratio, std::
 
 }  // namespace
 
-TEST_CASE("ranks: a group cache on several ranks gathers the table (float, LFU, host chunked)",
-          "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
+// ---- cases run inside every rank (--ranks; tests/support/ranks.hpp) ----------------------------
+
+TEST_CASE("ranked: a group cache on several ranks gathers the table (float, LFU, host chunked)",
+          "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
   INFO("seed " << seed);
   for (double const ratio : {0.05, 1.0}) {
     DYNAMIC_SECTION("ratio " << ratio) {
-      wm::launch(2, [&](wm::communicator& comm) {
-        group_cache_ranks<float, wm::lfu, wm::host, wm::chunked, wm::block>(comm, grouping::table,
-                                                                            ratio, seed);
-      });
+      group_cache_ranks<float, wm::lfu, wm::host, wm::chunked, wm::block>(comm, grouping::table,
+                                                                          ratio, seed);
     }
   }
 }
 
-TEST_CASE("ranks: a group cache on several ranks gathers the table (half, LRU, device continuous)",
-          "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
+TEST_CASE("ranked: a group cache on several ranks gathers the table (half, LRU, device continuous)",
+          "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
   INFO("seed " << seed);
   for (double const ratio : {0.05, 1.0}) {
     DYNAMIC_SECTION("ratio " << ratio) {
-      wm::launch(2, [&](wm::communicator& comm) {
-        group_cache_ranks<__half, wm::lru, wm::device, wm::continuous, wm::cyclic>(
-            comm, grouping::explicit_whole, ratio, seed);
-      });
+      group_cache_ranks<__half, wm::lru, wm::device, wm::continuous, wm::cyclic>(
+          comm, grouping::explicit_whole, ratio, seed);
     }
   }
 }
 
-TEST_CASE("ranks: group caches of one rank each on a table of several", "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
+TEST_CASE("ranked: group caches of one rank each on a table of several", "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
   INFO("seed " << seed);
   SECTION("float, LRU, host continuous, ratio 0.05") {
-    wm::launch(2, [&](wm::communicator& comm) {
-      group_cache_ranks<float, wm::lru, wm::host, wm::continuous, wm::cyclic>(
-          comm, grouping::each_alone, 0.05, seed);
-    });
+    group_cache_ranks<float, wm::lru, wm::host, wm::continuous, wm::cyclic>(
+        comm, grouping::each_alone, 0.05, seed);
   }
   SECTION("float, LFU, host continuous, ratio 1") {
-    wm::launch(2, [&](wm::communicator& comm) {
-      group_cache_ranks<float, wm::lfu, wm::host, wm::continuous, wm::cyclic>(
-          comm, grouping::each_alone, 1.0, seed + 1);
-    });
+    group_cache_ranks<float, wm::lfu, wm::host, wm::continuous, wm::cyclic>(
+        comm, grouping::each_alone, 1.0, seed + 1);
   }
 }
 
-TEST_CASE("ranks: a group cache's lines replaced while peers read them (one set per rank)",
-          "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
+TEST_CASE("ranked: a group cache's lines replaced while peers read them (one set per rank)",
+          "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
   INFO("seed " << seed);
-  wm::launch(2, [&](wm::communicator& comm) {
-    // 32 lines per rank for 5001 rows: nearly every admission evicts a line that peers probe.
-    group_cache_ranks<float, wm::lfu, wm::device, wm::chunked, wm::block>(comm, grouping::table,
-                                                                          0.001, seed);
-  });
+  // 32 lines per rank for 5001 rows: nearly every admission evicts a line that peers probe.
+  group_cache_ranks<float, wm::lfu, wm::device, wm::chunked, wm::block>(comm, grouping::table,
+                                                                        0.001, seed);
 }
 
-TEST_CASE("ranks: group caches on a distributed table are refused at construction (not built yet)",
-          "[multi_gpu]") {
-  wm::launch(2, [&](wm::communicator& comm) {
-    auto refused = [&](auto make) {
-      try {
-        make();
-      } catch (wm::logic_error const& e) {
-        return std::string{e.what()}.find("not built yet") != std::string::npos;
-      }
-      return false;
-    };
-    RANK_REQUIRE(refused([&] {
-      wm::embedding<float, wm::group_cache<>, wm::no_optimizer, wm::host, wm::distributed> e{
-          comm, 100, 8};
-    }));
-    comm.barrier();
-  });
+TEST_CASE("ranked: group caches on a distributed table are refused at construction (not built yet)",
+          "[ranked][multi]") {
+  auto& comm   = wm_test::comm();
+  auto refused = [&](auto make) {
+    try {
+      make();
+    } catch (wm::logic_error const& e) {
+      return std::string{e.what()}.find("not built yet") != std::string::npos;
+    }
+    return false;
+  };
+  RANK_REQUIRE(refused([&] {
+    wm::embedding<float, wm::group_cache<>, wm::no_optimizer, wm::host, wm::distributed> e{comm,
+                                                                                           100, 8};
+  }));
+  comm.barrier();
 }
 
-TEST_CASE("ranks: a group cache's rows read while prefetches beside replace lines", "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
+TEST_CASE("ranked: a group cache's rows read while prefetches beside replace lines",
+          "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
   INFO("seed " << seed);
-  wm::launch(2, [&](wm::communicator& comm) {
-    std::size_t const rows = 3001, dim = 64;
-    auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
-    wm::embedding<float, wm::no_cache, wm::no_optimizer, wm::device, wm::chunked> plain{
-        comm, rows, dim, {}, init};
-    wm::cache_options co;
-    co.ratio = 0.001;  // one set per rank
-    wm::embedding<float, wm::group_cache<wm::lfu>, wm::no_optimizer, wm::device, wm::chunked>
-        cached{comm, rows, dim, {}, init, co};
-    cudaStream_t s{};
-    WM_CUDA_TRY(cudaStreamCreate(&s));
-    auto const table = table_rows_of(plain, s);
-    reads_beside_admissions<float>(
-        table, cached.cache_lines() * static_cast<std::size_t>(comm.size()), 300,
-        seed + static_cast<std::uint64_t>(comm.rank()),
-        [&](std::span<std::int64_t const> k, float* out, cudaStream_t st) {
-          cached.gather(k, out, cuda::stream_ref{st});
-        },
-        [&](std::span<std::int64_t const> k, cudaStream_t st) {
-          cached.prefetch(k, cuda::stream_ref{st});
-        },
-        "group_cache<lfu> on 2 ranks, one set each");
-    auto const st = cached.cache_stats();
-    RANK_REQUIRE_MSG(st.hits > 0 && st.bytes_from_peers > 0 && st.evictions > 0,
-                     st.hits << " hits, " << st.bytes_from_peers << " bytes from peers, "
-                             << st.evictions << " evictions");
-    WM_CUDA_TRY(cudaStreamSynchronize(s));
-    comm.barrier();
-    WM_CUDA_TRY(cudaStreamDestroy(s));
-  });
+  std::size_t const rows = 3001, dim = 64;
+  auto const init = wm::embedding_init::normal(0.0f, 1.0f, seed);
+  wm::embedding<float, wm::no_cache, wm::no_optimizer, wm::device, wm::chunked> plain{
+      comm, rows, dim, {}, init};
+  wm::cache_options co;
+  co.ratio = 0.001;  // one set per rank
+  wm::embedding<float, wm::group_cache<wm::lfu>, wm::no_optimizer, wm::device, wm::chunked> cached{
+      comm, rows, dim, {}, init, co};
+  cudaStream_t s{};
+  WM_CUDA_TRY(cudaStreamCreate(&s));
+  auto const table = table_rows_of(plain, s);
+  reads_beside_admissions<float>(
+      table, cached.cache_lines() * static_cast<std::size_t>(comm.size()), 300,
+      seed + static_cast<std::uint64_t>(comm.rank()),
+      [&](std::span<std::int64_t const> k, float* out, cudaStream_t st) {
+        cached.gather(k, out, cuda::stream_ref{st});
+      },
+      [&](std::span<std::int64_t const> k, cudaStream_t st) {
+        cached.prefetch(k, cuda::stream_ref{st});
+      },
+      "group_cache<lfu> on " + std::to_string(comm.size()) + " ranks, one set each");
+  auto const st = cached.cache_stats();
+  RANK_REQUIRE_MSG(st.hits > 0 && st.bytes_from_peers > 0 && st.evictions > 0,
+                   st.hits << " hits, " << st.bytes_from_peers << " bytes from peers, "
+                           << st.evictions << " evictions");
+  WM_CUDA_TRY(cudaStreamSynchronize(s));
+  comm.barrier();
+  WM_CUDA_TRY(cudaStreamDestroy(s));
 }
