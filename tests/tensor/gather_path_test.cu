@@ -60,7 +60,28 @@ TEST_CASE("ranked: ranks that disagree on WM_DISPATCH_ROWS agree on a path or al
   }
 }
 
-// ---- one rank ([gpu]), one rank per GPU ([multi_gpu]) ------------------------------------------
+// The distributed gather sends each peer's rows in pieces (one per started 32 MiB, at most 6,
+// the first and last smaller from three on) while it gathers the next piece: a gather of every
+// row of a 140 MB table moves 70 MB per peer on 2 ranks (three pieces) and 35 MB on 4 (two),
+// with row counts that do not divide evenly.
+// From 5 ranks on each peer's share fits one piece and this test no longer pipelines.
+TEST_CASE("ranked: long distributed gathers cross in pieces", "[ranked][multi]") {
+  auto& comm               = wm_test::comm();
+  std::uint64_t const seed = shared_seed(comm);
+  SECTION("device.distributed.block, float rows, int64 indices: 140,001 x 256") {
+    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256,
+                                                                          0);
+  }
+  SECTION("device.distributed.cyclic, float rows, int32 indices: 70,003 x 512, stride 520") {
+    exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003,
+                                                                           512, 520);
+  }
+  // ... with the rows copied into the mailboxes (the default on one node with peer access).
+  RANK_REQUIRE(path_of_fresh_tensor(comm) ==
+               (peers_reach_each_other() ? wm::row_path::copy : wm::row_path::nccl));
+}
+
+// ---- one rank ([gpu]) ------------------------------------------------------------------------
 
 TEST_CASE("one rank: the gather path is reported and its setting checked", "[gpu]") {
   wm::launch(1, [&](wm::communicator& comm) {
@@ -146,23 +167,5 @@ TEST_CASE("one rank: grouping by owner without a sort puts each index in its own
         }
       }
     }
-  });
-}
-
-// The distributed gather sends each peer's rows in pieces (one per started 32 MiB, at most 6,
-// the first and last smaller from three on) while it gathers the next piece: a gather of every
-// row of a 140 MB table moves 70 MB per peer on 2 ranks (three pieces) and 35 MB on 4 (two),
-// with row counts that do not divide evenly.
-// From 5 ranks on each peer's share fits one piece and this test no longer pipelines.
-TEST_CASE("ranks: long distributed gathers cross in pieces", "[multi_gpu]") {
-  std::uint64_t const seed = std::random_device{}();
-  wm::launch(wm::local_device_count(), [&](wm::communicator& comm) {
-    exercise<float, wm::device, wm::distributed, wm::block, std::int64_t>(comm, seed, 140'001, 256,
-                                                                          0);
-    exercise<float, wm::device, wm::distributed, wm::cyclic, std::int32_t>(comm, seed + 1, 70'003,
-                                                                           512, 520);
-    // ... with the rows copied into the mailboxes (the default on one node with peer access).
-    RANK_REQUIRE(path_of_fresh_tensor(comm) ==
-                 (peers_reach_each_other() ? wm::row_path::copy : wm::row_path::nccl));
   });
 }
