@@ -350,10 +350,7 @@ __global__ void __launch_bounds__(256)
     for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs;
          c += static_cast<std::size_t>(group)) {
       Vec v[unroll];
-#pragma unroll
-      for (int u = 0; u < unroll; ++u) {
-        if (src[u] != nullptr) { v[u] = load_vec<Fresh>(src[u] + c); }
-      }
+      load_in_flight<Fresh>(src, c, v);
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
         if (!take[u]) { continue; }

@@ -50,6 +50,17 @@ __device__ inline void store_vec(Vec* p, Vec v) {
   }
 }
 
+/// Vector @p c of each of the `unroll` rows in flight: every load issued before the caller's first
+/// store; a null source leaves its slot unset (the caller stores a zero vector or skips it).
+template <bool Fresh, class Vec>
+__device__ __forceinline__ void load_in_flight(Vec const* const (&src)[unroll], std::size_t c,
+                                               Vec (&v)[unroll]) {
+#pragma unroll
+  for (int u = 0; u < unroll; ++u) {
+    if (src[u] != nullptr) { v[u] = load_vec<Fresh>(src[u] + c); }
+  }
+}
+
 /// Lanes of a warp: the stride of the warp row copy.
 inline constexpr unsigned warp_lanes = 32;
 
@@ -165,10 +176,7 @@ __global__ void __launch_bounds__(256)
     for (std::size_t c = static_cast<std::size_t>(lane); c < row_vecs;
          c += static_cast<std::size_t>(group)) {
       Vec v[unroll];
-#pragma unroll
-      for (int u = 0; u < unroll; ++u) {
-        if (src[u] != nullptr) { v[u] = load_vec<Fresh>(src[u] + c); }
-      }
+      load_in_flight<Fresh>(src, c, v);
 #pragma unroll
       for (int u = 0; u < unroll; ++u) {
         if (dst[u] != nullptr) { store_vec<Through>(dst[u] + c, src[u] != nullptr ? v[u] : Vec{}); }
