@@ -22,8 +22,9 @@ esac
 # the vocabulary headers that have no module of their own; rows: generic row code (views, the one
 # row mover, the distinct-key plan); comm and memory side by side (memory's allocations are
 # collective, so memory may use comm, not the other way round); exchange: the model-parallel
-# engine; then tensor, cache, embedding.
-stack=(base rows comm memory exchange tensor cache embedding)
+# engine; then tensor, cache, embedding; dynamic (hash) embeddings on top, using the embedding's
+# update kernels.
+stack=(base rows comm memory exchange tensor cache embedding dynamic)
 
 # Modules beside the stack, and the layers each may include (besides itself). They may use the
 # lower layers they need; nothing of the stack above memory, and not each other, except that the
@@ -48,6 +49,7 @@ layer_of() {
     wm/detail/tensor/* | wm/tensor.cuh | wm/decl/tensor.cuh) echo tensor ;;
     wm/detail/cache/* | wm/cache.hpp | wm/decl/cache.hpp) echo cache ;;
     wm/detail/embedding/* | wm/embedding.cuh | wm/decl/embedding.cuh) echo embedding ;;
+    wm/detail/dynamic/* | wm/dynamic_embedding.cuh | wm/decl/dynamic_embedding.cuh) echo dynamic ;;
     wm/detail/zero/* | wm/zero.cuh | wm/decl/zero.cuh | wm/zero_policy.hpp) echo zero ;;
     wm/detail/codec/* | wm/zero_codec.cuh | wm/decl/zero_codec.cuh) echo codec ;;
     wm/detail/swap/* | wm/swap.cuh | wm/decl/swap.cuh | wm/transfer_queue.hpp | \
