@@ -12,6 +12,7 @@
 #pragma once
 
 #include <wm/decl/comm.hpp>
+#include <wm/decl/dynamic_embedding.cuh>
 #include <wm/decl/embedding.cuh>
 #include <wm/decl/launch.hpp>
 #include <wm/decl/memory.cuh>

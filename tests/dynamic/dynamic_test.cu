@@ -126,7 +126,7 @@ struct model {
         auto it      = where.find(k);
         if (it == where.end()) { continue; }
         prot[it->second % 128] = true;
-        scores[it->second]     = rule::hit(scores[it->second], ctx, user.empty() ? 0 : user[order[q]]);
+        scores[it->second] = rule::hit(scores[it->second], ctx, user.empty() ? 0 : user[order[q]]);
         set_run(q, static_cast<std::uint32_t>(it->second), dy::key_status::found);
       }
       for (auto q : firsts) {  // phase 2
@@ -141,7 +141,9 @@ struct model {
         if (target < 0 && rule::evicts) {
           int best = -1;
           for (int s = 0; s < 128; ++s) {
-            if (!prot[s] && (best < 0 || scores[b * 128 + s] < scores[b * 128 + best])) { best = s; }
+            if (!prot[s] && (best < 0 || scores[b * 128 + s] < scores[b * 128 + best])) {
+              best = s;
+            }
           }
           if (best >= 0 && rule::admits(score, scores[b * 128 + best])) {
             target = best;
@@ -193,7 +195,7 @@ struct model {
 // The whole table, exported, as key -> (score, row).
 template <class Table>
 std::map<std::uint64_t, std::pair<std::uint64_t, std::vector<float>>> exported(Table& t,
-                                                                              cudaStream_t s) {
+                                                                               cudaStream_t s) {
   std::size_t const cap = t.capacity(), dim = t.dim();
   auto keys   = poisoned<std::int64_t>(cap);
   auto values = poisoned<float>(cap * dim);
@@ -205,8 +207,9 @@ std::map<std::uint64_t, std::pair<std::uint64_t, std::vector<float>>> exported(T
   auto const hv = values.to_host();
   std::map<std::uint64_t, std::pair<std::uint64_t, std::vector<float>>> m;
   for (std::size_t i = 0; i < n; ++i) {
-    m[static_cast<std::uint64_t>(hk[i])] = {hs[i], {hv.begin() + static_cast<long>(i * dim),
-                                                   hv.begin() + static_cast<long>((i + 1) * dim)}};
+    m[static_cast<std::uint64_t>(hk[i])] = {
+        hs[i],
+        {hv.begin() + static_cast<long>(i * dim), hv.begin() + static_cast<long>((i + 1) * dim)}};
   }
   REQUIRE(m.size() == n);  // no key twice
   return m;
@@ -232,7 +235,9 @@ void random_sequence(wm::communicator& comm, std::uint64_t seed) {
   std::vector<std::uint64_t> universe(600);
   for (auto& k : universe) {
     do { k = rng() >> (rng() % 40); } while (dy::reserved(k));
-    if (rng() % 3 == 0) { k = static_cast<std::uint64_t>(-static_cast<std::int64_t>(k % 100000) - 3); }
+    if (rng() % 3 == 0) {
+      k = static_cast<std::uint64_t>(-static_cast<std::int64_t>(k % 100000) - 3);
+    }
   }
   wm::detail::unique_stream const stream = wm::detail::unique_stream::make();
   cudaStream_t const s                   = stream.get();
@@ -258,25 +263,28 @@ void random_sequence(wm::communicator& comm, std::uint64_t seed) {
     device_array<std::uint64_t> du{user};
     std::span<std::uint64_t const> const us{du.ptr, user.size()};
     std::span<std::int64_t const> const keys{dk.ptr, n};
-    int const op = static_cast<int>(rng() % 4);
+    int const op      = static_cast<int>(rng() % 4);
     auto const before = model_table(m);
     if (op == 0 || op == 1) {  // find_or_insert / insert_and_evict
       std::vector<float> values(n * dim);
       for (auto& x : values) { x = val(rng); }
       device_array<float> dv{values};
-      auto out   = poisoned<float>(n * dim);
-      auto found = poisoned<std::uint8_t>(n);
-      auto ek    = poisoned<std::int64_t>(n);
-      auto ev    = poisoned<float>(n * dim);
-      auto es    = poisoned<std::uint64_t>(n);
+      auto out          = poisoned<float>(n * dim);
+      auto found        = poisoned<std::uint8_t>(n);
+      auto ek           = poisoned<std::int64_t>(n);
+      auto ev           = poisoned<float>(n * dim);
+      auto es           = poisoned<std::uint64_t>(n);
       auto const expect = m.upsert(in, user, op == 1 ? values.data() : nullptr);
       if (expect.overflow) {
         ++overflows;
         if (op == 0) {
-          REQUIRE_THROWS_AS(t.find_or_insert(keys, out.ptr, reinterpret_cast<bool*>(found.ptr), sr, us), wm::logic_error);
+          REQUIRE_THROWS_AS(
+              t.find_or_insert(keys, out.ptr, reinterpret_cast<bool*>(found.ptr), sr, us),
+              wm::logic_error);
         } else {
-          REQUIRE_THROWS_AS(t.insert_and_evict(keys, dv.ptr, {ek.ptr, ev.ptr, nullptr, nullptr, es.ptr}, sr, us),
-                            wm::logic_error);
+          REQUIRE_THROWS_AS(
+              t.insert_and_evict(keys, dv.ptr, {ek.ptr, ev.ptr, nullptr, nullptr, es.ptr}, sr, us),
+              wm::logic_error);
         }
         REQUIRE(exported(t, s) == before);  // nothing changed
         continue;
@@ -289,8 +297,7 @@ void random_sequence(wm::communicator& comm, std::uint64_t seed) {
           INFO("position " << p << " key " << in[p]);
           bool const was = expect.status[p] == dy::key_status::found;
           CHECK((hf[p] != 0) == was);
-          std::vector<float> const want =
-              was ? before.at(in[p]).second : m.init_row(in[p]);
+          std::vector<float> const want = was ? before.at(in[p]).second : m.init_row(in[p]);
           CHECK(std::vector<float>(ho.begin() + static_cast<long>(p * dim),
                                    ho.begin() + static_cast<long>((p + 1) * dim)) == want);
         }
@@ -352,9 +359,10 @@ void on_one_rank(F&& f) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("dynamic table follows the host model", "[gpu]", wm::lru, wm::lfu,
-                   wm::epoch_lru, wm::epoch_lfu, wm::custom_score, wm::no_eviction) {
-  on_one_rank([](wm::communicator& comm, std::uint64_t seed) { random_sequence<TestType>(comm, seed); });
+TEMPLATE_TEST_CASE("dynamic table follows the host model", "[gpu]", wm::lru, wm::lfu, wm::epoch_lru,
+                   wm::epoch_lfu, wm::custom_score, wm::no_eviction) {
+  on_one_rank(
+      [](wm::communicator& comm, std::uint64_t seed) { random_sequence<TestType>(comm, seed); });
 }
 
 namespace {
@@ -400,9 +408,10 @@ void train_like_static(wm::communicator& comm, std::uint64_t seed, Opt opt) {
   auto found = poisoned<std::uint8_t>(rows);
   ref.gather(std::span<std::int64_t const>{da.ptr, rows}, a.ptr, sr);
   WM_CUDA_TRY(cudaStreamSynchronize(s));
-  t.find(std::span<std::int64_t const>{da.ptr, rows}, b.ptr, reinterpret_cast<bool*>(found.ptr), sr);
+  t.find(std::span<std::int64_t const>{da.ptr, rows}, b.ptr, reinterpret_cast<bool*>(found.ptr),
+         sr);
   auto const ha = a.to_host(), hb = b.to_host();
-  auto const hf = found.to_host();
+  auto const hf    = found.to_host();
   std::size_t held = 0, moved = 0;
   for (std::size_t k = 0; k < rows; ++k) {
     if (hf[k] == 0) { continue; }
@@ -472,9 +481,9 @@ TEST_CASE("dynamic table refuses bad input and changes nothing", "[gpu]") {
       t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 28}, nullptr, nullptr, sr);  // 128
       REQUIRE(t.size(sr) == 128);
       auto const full = exported(t, stream.get());
-      CHECK_THROWS_AS(t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 29}, nullptr,
-                                       nullptr, sr),
-                      wm::logic_error);
+      CHECK_THROWS_AS(
+          t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 29}, nullptr, nullptr, sr),
+          wm::logic_error);
       CHECK(exported(t, stream.get()) == full);
       return;
     }
@@ -507,8 +516,8 @@ TEST_CASE("dynamic custom_score needs scores", "[gpu]") {
 TEST_CASE("dynamic device ref finds what the table holds", "[gpu]") {
   on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
     constexpr std::size_t dim = 3;
-    wm::dynamic_embedding<float, wm::sgd, wm::lru> t{comm, 1000, dim, {},
-                                                     wm::embedding_init::uniform(1.0f, 2.0f, seed)};
+    wm::dynamic_embedding<float, wm::sgd, wm::lru> t{
+        comm, 1000, dim, {}, wm::embedding_init::uniform(1.0f, 2.0f, seed)};
     wm::detail::unique_stream const stream = wm::detail::unique_stream::make();
     cuda::stream_ref const sr{stream.get()};
     std::mt19937_64 rng{seed};
@@ -523,12 +532,13 @@ TEST_CASE("dynamic device ref finds what the table holds", "[gpu]") {
     auto found = poisoned<std::uint8_t>(probe.size());
     ref_find_kernel<<<8, 128, 0, stream.get()>>>(t.ref(), dp.ptr, probe.size(), first.ptr, hit.ptr);
     WM_CUDA_TRY(cudaGetLastError());
-    t.find(std::span<std::uint64_t const>{dp.ptr, probe.size()}, out.ptr, reinterpret_cast<bool*>(found.ptr), sr);
-    auto const hf = first.to_host();
-    auto const hh = hit.to_host();
-    auto const ho = out.to_host();
+    t.find(std::span<std::uint64_t const>{dp.ptr, probe.size()}, out.ptr,
+           reinterpret_cast<bool*>(found.ptr), sr);
+    auto const hf     = first.to_host();
+    auto const hh     = hit.to_host();
+    auto const ho     = out.to_host();
     auto const hfound = found.to_host();
-    std::size_t hits = 0;
+    std::size_t hits  = 0;
     for (std::size_t i = 0; i < probe.size(); ++i) {
       CHECK((hh[i] != 0) == (hfound[i] != 0));
       if (hfound[i] != 0) {

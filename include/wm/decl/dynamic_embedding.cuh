@@ -34,15 +34,15 @@ inline constexpr std::uint64_t dynamic_locked_key = ~std::uint64_t{0} - 1;
 // wm::lru and wm::lfu (<wm/decl/cache.hpp>) are eviction policies too: LRU scores a key with
 // the number of the last inserting call that used it, LFU with how many such calls used it.
 
-/** @brief Eviction by epoch, then recency: score = epoch << 32 | the call's number (low 32 bits). */
+/** @brief Eviction by epoch, then recency: score = epoch << 32 | the call number (low 32 bits). */
 struct epoch_lru {
-  static constexpr char const* name = "epoch_lru";           ///< for messages
-  using score_rule = detail::dynamic::epoch_lru_score;       ///< the score rule
+  static constexpr char const* name = "epoch_lru";                       ///< for messages
+  using score_rule                  = detail::dynamic::epoch_lru_score;  ///< the score rule
 };
 /** @brief Eviction by epoch, then frequency: score = epoch << 32 | the key's use count. */
 struct epoch_lfu {
-  static constexpr char const* name = "epoch_lfu";      ///< for messages
-  using score_rule = detail::dynamic::epoch_lfu_score;  ///< the score rule
+  static constexpr char const* name = "epoch_lfu";                       ///< for messages
+  using score_rule                  = detail::dynamic::epoch_lfu_score;  ///< the score rule
 };
 /**
  * @brief Eviction by the caller's scores: every inserting call passes one score per key, stored
@@ -50,16 +50,16 @@ struct epoch_lfu {
  * not lower (else it is not inserted).
  */
 struct custom_score {
-  static constexpr char const* name = "custom_score";  ///< for messages
-  using score_rule = detail::dynamic::custom_score;    ///< the score rule
+  static constexpr char const* name = "custom_score";                 ///< for messages
+  using score_rule                  = detail::dynamic::custom_score;  ///< the score rule
 };
 /**
  * @brief No eviction: inserting into a full bucket throws wm::logic_error and changes nothing.
  * Scores are kept as for `wm::lru` (for `export_batch`).
  */
 struct no_eviction {
-  static constexpr char const* name = "no_eviction";        ///< for messages
-  using score_rule = detail::dynamic::no_eviction_score;    ///< the score rule
+  static constexpr char const* name = "no_eviction";                       ///< for messages
+  using score_rule                  = detail::dynamic::no_eviction_score;  ///< the score rule
 };
 
 namespace detail::dynamic {
@@ -100,7 +100,7 @@ enum class missing_rows {
 
 /** @brief Run-time options of `wm::dynamic_embedding`. */
 struct dynamic_options {
-  std::uint64_t hash_seed{0};                     ///< seed of the key -> bucket hash
+  std::uint64_t hash_seed{0};                       ///< seed of the key -> bucket hash
   missing_rows missing{missing_rows::initializer};  ///< what `find` gives for a missing key
 };
 
@@ -110,10 +110,10 @@ struct dynamic_options {
  */
 template <class T, dynamic_key Key>
 struct dynamic_evicted {
-  Key* keys{};             ///< evicted keys
-  T* values{};             ///< their rows, dim values each
-  float* states{};         ///< their optimizer states, `Optimizer::states × dim` floats each
-  std::int64_t* steps{};   ///< their per-row steps (optimizers that `needs_steps()`)
+  Key* keys{};              ///< evicted keys
+  T* values{};              ///< their rows, dim values each
+  float* states{};          ///< their optimizer states, `Optimizer::states × dim` floats each
+  std::int64_t* steps{};    ///< their per-row steps (optimizers that `needs_steps()`)
   std::uint64_t* scores{};  ///< their scores
 };
 
@@ -229,8 +229,10 @@ class dynamic_embedding {
    * @brief Looks keys up without changing anything: `out[i, :]` is the row of `keys[i]`, or for
    * a missing key the initializer's row or zeros (`dynamic_options::missing`); `found[i]` (if not
    * null) says which. Scores are not touched. Synchronizes @p stream.
+   * @param keys the keys (device memory)
    * @param out device memory, `keys.size() × dim` values
    * @param found device memory, `keys.size()` flags, or null
+   * @param stream the stream the call is enqueued on
    * @throw wm::logic_error if a key is reserved (then `out` and `found` are unspecified)
    */
   template <dynamic_key Key>
@@ -242,8 +244,10 @@ class dynamic_embedding {
    * writes the rows to @p out (if not null). A key that finds no slot (its bucket's 128 slots
    * all used by this call, or `wm::custom_score` refused it) is not inserted; its row is the
    * initializer's. Scores of found and inserted keys follow the policy. Synchronizes @p stream.
+   * @param keys the keys (device memory)
    * @param out device memory, `keys.size() × dim` values, or null
    * @param found device memory, `keys.size()` flags (key was present before the call), or null
+   * @param stream the stream the call is enqueued on
    * @param scores with `wm::custom_score` one score per key (device memory), else empty
    * @throw wm::logic_error, with nothing changed, if a key is reserved, scores are missing or
    * unexpected, or with `wm::no_eviction` a bucket would overflow
@@ -256,7 +260,9 @@ class dynamic_embedding {
    * @brief Stores `values[i, :]` as the row of `keys[i]` (the last occurrence wins), inserting
    * missing keys with fresh optimizer state; present keys keep theirs. Eviction as
    * `find_or_insert`. Synchronizes @p stream.
+   * @param keys the keys (device memory)
    * @param values device memory, `keys.size() × dim` values
+   * @param stream the stream the call is enqueued on
    * @param scores with `wm::custom_score` one score per key (device memory), else empty
    * @throw wm::logic_error, with nothing changed, as `find_or_insert`
    */
@@ -267,7 +273,11 @@ class dynamic_embedding {
   /**
    * @brief `insert_or_assign`, handing back the keys it evicted with their rows, optimizer
    * states, steps and scores (in no particular order). Synchronizes @p stream.
+   * @param keys the keys (device memory)
+   * @param values device memory, `keys.size() × dim` values
    * @param evicted device buffers with room for `keys.size()` entries each (null parts skipped)
+   * @param stream the stream the call is enqueued on
+   * @param scores with `wm::custom_score` one score per key (device memory), else empty
    * @return the number of keys evicted
    * @throw wm::logic_error, with nothing changed, as `find_or_insert`
    */
@@ -292,8 +302,11 @@ class dynamic_embedding {
    * in no particular order. Synchronizes @p stream.
    * @tparam Pred a trivially copyable `__device__` callable `bool(std::uint64_t key,
    * std::uint64_t score)`, e.g. `wm::score_at_least`
-   * @param keys, values, scores device buffers with room for `size()` entries (values: × dim);
-   * values and scores may be null
+   * @param pred the predicate
+   * @param keys device buffer with room for `size()` keys
+   * @param values device buffer with room for `size() × dim` values, or null
+   * @param scores device buffer with room for `size()` scores, or null
+   * @param stream the stream the call is enqueued on
    * @return the number of keys written
    */
   template <dynamic_key Key, class Pred>
@@ -335,8 +348,8 @@ class dynamic_embedding {
 
   template <dynamic_key Key>
   std::size_t upsert(std::span<Key const> keys, T const* values, T* out, bool* found,
-                     dynamic_evicted<T, Key> const* evicted,
-                     std::span<std::uint64_t const> scores, cuda::stream_ref stream);
+                     dynamic_evicted<T, Key> const* evicted, std::span<std::uint64_t const> scores,
+                     cuda::stream_ref stream);
 };
 
 }  // namespace wm

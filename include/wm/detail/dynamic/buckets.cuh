@@ -68,10 +68,10 @@ struct buckets_view {
 [[nodiscard]] __device__ inline int warp_find(buckets_view const& v, std::uint32_t b,
                                               std::uint64_t key, std::uint8_t d,
                                               unsigned lane) noexcept {
-  std::size_t const base  = buckets_view::first(b);
-  std::uint32_t const w   = reinterpret_cast<std::uint32_t const*>(v.digests + base)[lane];
-  std::uint32_t m         = digest_matches(w, d);
-  int mine                = -1;
+  std::size_t const base = buckets_view::first(b);
+  std::uint32_t const w  = reinterpret_cast<std::uint32_t const*>(v.digests + base)[lane];
+  std::uint32_t m        = digest_matches(w, d);
+  int mine               = -1;
   while (m != 0 && mine < 0) {
     int const byte = (__ffs(static_cast<int>(m)) - 1) / 8;
     m &= ~(0xffu << (8 * byte));

@@ -29,8 +29,7 @@
 
 namespace wm {
 
-#define WM_DYNAMIC_TEMPLATE \
-  template <class T, optimizer_policy Optimizer, eviction_policy Eviction>
+#define WM_DYNAMIC_TEMPLATE template <class T, optimizer_policy Optimizer, eviction_policy Eviction>
 #define WM_DYNAMIC dynamic_embedding<T, Optimizer, Eviction>
 
 namespace detail::dynamic {
@@ -69,9 +68,13 @@ WM_DYNAMIC_TEMPLATE
 WM_DYNAMIC::~dynamic_embedding() = default;
 
 WM_DYNAMIC_TEMPLATE
-std::size_t WM_DYNAMIC::capacity() const noexcept { return table_ ? table_->slots : 0; }
+std::size_t WM_DYNAMIC::capacity() const noexcept {
+  return table_ ? table_->slots : 0;
+}
 WM_DYNAMIC_TEMPLATE
-std::size_t WM_DYNAMIC::dim() const noexcept { return table_ ? table_->dim : 0; }
+std::size_t WM_DYNAMIC::dim() const noexcept {
+  return table_ ? table_->dim : 0;
+}
 
 WM_DYNAMIC_TEMPLATE
 std::size_t WM_DYNAMIC::size(cuda::stream_ref stream) {
@@ -133,8 +136,8 @@ std::size_t WM_DYNAMIC::upsert(std::span<Key const> keys, T const* values, T* ou
                std::string{"dynamic_embedding: "} + Eviction::name + " needs one score per key (" +
                    std::to_string(n) + "), got " + std::to_string(scores.size()));
   } else {
-    WM_EXPECTS(scores.empty(), std::string{"dynamic_embedding: scores given to "} +
-                                   Eviction::name + ", which keeps its own");
+    WM_EXPECTS(scores.empty(), std::string{"dynamic_embedding: scores given to "} + Eviction::name +
+                                   ", which keeps its own");
   }
   if (n == 0) { return 0; }
   int const ni = static_cast<int>(n);
@@ -172,7 +175,7 @@ std::size_t WM_DYNAMIC::upsert(std::span<Key const> keys, T const* values, T* ou
   auto* temp                 = c.take<std::byte>(base, o_cub);
 
   dy::hash_keys_kernel<<<detail::elementwise_blocks(n), 256, 0, s>>>(t.view(), keys.data(), n, h,
-                                                                      pos, t.err.data());
+                                                                     pos, t.err.data());
   WM_CHECK_LAUNCH();
   WM_CUDA_TRY(
       cub::DeviceRadixSort::SortPairs(temp, cub_sort, h, sorted_h, pos, sorted_pos, ni, 0, 64, s));
@@ -182,22 +185,11 @@ std::size_t WM_DYNAMIC::upsert(std::span<Key const> keys, T const* values, T* ou
   // 2. Checks before anything changes: reserved keys; buckets that may not evict and would
   //    overflow (a dry run of the upsert).
   ++tick_;
-  dy::upsert_args<T, Key> a{t.view(),
-                            t.rows(),
-                            keys.data(),
-                            rule_type::user_scores ? scores.data() : nullptr,
-                            sorted_h,
-                            sorted_pos,
-                            offsets,
-                            runs,
-                            ni,
-                            {tick_, epoch_},
-                            init_,
-                            values == nullptr,
-                            {},
-                            slots,
-                            status,
-                            t.err.data()};
+  dy::upsert_args<T, Key> a{
+      t.view(), t.rows(),        keys.data(), rule_type::user_scores ? scores.data() : nullptr,
+      sorted_h, sorted_pos,      offsets,     runs,
+      ni,       {tick_, epoch_}, init_,       values == nullptr,
+      {},       slots,           status,      t.err.data()};
   // As many warps as runs, at most a few waves.
   auto const warps_needed = std::min<std::size_t>(n, std::size_t{1} << 20);
   int const blocks        = static_cast<int>((warps_needed + 7) / 8);
@@ -280,14 +272,13 @@ std::size_t WM_DYNAMIC::erase(std::span<Key const> keys, cuda::stream_ref stream
   std::size_t const n  = keys.size();
   WM_EXPECTS(n == 0 || keys.data() != nullptr, "dynamic_embedding::erase: null keys");
   if (n == 0) { return 0; }
-  dy::check_keys_kernel<<<detail::elementwise_blocks(n), 256, 0, s>>>(keys.data(), n,
-                                                                       t.err.data());
+  dy::check_keys_kernel<<<detail::elementwise_blocks(n), 256, 0, s>>>(keys.data(), n, t.err.data());
   WM_CHECK_LAUNCH();
   WM_EXPECTS((t.read_back(s).first & dy::reserved_key) == 0,
              "dynamic_embedding::erase: a key is reserved (dynamic_empty_key or "
              "dynamic_locked_key); nothing was changed");
   dy::erase_kernel<<<detail::elementwise_blocks(n * 32), 256, 0, s>>>(t.view(), keys.data(), n,
-                                                                       t.counter.data());
+                                                                      t.counter.data());
   WM_CHECK_LAUNCH();
   return static_cast<std::size_t>(t.read_back(s).second);
 }
@@ -325,10 +316,10 @@ void WM_DYNAMIC::apply_gradients(std::span<Key const> keys, T const* grads, floa
   std::size_t const n  = keys.size();
   WM_EXPECTS(n == 0 || (keys.data() != nullptr && grads != nullptr),
              "dynamic_embedding::apply_gradients: null keys or gradients");
-  WM_EXPECTS(n < (std::size_t{1} << 31), "dynamic_embedding::apply_gradients: " +
-                                             std::to_string(n) +
-                                             " gradient rows in one call; split the batch below "
-                                             "2^31");
+  WM_EXPECTS(n < (std::size_t{1} << 31),
+             "dynamic_embedding::apply_gradients: " + std::to_string(n) +
+                 " gradient rows in one call; split the batch below "
+                 "2^31");
   std::int64_t const step = global_step_ + 1;
   if (n > 0) {
     // Slots of the keys; keys the table does not hold go to the sink slot (the last row), whose

@@ -129,11 +129,11 @@ struct upsert_args {
  */
 template <class Rule, bool Check, class T, class Key>
 __global__ void __launch_bounds__(256) upsert_kernel(upsert_args<T, Key> a) {
-  unsigned const lane      = threadIdx.x % 32;
-  std::size_t const warp   = grid_thread() / 32;
-  std::size_t const warps  = grid_threads() / 32;
-  auto const runs          = static_cast<std::size_t>(*a.runs);
-  buckets_view const& v    = a.v;
+  unsigned const lane     = threadIdx.x % 32;
+  std::size_t const warp  = grid_thread() / 32;
+  std::size_t const warps = grid_threads() / 32;
+  auto const runs         = static_cast<std::size_t>(*a.runs);
+  buckets_view const& v   = a.v;
   auto user = [&](int p) { return a.user_scores != nullptr ? a.user_scores[p] : 0ull; };
   for (std::size_t r = warp; r < runs; r += warps) {
     int const begin        = a.offsets[r];
@@ -145,9 +145,9 @@ __global__ void __launch_bounds__(256) upsert_kernel(upsert_args<T, Key> a) {
     for (int i = begin; i < end; ++i) {
       std::uint64_t const h = a.sorted_h[i];
       if (i > begin && a.sorted_h[i - 1] == h) { continue; }
-      int const p     = a.sorted_pos[i];
-      auto const key  = static_cast<std::uint64_t>(a.keys[p]);
-      int const s     = warp_find(v, b, key, buckets_view::digest(h), lane);
+      int const p    = a.sorted_pos[i];
+      auto const key = static_cast<std::uint64_t>(a.keys[p]);
+      int const s    = warp_find(v, b, key, buckets_view::digest(h), lane);
       if (s < 0) { continue; }
       if (static_cast<int>(lane) == s / 4) { prot |= 1u << (s % 4); }
       if constexpr (!Check) {
@@ -195,9 +195,8 @@ __global__ void __launch_bounds__(256) upsert_kernel(upsert_args<T, Key> a) {
         for (int off = 16; off > 0; off /= 2) {
           std::uint64_t const os = __shfl_xor_sync(full_warp, best_score, off);
           int const ot           = __shfl_xor_sync(full_warp, best_slot, off);
-          if (ot != slots_per_bucket &&
-              (best_slot == slots_per_bucket || os < best_score ||
-               (os == best_score && ot < best_slot))) {
+          if (ot != slots_per_bucket && (best_slot == slots_per_bucket || os < best_score ||
+                                         (os == best_score && ot < best_slot))) {
             best_score = os;
             best_slot  = ot;
           }
@@ -218,9 +217,9 @@ __global__ void __launch_bounds__(256) upsert_kernel(upsert_args<T, Key> a) {
       }
       if (static_cast<int>(lane) == target / 4) { prot |= 1u << (target % 4); }
       if constexpr (!Check) {
-        std::size_t const slot      = base + static_cast<std::size_t>(target);
-        slot_rows<T> const& rows    = a.rows;
-        evicted_view<T> const& ev   = a.evicted;
+        std::size_t const slot    = base + static_cast<std::size_t>(target);
+        slot_rows<T> const& rows  = a.rows;
+        evicted_view<T> const& ev = a.evicted;
         if (victim && ev.count != nullptr) {
           unsigned long long at = 0;
           if (lane == 0) { at = atomicAdd(ev.count, 1ull); }
@@ -286,9 +285,9 @@ __global__ void find_kernel(buckets_view v, Key const* keys, std::size_t n, std:
     std::uint32_t const b = v.bucket(h);
     int const s           = warp_find(v, b, key, buckets_view::digest(h), lane);
     if (lane == 0) {
-      slots[i] = s >= 0 ? static_cast<std::uint32_t>(buckets_view::first(b) +
-                                                     static_cast<std::size_t>(s))
-                        : missing;
+      slots[i] =
+          s >= 0 ? static_cast<std::uint32_t>(buckets_view::first(b) + static_cast<std::size_t>(s))
+                 : missing;
       status[i] = s >= 0 ? key_status::found : key_status::not_inserted;
     }
   }
@@ -302,8 +301,8 @@ __global__ void rows_out_kernel(slot_rows<T> rows, Key const* keys, std::uint32_
                                 embedding_init init, bool zeros) {
   std::size_t const dim = rows.dim;
   for (std::size_t x = grid_thread(); x < n * dim; x += grid_threads()) {
-    std::size_t const i = x / dim;
-    std::size_t const j = x % dim;
+    std::size_t const i   = x / dim;
+    std::size_t const j   = x % dim;
     std::uint32_t const s = slots[i];
     if (out != nullptr) {
       if (s != no_slot) {
@@ -311,8 +310,8 @@ __global__ void rows_out_kernel(slot_rows<T> rows, Key const* keys, std::uint32_
       } else if (zeros) {
         out[x] = from_float<T>(0.0f);
       } else {
-        out[x] = from_float<T>(init.value(
-            static_cast<std::size_t>(static_cast<std::uint64_t>(keys[i])), j, dim));
+        out[x] = from_float<T>(
+            init.value(static_cast<std::size_t>(static_cast<std::uint64_t>(keys[i])), j, dim));
       }
     }
     if (j == 0 && found != nullptr) { found[i] = status[i] == key_status::found; }
@@ -322,8 +321,8 @@ __global__ void rows_out_kernel(slot_rows<T> rows, Key const* keys, std::uint32_
 /// Assigns values[p, :] to the slot of each key's last occurrence p in the batch.
 template <class T>
 __global__ void assign_rows_kernel(slot_rows<T> rows, std::uint64_t const* sorted_h,
-                                   int const* sorted_pos, std::size_t n,
-                                   std::uint32_t const* slots, T const* values) {
+                                   int const* sorted_pos, std::size_t n, std::uint32_t const* slots,
+                                   T const* values) {
   std::size_t const dim = rows.dim;
   for (std::size_t x = grid_thread(); x < n * dim; x += grid_threads()) {
     std::size_t const i = x / dim;

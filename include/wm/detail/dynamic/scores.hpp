@@ -34,8 +34,7 @@ struct lru_score {
                                                                   std::uint64_t) noexcept {
     return c.tick;
   }
-  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t,
-                                                            std::uint64_t) noexcept {
+  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t, std::uint64_t) noexcept {
     return true;
   }
 };
@@ -53,8 +52,7 @@ struct lfu_score {
                                                                   std::uint64_t) noexcept {
     return old + (old != ~std::uint64_t{0} ? 1 : 0);
   }
-  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t,
-                                                            std::uint64_t) noexcept {
+  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t, std::uint64_t) noexcept {
     return true;
   }
 };
@@ -71,8 +69,7 @@ struct epoch_lru_score {
                                                                   std::uint64_t u) noexcept {
     return inserted(c, u);
   }
-  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t,
-                                                            std::uint64_t) noexcept {
+  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t, std::uint64_t) noexcept {
     return true;
   }
 };
@@ -92,8 +89,7 @@ struct epoch_lfu_score {
     std::uint64_t const count = old & count_limit;
     return (std::uint64_t{c.epoch} << 32) | (count + (count != count_limit ? 1 : 0));
   }
-  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t,
-                                                            std::uint64_t) noexcept {
+  [[nodiscard]] WM_HOST_DEVICE static constexpr bool admits(std::uint64_t, std::uint64_t) noexcept {
     return true;
   }
 };

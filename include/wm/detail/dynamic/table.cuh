@@ -28,14 +28,14 @@ struct table {
   device_buffer<std::uint64_t> keys;
   device_buffer<std::uint8_t> digests;
   device_buffer<std::uint64_t> scores;
-  device_buffer<T> w;             ///< (slots + 1) × dim
-  device_buffer<float> st;        ///< (slots + 1) × state_len, or none
+  device_buffer<T> w;                 ///< (slots + 1) × dim
+  device_buffer<float> st;            ///< (slots + 1) × state_len, or none
   device_buffer<std::int64_t> steps;  ///< slots + 1, or none
   device_buffer<unsigned> err;
   device_buffer<unsigned long long> counter;
   pinned_buffer<unsigned long long> host;  ///< err and counter read back
-  workspace ws;      ///< the call's hashes, sort and slots
-  workspace update;  ///< apply_gradients' sort and runs
+  workspace ws;                            ///< the call's hashes, sort and slots
+  workspace update;                        ///< apply_gradients' sort and runs
 
   table(std::uint32_t n_buckets, std::size_t d, int states, bool with_steps, float init_state,
         std::uint64_t hash_seed)
@@ -71,8 +71,12 @@ struct table {
     return {keys.data(), digests.data(), scores.data(), buckets, seed};
   }
   [[nodiscard]] slot_rows<T> rows() const noexcept {
-    return {w.data(), st.size() != 0 ? st.data() : nullptr,
-            steps.size() != 0 ? steps.data() : nullptr, dim, state_len, initial};
+    return {w.data(),
+            st.size() != 0 ? st.data() : nullptr,
+            steps.size() != 0 ? steps.data() : nullptr,
+            dim,
+            state_len,
+            initial};
   }
 
   /// Reads the error word and the counter back (synchronizes @p s) and resets both.
