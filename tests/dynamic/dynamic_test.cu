@@ -448,56 +448,80 @@ TEST_CASE("dynamic training without eviction equals the static embedding bit for
   }
 }
 
-TEST_CASE("dynamic table refuses bad input and changes nothing", "[gpu]") {
-  on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
-    using table = wm::dynamic_embedding<float, wm::sgd, wm::no_eviction>;
-    REQUIRE_THROWS_AS((table{comm, 0, 4}), wm::logic_error);
-    REQUIRE_THROWS_AS((table{comm, 16, 0}), wm::logic_error);
-    table t{comm, 100, 4, {}, wm::embedding_init::uniform(0.0f, 1.0f, seed)};
-    REQUIRE(t.capacity() == 128);  // one bucket
-    wm::detail::unique_stream const stream = wm::detail::unique_stream::make();
-    cuda::stream_ref const sr{stream.get()};
-    std::vector<std::int64_t> first(100);
-    std::iota(first.begin(), first.end(), std::int64_t{1000});
-    device_array<std::int64_t> d1{first};
-    t.find_or_insert(std::span<std::int64_t const>{d1.ptr, 100}, nullptr, nullptr, sr);
-    REQUIRE(t.size(sr) == 100);
-    auto const before = exported(t, stream.get());
-    SECTION("a reserved key") {
-      for (std::int64_t bad : {std::int64_t{-1}, std::int64_t{-2}}) {
-        std::vector<std::int64_t> k{5, bad, 6};
-        device_array<std::int64_t> dk{k};
-        std::span<std::int64_t const> const keys{dk.ptr, 3};
-        CHECK_THROWS_AS(t.find_or_insert(keys, nullptr, nullptr, sr), wm::logic_error);
-        CHECK_THROWS_AS(t.erase(keys, sr), wm::logic_error);
-        auto out = poisoned<float>(12);
-        CHECK_THROWS_AS(t.find(keys, out.ptr, nullptr, sr), wm::logic_error);
-      }
-    }
-    SECTION("a full bucket with eviction off") {
-      std::vector<std::int64_t> more(29);
-      std::iota(more.begin(), more.end(), std::int64_t{5000});
-      device_array<std::int64_t> dm{more};
-      t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 28}, nullptr, nullptr, sr);  // 128
-      REQUIRE(t.size(sr) == 128);
-      auto const full = exported(t, stream.get());
-      CHECK_THROWS_AS(
-          t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 29}, nullptr, nullptr, sr),
-          wm::logic_error);
-      CHECK(exported(t, stream.get()) == full);
-      return;
-    }
-    SECTION("scores given to a policy that keeps its own") {
-      std::vector<std::uint64_t> sc{1};
-      device_array<std::uint64_t> ds{sc};
-      std::vector<std::int64_t> k{77};
+namespace {
+
+enum class bad_input { reserved_key, full_bucket, unexpected_scores };
+
+// One bad call on a table of one bucket that holds 100 keys: it throws and changes nothing.
+void refuse(wm::communicator& comm, std::uint64_t seed, bad_input what) {
+  using table = wm::dynamic_embedding<float, wm::sgd, wm::no_eviction>;
+  REQUIRE_THROWS_AS((table{comm, 0, 4}), wm::logic_error);
+  REQUIRE_THROWS_AS((table{comm, 16, 0}), wm::logic_error);
+  table t{comm, 100, 4, {}, wm::embedding_init::uniform(0.0f, 1.0f, seed)};
+  REQUIRE(t.capacity() == 128);  // one bucket
+  wm::detail::unique_stream const stream = wm::detail::unique_stream::make();
+  cuda::stream_ref const sr{stream.get()};
+  std::vector<std::int64_t> first(100);
+  std::iota(first.begin(), first.end(), std::int64_t{1000});
+  device_array<std::int64_t> d1{first};
+  t.find_or_insert(std::span<std::int64_t const>{d1.ptr, 100}, nullptr, nullptr, sr);
+  REQUIRE(t.size(sr) == 100);
+  if (what == bad_input::full_bucket) {
+    std::vector<std::int64_t> more(29);
+    std::iota(more.begin(), more.end(), std::int64_t{5000});
+    device_array<std::int64_t> dm{more};
+    t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 28}, nullptr, nullptr, sr);  // 128
+    REQUIRE(t.size(sr) == 128);
+    auto const full = exported(t, stream.get());
+    CHECK_THROWS_AS(
+        t.find_or_insert(std::span<std::int64_t const>{dm.ptr, 29}, nullptr, nullptr, sr),
+        wm::logic_error);
+    CHECK(exported(t, stream.get()) == full);
+    return;
+  }
+  auto const before = exported(t, stream.get());
+  if (what == bad_input::reserved_key) {
+    for (std::int64_t bad : {std::int64_t{-1}, std::int64_t{-2}}) {
+      std::vector<std::int64_t> k{5, bad, 6};
       device_array<std::int64_t> dk{k};
-      CHECK_THROWS_AS(t.find_or_insert(std::span<std::int64_t const>{dk.ptr, 1}, nullptr, nullptr,
-                                       sr, std::span<std::uint64_t const>{ds.ptr, 1}),
-                      wm::logic_error);
+      std::span<std::int64_t const> const keys{dk.ptr, 3};
+      CHECK_THROWS_AS(t.find_or_insert(keys, nullptr, nullptr, sr), wm::logic_error);
+      CHECK_THROWS_AS(t.erase(keys, sr), wm::logic_error);
+      auto out = poisoned<float>(12);
+      CHECK_THROWS_AS(t.find(keys, out.ptr, nullptr, sr), wm::logic_error);
     }
-    CHECK(exported(t, stream.get()) == before);
-  });
+  } else {
+    std::vector<std::uint64_t> sc{1};
+    device_array<std::uint64_t> ds{sc};
+    std::vector<std::int64_t> k{77};
+    device_array<std::int64_t> dk{k};
+    CHECK_THROWS_AS(t.find_or_insert(std::span<std::int64_t const>{dk.ptr, 1}, nullptr, nullptr, sr,
+                                     std::span<std::uint64_t const>{ds.ptr, 1}),
+                    wm::logic_error);
+  }
+  CHECK(exported(t, stream.get()) == before);
+  CHECK(t.size(sr) == 100);
+}
+
+}  // namespace
+
+TEST_CASE("dynamic table refuses bad input and changes nothing", "[gpu]") {
+  // Sections outside the rank: each runs in a rank of its own.
+  SECTION("a reserved key") {
+    on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
+      refuse(comm, seed, bad_input::reserved_key);
+    });
+  }
+  SECTION("a full bucket with eviction off") {
+    on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
+      refuse(comm, seed, bad_input::full_bucket);
+    });
+  }
+  SECTION("scores given to a policy that keeps its own") {
+    on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
+      refuse(comm, seed, bad_input::unexpected_scores);
+    });
+  }
 }
 
 TEST_CASE("dynamic custom_score needs scores", "[gpu]") {

@@ -344,14 +344,15 @@ __global__ void erase_kernel(buckets_view v, Key const* keys, std::size_t n,
     std::uint64_t const h = v.hash(key);
     std::uint32_t const b = v.bucket(h);
     int const s           = warp_find(v, b, key, buckets_view::digest(h), lane);
-    if (s < 0 || lane != 0) { continue; }
-    std::size_t const slot = buckets_view::first(b) + static_cast<std::size_t>(s);
-    auto* word             = reinterpret_cast<unsigned long long*>(v.keys + slot);
-    if (atomicCAS(word, static_cast<unsigned long long>(key),
-                  static_cast<unsigned long long>(empty_key)) == key) {
-      v.digests[slot] = 0;
-      v.scores[slot]  = 0;
-      atomicAdd(erased, 1ull);
+    if (s >= 0 && lane == 0) {
+      std::size_t const slot = buckets_view::first(b) + static_cast<std::size_t>(s);
+      auto* word             = reinterpret_cast<unsigned long long*>(v.keys + slot);
+      if (atomicCAS(word, static_cast<unsigned long long>(key),
+                    static_cast<unsigned long long>(empty_key)) == key) {
+        v.digests[slot] = 0;
+        v.scores[slot]  = 0;
+        atomicAdd(erased, 1ull);
+      }
     }
   }
 }
