@@ -9,6 +9,7 @@
 #include <wm/decl/cache.hpp>
 #include <wm/decl/comm.hpp>
 #include <wm/decl/embedding.cuh>
+#include <wm/detail/dynamic/buckets.hpp>
 #include <wm/detail/dynamic/scores.hpp>
 #include <wm/optimizer.hpp>
 
@@ -27,9 +28,9 @@ template <class K>
 concept dynamic_key = std::same_as<K, std::int64_t> || std::same_as<K, std::uint64_t>;
 
 /// Reserved key (its 64 bits; -1 as `std::int64_t`): marks an empty slot. Refused as input.
-inline constexpr std::uint64_t dynamic_empty_key = ~std::uint64_t{0};
+inline constexpr std::uint64_t dynamic_empty_key = detail::dynamic::empty_key;
 /// Reserved key (-2 as `std::int64_t`): kept for the slot locks of concurrent inserts. Refused.
-inline constexpr std::uint64_t dynamic_locked_key = ~std::uint64_t{0} - 1;
+inline constexpr std::uint64_t dynamic_locked_key = detail::dynamic::locked_key;
 
 // wm::lru and wm::lfu (<wm/decl/cache.hpp>) are eviction policies too: LRU scores a key with
 // the number of the last inserting call that used it, LFU with how many such calls used it.

@@ -1,63 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// The hash table of wm::dynamic_embedding: buckets of 128 slots in structure-of-arrays form (per
-// slot a 64-bit key, a one-byte digest and a 64-bit score), the key -> (bucket, digest) hash, and
-// the probes: one warp per bucket (lane l holds slots 4l..4l+3, whose digests are one 32-bit
-// word, so a probe reads 128 bytes of digests and only the keys whose digest matches), and one
-// thread (the device ref). docs/design.md, "Dynamic embeddings".
+// The probes of wm::dynamic_embedding's buckets (buckets.hpp): one warp per bucket (lane l holds
+// slots 4l..4l+3, whose digests are one 32-bit word, so a probe reads 128 bytes of digests and
+// only the keys whose digest matches), and one thread (the device ref). docs/design.md,
+// "Dynamic embeddings".
 #pragma once
 
-#include <wm/config.hpp>
-#include <wm/decl/dynamic_embedding.cuh>
-#include <wm/detail/base/hash.hpp>
+#include <wm/detail/dynamic/buckets.hpp>
 
 #include <cstddef>
 #include <cstdint>
 
 namespace wm::detail::dynamic {
 
-inline constexpr int slots_per_bucket         = 128;          ///< one warp, 4 slots per lane
-inline constexpr std::uint32_t no_slot        = 0xffffffffu;  ///< a key without a slot
-inline constexpr unsigned full_warp           = 0xffffffffu;
-inline constexpr std::uint64_t empty_key      = wm::dynamic_empty_key;
-inline constexpr std::uint64_t first_reserved = wm::dynamic_locked_key;  ///< keys >= are refused
-
-/// Whether the 64 bits of a key are a reserved value.
-[[nodiscard]] WM_HOST_DEVICE constexpr bool reserved(std::uint64_t key) noexcept {
-  return key >= first_reserved;
-}
-
-/// The table's buckets (trivially copyable; kernels take it by value).
-struct buckets_view {
-  std::uint64_t* keys{};    ///< buckets × 128 keys (empty_key: free)
-  std::uint8_t* digests{};  ///< buckets × 128 digests (0 when free)
-  std::uint64_t* scores{};  ///< buckets × 128 scores
-  std::uint32_t count{};    ///< number of buckets (>= 1)
-  std::uint64_t seed{};     ///< hash seed
-
-  /// The key's hash: a bijection of the 64-bit keys (equal hashes, equal keys).
-  [[nodiscard]] WM_HOST_DEVICE constexpr std::uint64_t hash(std::uint64_t key) const noexcept {
-    return fmix64(key ^ splitmix64(seed));
-  }
-  /// The bucket of hash @p h: its high bits, range-reduced (monotone in h, so sorting hashes
-  /// groups buckets).
-  [[nodiscard]] WM_HOST_DEVICE std::uint32_t bucket(std::uint64_t h) const noexcept {
-#if defined(__CUDA_ARCH__)
-    return static_cast<std::uint32_t>(__umul64hi(h, count));
-#else
-    return static_cast<std::uint32_t>((static_cast<unsigned __int128>(h) * count) >> 64);
-#endif
-  }
-  /// The digest of hash @p h: its low byte (independent of the bucket's bits).
-  [[nodiscard]] WM_HOST_DEVICE static constexpr std::uint8_t digest(std::uint64_t h) noexcept {
-    return static_cast<std::uint8_t>(h & 0xffu);
-  }
-  /// First slot of bucket @p b.
-  [[nodiscard]] WM_HOST_DEVICE static constexpr std::size_t first(std::uint32_t b) noexcept {
-    return static_cast<std::size_t>(b) * slots_per_bucket;
-  }
-};
-
-#if defined(__CUDACC__)
 /// Bit set per byte of @p word equal to @p d (bit 8j + 7 for byte j).
 [[nodiscard]] __device__ inline std::uint32_t digest_matches(std::uint32_t word,
                                                              std::uint8_t d) noexcept {
@@ -102,6 +56,4 @@ struct buckets_view {
   }
   return no_slot;
 }
-#endif
-
 }  // namespace wm::detail::dynamic
