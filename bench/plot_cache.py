@@ -10,7 +10,9 @@ host table, ratio 0) or device (the device table, ratio 1). Cached cases are dra
 points against the ratio (log y); the uncached host step as a dashed and the device-table step as
 a dotted horizontal line in the same colour. Empty ms (a case that did not run) are skipped.
 
-With matplotlib the PNG has axes, labels and a legend. Without it a small pure-python writer
+With matplotlib the PNG has one panel per key distribution, axes, and each line named in a
+column beside its panel (bench/plot_labels.py: the script fails rather than write labels that
+overlap). Without it a small pure-python writer
 (zlib + struct) draws the same lines and points on a raster with tick marks and digit labels; it
 has no legend: the colour code is in the PNG's Title text chunk and printed on stdout.
 """
@@ -48,25 +50,49 @@ def plot_matplotlib(series, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for key, cases in sorted(series.items()):
-        colour = tuple(c / 255 for c in COLOURS.get(key, (0, 0, 0)))
-        label = f"{NAMES.get(key[0], key[0])} {key[1]}"
-        if "cached" in cases:
-            xs, ys = zip(*cases["cached"])
-            ax.plot(xs, ys, "o-", color=colour, label=f"{label}, device cache")
-        for case, style, what in (("host", "--", "uncached host"), ("device", ":", "device table")):
-            if case in cases:
-                ax.axhline(cases[case][0][1], linestyle=style, color=colour, linewidth=1,
-                           label=f"{label}, {what}")
-    ax.set_yscale("log")
-    ax.set_xlabel("device cache ratio (fraction of the table's rows)")
-    ax.set_ylabel("Adam step, ms (1M fresh keys, 10M x 128 float host table)")
-    ax.set_title("cache_bench: ms/step against cache ratio")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    import matplotlib.ticker
+    from plot_labels import check_no_overlap, label_column
+    dists = sorted({dist for _, dist in series}, key=lambda d: (d != "uniform", d))
+    fig, axes = plt.subplots(1, len(dists), figsize=(6.2 * len(dists), 4.6), dpi=120,
+                             squeeze=False)
+    panels = []
+    for ax, dist in zip(axes[0], dists):
+        items, flat = [], []  # labels: (x, y, text, colour); flat: the horizontal lines
+        for key, cases in sorted(series.items()):
+            if key[1] != dist:
+                continue
+            colour = tuple(c / 255 for c in COLOURS.get(key, (0, 0, 0)))
+            name = NAMES.get(key[0], key[0])
+            if "cached" in cases:
+                xs, ys = zip(*cases["cached"])
+                ax.plot(xs, ys, "o-", color=colour)
+                items.append((xs[-1], ys[-1], f"{name}, device cache", colour))
+            for case, style, what in (("host", "--", "uncached host table"),
+                                      ("device", ":", "device table")):
+                if case in cases:
+                    ms = cases[case][0][1]
+                    ax.axhline(ms, linestyle=style, color=colour, linewidth=1.2)
+                    flat.append((ms, f"{name}, {what}: {ms:.3g} ms", colour))
+        right = ax.get_xlim()[1]
+        ax.set_xlim(ax.get_xlim())  # fixed, so that the lines' right ends stay where labelled
+        items += [(right, ms, text, colour) for ms, text, colour in flat]
+        ax.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.set_xlabel("device cache ratio (fraction of the table's rows)")
+        ax.set_ylabel("Adam step, ms (log)")
+        ax.set_title(f"{dist} keys", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        panels.append((ax, items))
+    fig.suptitle("cache_bench: 10M x 128 float host table, Adam, 1M fresh keys per step",
+                 fontsize=10)
     fig.tight_layout()
-    fig.savefig(out)
+    fig.subplots_adjust(wspace=0.8, right=0.8)  # room for each panel's label column
+    texts = [t for ax, items in panels for t in label_column(ax, items)]
+    check_no_overlap(fig, texts, [ax for ax, _ in panels])
+    fig.savefig(out, bbox_inches="tight")
 
 
 # ---- the pure-python fallback ---------------------------------------------------------------
