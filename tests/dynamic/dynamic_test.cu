@@ -10,6 +10,7 @@
 #include <wm/embedding.cuh>
 #include <wm/launch.hpp>
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <set>
 #include <span>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -265,7 +267,7 @@ void random_sequence(wm::communicator& comm, std::uint64_t seed) {
     std::span<std::int64_t const> const keys{dk.ptr, n};
     int const op      = static_cast<int>(rng() % 4);
     auto const before = model_table(m);
-    if (op == 0 || op == 1) {  // find_or_insert / insert_and_evict
+    if (op == 0 || op == 1) {  // find_or_insert / insert_or_assign or insert_and_evict
       std::vector<float> values(n * dim);
       for (auto& x : values) { x = val(rng); }
       device_array<float> dv{values};
@@ -301,6 +303,9 @@ void random_sequence(wm::communicator& comm, std::uint64_t seed) {
           CHECK(std::vector<float>(ho.begin() + static_cast<long>(p * dim),
                                    ho.begin() + static_cast<long>((p + 1) * dim)) == want);
         }
+      } else if (rng() % 2 == 0) {  // insert_or_assign: the same, without the evicted rows
+        t.insert_or_assign(keys, dv.ptr, sr, us);
+        evictions += expect.evicted.size();
       } else {
         std::size_t const ne =
             t.insert_and_evict(keys, dv.ptr, {ek.ptr, ev.ptr, nullptr, nullptr, es.ptr}, sr, us);
@@ -339,6 +344,7 @@ void random_sequence(wm::communicator& comm, std::uint64_t seed) {
     }
     REQUIRE(exported(t, s) == model_table(m));
     CHECK(t.size(sr) == m.where.size());
+    CHECK(t.load_factor(sr) == static_cast<double>(m.where.size()) / 256.0);
   }
   // The sequence reached what it tests.
   if constexpr (dy::score_rule_of<Eviction>::type::evicts) {
@@ -367,14 +373,31 @@ TEMPLATE_TEST_CASE("dynamic table follows the host model", "[gpu]", wm::lru, wm:
 
 namespace {
 
-template <class Opt>
+template <class T>
+float to_float(T x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(x);
+  } else {
+    return x;
+  }
+}
+template <class T>
+T from_float(float x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else {
+    return x;
+  }
+}
+
+template <class T, class Opt>
 void train_like_static(wm::communicator& comm, std::uint64_t seed, Opt opt) {
   constexpr std::size_t rows = 1000, dim = 12, batch = 300;
   std::mt19937_64 rng{seed};
   auto const init = wm::embedding_init::uniform(-0.5f, 0.5f, seed);
-  wm::embedding<float, wm::no_cache, Opt> ref{comm, rows, dim, opt, init};
+  wm::embedding<T, wm::no_cache, Opt> ref{comm, rows, dim, opt, init};
   // 4,096 slots for 1,000 keys: a bucket of 128 overflows with probability below 1e-30.
-  wm::dynamic_embedding<float, Opt, wm::no_eviction> t{comm, 4096, dim, opt, init};
+  wm::dynamic_embedding<T, Opt, wm::no_eviction> t{comm, 4096, dim, opt, init};
   wm::detail::unique_stream const stream = wm::detail::unique_stream::make();
   cudaStream_t const s                   = stream.get();
   cuda::stream_ref const sr{s};
@@ -383,18 +406,18 @@ void train_like_static(wm::communicator& comm, std::uint64_t seed, Opt opt) {
     INFO("step " << step);
     std::vector<std::int64_t> idx(batch);
     for (auto& k : idx) { k = static_cast<std::int64_t>(rng() % (rng() % 4 == 0 ? 20 : rows)); }
-    std::vector<float> grads(batch * dim);
-    for (auto& x : grads) { x = g(rng); }
+    std::vector<T> grads(batch * dim);
+    for (auto& x : grads) { x = from_float<T>(g(rng)); }
     device_array<std::int64_t> di{idx};
-    device_array<float> dg{grads};
-    auto a = poisoned<float>(batch * dim);
-    auto b = poisoned<float>(batch * dim);
+    device_array<T> dg{grads};
+    auto a = poisoned<T>(batch * dim);
+    auto b = poisoned<T>(batch * dim);
     std::span<std::int64_t const> const keys{di.ptr, batch};
     ref.gather(keys, a.ptr, sr);
     t.gather(keys, b.ptr, sr);
     WM_CUDA_TRY(cudaStreamSynchronize(s));
     auto const ha = a.to_host(), hb = b.to_host();
-    REQUIRE(std::memcmp(ha.data(), hb.data(), ha.size() * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(ha.data(), hb.data(), ha.size() * sizeof(T)) == 0);
     ref.apply_gradients(keys, dg.ptr, 0.1f, sr);
     t.apply_gradients(keys, dg.ptr, 0.1f, sr);
   }
@@ -403,8 +426,8 @@ void train_like_static(wm::communicator& comm, std::uint64_t seed, Opt opt) {
   std::vector<std::int64_t> all(rows);
   std::iota(all.begin(), all.end(), std::int64_t{0});
   device_array<std::int64_t> da{all};
-  auto a     = poisoned<float>(rows * dim);
-  auto b     = poisoned<float>(rows * dim);
+  auto a     = poisoned<T>(rows * dim);
+  auto b     = poisoned<T>(rows * dim);
   auto found = poisoned<std::uint8_t>(rows);
   ref.gather(std::span<std::int64_t const>{da.ptr, rows}, a.ptr, sr);
   WM_CUDA_TRY(cudaStreamSynchronize(s));
@@ -416,8 +439,8 @@ void train_like_static(wm::communicator& comm, std::uint64_t seed, Opt opt) {
   for (std::size_t k = 0; k < rows; ++k) {
     if (hf[k] == 0) { continue; }
     ++held;
-    CHECK(std::memcmp(&ha[k * dim], &hb[k * dim], dim * sizeof(float)) == 0);
-    moved += ha[k * dim] != init.value(k, 0, dim);
+    CHECK(std::memcmp(&ha[k * dim], &hb[k * dim], dim * sizeof(T)) == 0);
+    moved += to_float(ha[k * dim]) != to_float(from_float<T>(init.value(k, 0, dim)));
   }
   CHECK(held == t.size(sr));
   CHECK(held > 500);
@@ -438,12 +461,17 @@ __global__ void ref_find_kernel(wm::dynamic_embedding_ref<float> r, std::uint64_
 TEST_CASE("dynamic training without eviction equals the static embedding bit for bit", "[gpu]") {
   SECTION("sgd") {
     on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
-      train_like_static(comm, seed, wm::sgd{0.01f});
+      train_like_static<float>(comm, seed, wm::sgd{0.01f});
+    });
+  }
+  SECTION("half, sgd") {
+    on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
+      train_like_static<__half>(comm, seed, wm::sgd{0.01f});
     });
   }
   SECTION("adam") {
     on_one_rank([](wm::communicator& comm, std::uint64_t seed) {
-      train_like_static(comm, seed, wm::adam{});
+      train_like_static<float>(comm, seed, wm::adam{});
     });
   }
 }
@@ -571,5 +599,29 @@ TEST_CASE("dynamic device ref finds what the table holds", "[gpu]") {
       }
     }
     CHECK(hits >= in.size());
+    // Moved, the table still works. Gradients of keys it does not hold are dropped (nothing is
+    // inserted); the others' rows move by lr x their summed gradients (exact: rows in (1, 2],
+    // gradients 0.5, lr 1).
+    auto moved               = std::move(t);
+    std::size_t const before = moved.size(sr);
+    std::vector<float> grads(probe.size() * dim, 0.5f);
+    device_array<float> dg{grads};
+    std::span<std::uint64_t const> const all{dp.ptr, probe.size()};
+    moved.apply_gradients(all, dg.ptr, 1.0f, sr);
+    CHECK(moved.size(sr) == before);
+    CHECK(moved.global_step() == 1);
+    std::map<std::uint64_t, int> uses;
+    for (auto k : probe) { ++uses[k]; }
+    auto after = poisoned<float>(probe.size() * dim);
+    moved.find(all, after.ptr, nullptr, sr);
+    auto const ha = after.to_host();
+    for (std::size_t i = 0; i < probe.size(); ++i) {
+      for (std::size_t j = 0; j < dim; ++j) {
+        float const want = hfound[i] != 0
+                               ? ho[i * dim + j] - 0.5f * static_cast<float>(uses[probe[i]])
+                               : ho[i * dim + j];  // the initializer's row, again
+        CHECK(ha[i * dim + j] == want);
+      }
+    }
   });
 }
