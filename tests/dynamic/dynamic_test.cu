@@ -599,6 +599,17 @@ TEST_CASE("dynamic device ref finds what the table holds", "[gpu]") {
       }
     }
     CHECK(hits >= in.size());
+    // With missing_rows::zeros, find gives a missing key zeros.
+    wm::dynamic_embedding<float, wm::sgd, wm::lru> z{comm,
+                                                     128,
+                                                     dim,
+                                                     {},
+                                                     wm::embedding_init::uniform(1.0f, 2.0f, seed),
+                                                     {seed, wm::missing_rows::zeros}};
+    auto zo = poisoned<float>(probe.size() * dim);
+    z.find(std::span<std::uint64_t const>{dp.ptr, probe.size()}, zo.ptr, nullptr, sr);
+    auto const hz = zo.to_host();
+    CHECK(std::all_of(hz.begin(), hz.end(), [](float x) { return x == 0.0f; }));
     // Moved, the table still works. Gradients of keys it does not hold are dropped (nothing is
     // inserted); the others' rows move by lr x their summed gradients (exact: rows in (1, 2],
     // gradients 0.5, lr 1).
