@@ -25,6 +25,7 @@
 #include "catch.hpp"
 #include "device_array.cuh"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 namespace cache_tests {
 
@@ -134,10 +135,7 @@ void on_one_rank(F&& f) {
   wm::launch(1, [&](wm::communicator& comm) { f(comm, seed); });
 }
 
-/// A seed drawn on rank 0, the same on every rank of @p comm (for a [ranked] case).
-inline std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
+using wm_test::shared_seed;
 
 /// Bytes one cache line moves to or from the host: the weight row, its states, its step.
 template <class T, class Opt>

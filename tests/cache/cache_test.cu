@@ -20,33 +20,16 @@
 
 #include "cache_oracle.cuh"
 #include "catch.hpp"
+#include "device_array.cuh"
 
 namespace {
 
 namespace cache = wm::detail::cache;
 
-template <class T>
-struct device_array {
-  T* ptr{};
-  std::size_t n{};
-  explicit device_array(std::size_t count) : n{count} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-    WM_CUDA_TRY(cudaMemset(ptr, 0x7f, std::max<std::size_t>(n, 1) * sizeof(T)));  // poison
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
-  }
-  explicit device_array(std::vector<T> const& h) : device_array(h.size()) {
-    if (n != 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
-  }
-  ~device_array() { (void)cudaFree(ptr); }
-  device_array(device_array const&)            = delete;
-  device_array& operator=(device_array const&) = delete;
-  [[nodiscard]] std::vector<T> to_host() const {
-    std::vector<T> h(n);
-    if (n != 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost)); }
-    return h;
-  }
-};
+using wm_test::device_array;
+
+// Outputs of the kernels are poisoned with this byte first.
+constexpr std::byte poison{0x7f};
 
 // One cache's metadata on the host (the model side) with a device copy.
 template <class Impl>
@@ -198,7 +181,7 @@ void check_warp_against_sequential(std::uint64_t seed, int universe, std::size_t
   device_array<cache::set_header> d_headers{init.headers};
   device_array<std::uint32_t> d_keys{keys};
   device_array<std::uint8_t> d_ops{ops};
-  device_array<step_record> d_out{steps};
+  device_array<step_record> d_out{steps, poison};
   cache::set_ref<Impl> const ds{d_tags.ptr, d_states.ptr, d_headers.ptr};
   sequence_kernel<Impl><<<1, 32>>>(ds, d_keys.ptr, d_ops.ptr, steps, d_out.ptr, batched, epoch0);
   WM_CHECK_LAUNCH();
@@ -286,9 +269,8 @@ TEMPLATE_TEST_CASE("cache: batch probe finds what the host finds; statistics add
   device_array<typename TestType::state_type> d_states{host.states};
   device_array<cache::set_header> d_headers{host.headers};
   device_array<std::uint32_t> d_keys{keys};
-  device_array<int> d_ways{n};
-  device_array<cache::device_statistics> d_stats{1};
-  WM_CUDA_TRY(cudaMemset(d_stats.ptr, 0, sizeof(cache::device_statistics)));
+  device_array<int> d_ways{n, poison};
+  device_array<cache::device_statistics> d_stats{1, std::byte{0}};  // counters start at zero
   cache::cache_ref<TestType> const dc{d_tags.ptr, d_states.ptr, d_headers.ptr, sets, 11};
 
   cudaStream_t stream{};

@@ -25,10 +25,7 @@ using namespace embedding_tests;
 
 namespace {
 
-// A seed drawn on rank 0, the same on every rank.
-std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
+using wm_test::shared_seed;
 
 template <class E>
 concept trainable = requires(E& e, std::span<std::int64_t const> i, float const* g) {

@@ -22,25 +22,7 @@ using namespace embedding_tests;
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-
-// Runs @p call, which must throw wm::logic_error on this rank within 5 s; returns the message.
-template <class F>
-std::string logic_error_soon(F&& call, std::string const& what) {
-  auto const start = clock_type::now();
-  std::string msg;
-  bool threw = false;
-  try {
-    call();
-  } catch (wm::logic_error const& e) {
-    threw = true;
-    msg   = e.what();
-  }
-  auto const took = std::chrono::duration<double>(clock_type::now() - start).count();
-  RANK_REQUIRE_MSG(threw, what << ": no error");
-  RANK_REQUIRE_MSG(took < 5.0, what << ": the error took " << took << " s");
-  return msg;
-}
+using wm_test::throws_soon;
 
 // Rank @p bad passes null gradients (then null indices) with a nonzero count; every rank's
 // apply_gradients throws at once with nothing updated, and the next step is exact (SGD against a
@@ -71,7 +53,7 @@ void null_gradients_everywhere(wm::communicator& comm, int bad, std::uint64_t se
   bool const me_bad = comm.rank() == bad;
   for (int round = 0; round < 2; ++round) {
     std::string const step = what + (round == 0 ? ", gradients" : ", indices");
-    auto const msg         = logic_error_soon(
+    auto const msg         = throws_soon<wm::logic_error>(
         [&] {
           if (round == 0) {
             e.apply_gradients(keys, me_bad ? nullptr : dg.ptr, 0.5f, cuda::stream_ref{s});
@@ -126,7 +108,7 @@ void apply_here_gather_there(wm::communicator& comm, std::uint64_t seed) {
   device_array<float> buf{std::vector<float>(idx.size() * dim, 0.25f)};
   std::span<std::int64_t const> const keys{di.ptr, idx.size()};
   auto const before = read_all<float>(e, rows, dim, s);
-  auto const msg    = logic_error_soon(
+  auto const msg    = throws_soon<wm::logic_error>(
       [&] {
         if (comm.rank() == 0) {
           e.apply_gradients(keys, buf.ptr, 0.1f, cuda::stream_ref{s});
@@ -149,10 +131,7 @@ void apply_here_gather_there(wm::communicator& comm, std::uint64_t seed) {
 
 namespace {
 
-// A seed drawn on rank 0, the same on every rank.
-std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
+using wm_test::shared_seed;
 
 }  // namespace
 

@@ -53,7 +53,8 @@ TEST_CASE("ranked: host memory rewritten by a peer GPU is read fresh", "[ranked]
   int const me                     = comm.rank();
   std::size_t const words_per_rank = std::size_t{1} << 18;  // 1 MiB per rank
   std::size_t const total          = words_per_rank * static_cast<std::size_t>(comm.size());
-  device_array<unsigned long long> const counter{1};  // freed also when a check throws
+  device_array<unsigned long long> const counter{1,
+                                                 std::byte{0}};  // freed also when a check throws
   unsigned long long* const bad = counter.ptr;
   auto wrong                    = [&](std::uint32_t const* p, std::uint32_t salt, bool fresh) {
     WM_CUDA_TRY(cudaMemset(bad, 0, sizeof(*bad)));

@@ -168,29 +168,17 @@ void tensor_round(wm::communicator& comm, std::uint32_t salt, std::mt19937_64& r
       values[i * cols + c] = cell(static_cast<std::size_t>(all[i]), c, salt);
     }
   }
-  device_array<std::int64_t> d_all{rows};
-  device_array<float> d_values{rows * cols};
-  WM_CUDA_TRY(
-      cudaMemcpy(d_all.ptr, all.data(), rows * sizeof(std::int64_t), cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaMemcpy(d_values.ptr, values.data(), values.size() * sizeof(float),
-                         cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
+  device_array<std::int64_t> d_all{all};
+  device_array<float> d_values{values};
   t.scatter(std::span<std::int64_t const>{d_all.ptr, rows}, d_values.ptr, cuda::stream_ref{stream});
   comm.barrier();
   std::vector<std::int32_t> keys(500);
   std::uniform_int_distribution<std::int32_t> pick(0, static_cast<std::int32_t>(rows) - 1);
   for (auto& k : keys) { k = pick(rng); }
-  device_array<std::int32_t> d_keys{keys.size()};
-  device_array<float> d_out{keys.size() * cols};
-  WM_CUDA_TRY(cudaMemcpy(d_keys.ptr, keys.data(), keys.size() * sizeof(std::int32_t),
-                         cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaMemset(d_out.ptr, 0xff, keys.size() * cols * sizeof(float)));  // NaN poison
-  WM_CUDA_TRY(cudaDeviceSynchronize());  // keys and poison in place before a non-blocking stream
-  t.gather(std::span<std::int32_t const>{d_keys.ptr, keys.size()}, d_out.ptr,
-           cuda::stream_ref{stream});
-  std::vector<float> out(keys.size() * cols);
-  WM_CUDA_TRY(
-      cudaMemcpy(out.data(), d_out.ptr, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  device_array<std::int32_t> d_keys{keys};
+  device_array<float> d_out{keys.size() * cols, std::byte{0xff}};  // NaN poison
+  t.gather(d_keys.span(), d_out.ptr, cuda::stream_ref{stream});
+  auto const out = d_out.to_host();
   for (std::size_t i = 0; i < keys.size(); ++i) {
     for (std::size_t c = 0; c < cols; ++c) {
       RANK_REQUIRE_MSG(out[i * cols + c] == cell(static_cast<std::size_t>(keys[i]), c, salt),

@@ -13,6 +13,9 @@
 #include <random>
 #include <string>
 
+#include "device_array.cuh"
+#include "ranks.hpp"
+
 namespace memory_tests {
 
 // ---- the pattern ------------------------------------------------------------------------------
@@ -42,24 +45,12 @@ std::string name_of() {
   return std::string{L::name} + "." + Y::name;
 }
 
-// A device buffer for the tensor rounds.
-template <class T>
-struct device_array {
-  T* ptr{};
-  explicit device_array(std::size_t n) {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  ~device_array() { (void)cudaFree(ptr); }
-  device_array(device_array const&) = delete;
-};
+using wm_test::device_array;
 
 inline float cell(std::size_t row, std::size_t col, std::uint32_t salt) {
   return static_cast<float>(pattern(row * 16 + col, 0, salt)) - 128.0f;  // exact in float
 }
 
-// A seed drawn on rank 0, the same on every rank.
-inline std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
+using wm_test::shared_seed;
 
 }  // namespace memory_tests

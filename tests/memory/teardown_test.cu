@@ -198,18 +198,10 @@ using chunked_host = kind<wm::host, wm::chunked>;
 template <class Tensor>
 std::vector<float> gathered(Tensor& t, std::vector<std::int64_t> const& keys) {
   std::size_t const cols = t.cols();
-  device_array<std::int64_t> d_keys{keys.size()};
-  device_array<float> d_out{keys.size() * cols};
-  WM_CUDA_TRY(cudaMemcpy(d_keys.ptr, keys.data(), keys.size() * sizeof(std::int64_t),
-                         cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaMemset(d_out.ptr, 0xff, keys.size() * cols * sizeof(float)));
-  WM_CUDA_TRY(cudaDeviceSynchronize());
-  t.gather(std::span<std::int64_t const>{d_keys.ptr, keys.size()}, d_out.ptr,
-           cuda::stream_ref{cudaStream_t{}});
-  std::vector<float> out(keys.size() * cols);
-  WM_CUDA_TRY(
-      cudaMemcpy(out.data(), d_out.ptr, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  return out;
+  device_array<std::int64_t> d_keys{keys};
+  device_array<float> d_out{keys.size() * cols, std::byte{0xff}};  // NaN poison
+  t.gather(d_keys.span(), d_out.ptr, cuda::stream_ref{cudaStream_t{}});
+  return d_out.to_host();
 }
 
 // Rows of @p out that differ from the reference cell(keys[i], c, salt).
@@ -252,14 +244,9 @@ void mapped_calls_after_abort(wm::communicator& comm, std::uint32_t salt, std::m
       values[i * cols + c] = cell(static_cast<std::size_t>(mine[i]), c, salt);
     }
   }
-  device_array<std::int64_t> d_mine{mine.size()};
-  device_array<float> d_values{values.size()};
-  WM_CUDA_TRY(cudaMemcpy(d_mine.ptr, mine.data(), mine.size() * sizeof(std::int64_t),
-                         cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaMemcpy(d_values.ptr, values.data(), values.size() * sizeof(float),
-                         cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaDeviceSynchronize());
-  std::span<std::int64_t const> const mine_span{d_mine.ptr, mine.size()};
+  device_array<std::int64_t> d_mine{mine};
+  device_array<float> d_values{values};
+  std::span<std::int64_t const> const mine_span = d_mine.span();
   t->scatter(mine_span, d_values.ptr, cuda::stream_ref{cudaStream_t{}});
   sub.barrier();
   std::vector<std::int64_t> keys(700);
@@ -277,13 +264,9 @@ void mapped_calls_after_abort(wm::communicator& comm, std::uint32_t salt, std::m
     sub.abort();
     RANK_REQUIRE_MSG(sub.aborted(), what << ": the split does not read as aborted after abort()");
     // The gather: wm::comm_error at once, the output untouched (NaN poison, bit for bit).
-    device_array<std::int64_t> d_keys{keys.size()};
-    device_array<float> d_out{keys.size() * cols};
-    WM_CUDA_TRY(cudaMemcpy(d_keys.ptr, keys.data(), keys.size() * sizeof(std::int64_t),
-                           cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaMemset(d_out.ptr, 0xff, keys.size() * cols * sizeof(float)));
-    WM_CUDA_TRY(cudaDeviceSynchronize());
-    std::span<std::int64_t const> const key_span{d_keys.ptr, keys.size()};
+    device_array<std::int64_t> d_keys{keys};
+    device_array<float> d_out{keys.size() * cols, std::byte{0xff}};  // NaN poison
+    std::span<std::int64_t const> const key_span = d_keys.span();
     std::string msg;
     try {
       t->gather(key_span, d_out.ptr, cuda::stream_ref{cudaStream_t{}});
@@ -298,9 +281,7 @@ void mapped_calls_after_abort(wm::communicator& comm, std::uint32_t salt, std::m
     RANK_REQUIRE_MSG(std::all_of(out.begin(), out.end(), [](auto w) { return w == ~0u; }),
                      what << ": the gather that threw wrote its output");
     // The scatter of other values: wm::comm_error at once; this rank's rows keep theirs.
-    device_array<float> d_other{values.size()};
-    WM_CUDA_TRY(cudaMemset(d_other.ptr, 0, values.size() * sizeof(float)));
-    WM_CUDA_TRY(cudaDeviceSynchronize());
+    device_array<float> d_other{values.size(), std::byte{0}};
     msg.clear();
     try {
       t->scatter(mine_span, d_other.ptr, cuda::stream_ref{cudaStream_t{}});

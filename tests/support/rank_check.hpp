@@ -3,6 +3,7 @@
 // failed check by throwing; wm::launch then names the rank and the check in its launch_error.
 #pragma once
 
+#include <chrono>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -23,3 +24,27 @@
       throw std::runtime_error{wm_os_.str()};                                                      \
     }                                                                                              \
   } while (0)
+
+namespace wm_test {
+
+/// Runs @p call, which must throw E on this rank within 5 s (a failure every rank sees is not a
+/// hang); returns the message.
+template <class E, class F>
+std::string throws_soon(F&& call, std::string const& what) {
+  using clock_type = std::chrono::steady_clock;
+  auto const start = clock_type::now();
+  std::string msg;
+  bool threw = false;
+  try {
+    call();
+  } catch (E const& e) {
+    threw = true;
+    msg   = e.what();
+  }
+  auto const took = std::chrono::duration<double>(clock_type::now() - start).count();
+  RANK_REQUIRE_MSG(threw, what << ": no error");
+  RANK_REQUIRE_MSG(took < 5.0, what << ": the error took " << took << " s");
+  return msg;
+}
+
+}  // namespace wm_test

@@ -15,9 +15,20 @@
 
 #include <wm/comm.hpp>
 
+#include <cstdint>
+#include <random>
+
 namespace wm_test {
 
 /// This rank's communicator (only inside a [ranked] case of a program run with --ranks).
 [[nodiscard]] wm::communicator& comm();
+
+/// A fresh seed drawn on rank 0, the same on every rank of @p comm (a collective: every rank
+/// calls it).
+[[nodiscard]] inline std::uint64_t shared_seed(wm::communicator& comm) {
+  std::uint64_t const mine =
+      (std::uint64_t{std::random_device{}()} << 32) ^ std::uint64_t{std::random_device{}()};
+  return comm.all_gather(mine)[0];
+}
 
 }  // namespace wm_test

@@ -16,6 +16,7 @@
 
 #include "catch.hpp"
 #include "skip.hpp"
+#include "stream_guard.hpp"
 
 // ---- wm::zero_codec: a bitmask plus the nonzero elements -----------------------------------
 
@@ -30,17 +31,7 @@ static_assert(wm::zero_codec<std::uint32_t>::encoded_bytes(0, 0) == 0);
 
 namespace {
 
-// A non-blocking stream, synchronized and destroyed at scope exit.
-struct stream_guard {
-  cudaStream_t s{};
-  stream_guard() { WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  stream_guard(stream_guard const&)            = delete;
-  stream_guard& operator=(stream_guard const&) = delete;
-  ~stream_guard() {
-    (void)cudaStreamSynchronize(s);
-    (void)cudaStreamDestroy(s);
-  }
-};
+using wm_test::stream_guard;
 
 // Memory of @p bytes (at least 1) from @p Alloc, given back by @p Free at scope exit.
 template <cudaError_t (*Alloc)(void**, std::size_t), cudaError_t (*Free)(void*)>

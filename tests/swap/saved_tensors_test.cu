@@ -23,22 +23,13 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "stream_guard.hpp"
 
 namespace {
 
 constexpr std::size_t mib = std::size_t{1} << 20;
 
-// A non-blocking stream, synchronized and destroyed at scope exit.
-struct stream_guard {
-  cudaStream_t s{};
-  stream_guard() { WM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  stream_guard(stream_guard const&)            = delete;
-  stream_guard& operator=(stream_guard const&) = delete;
-  ~stream_guard() {
-    (void)cudaStreamSynchronize(s);
-    (void)cudaStreamDestroy(s);
-  }
-};
+using wm_test::stream_guard;
 
 constexpr unsigned char poison = 0xA5;
 

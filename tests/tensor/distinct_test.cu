@@ -21,34 +21,18 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "device_array.cuh"
+#include "gather_common.cuh"
 #include "ranks.hpp"
 
 namespace {
 
-constexpr std::byte poison{0xA5};
+using wm_test::device_array;
+using wm_test::device_bytes;
+using wm_test::shared_seed;
 
-// Device buffer of bytes, poisoned on creation.
-struct device_bytes {
-  std::byte* ptr{};
-  std::size_t n{};
-  explicit device_bytes(std::size_t bytes) : n{bytes} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
-    WM_CUDA_TRY(cudaMemset(ptr, static_cast<int>(poison), std::max<std::size_t>(bytes, 1)));
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
-  }
-  ~device_bytes() { (void)cudaFree(ptr); }
-  device_bytes(device_bytes const&)            = delete;
-  device_bytes& operator=(device_bytes const&) = delete;
-  void upload(void const* h, std::size_t bytes) {
-    WM_CUDA_TRY(cudaMemcpy(ptr, h, bytes, cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
-  }
-  [[nodiscard]] std::vector<std::byte> to_host() const {
-    std::vector<std::byte> h(n);
-    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n, cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+// The byte device_bytes are poisoned with, and host rows that must stay untouched.
+constexpr std::byte poison = wm_test::poison_byte;
 
 template <class T>
 std::vector<T> copy_to_host(T const* d, std::size_t n) {
@@ -57,11 +41,7 @@ std::vector<T> copy_to_host(T const* d, std::size_t n) {
   return h;
 }
 
-std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n) {
-  std::vector<std::byte> v(n);
-  for (auto& b : v) { b = static_cast<std::byte>(rng()); }
-  return v;
-}
+using gather_tests::random_bytes;
 
 /// Skewed keys: rank r of a discrete power law (exponent 1.05, ranks 0..rows-1, inverse CDF)
 /// scattered to row (r * 7919 + 13) mod rows, so hot rows lie anywhere in the table.
@@ -152,8 +132,7 @@ void check_plan(std::vector<Index> const& idx, wm::detail::distinct_batch<Key, P
       rows[m.positions[i] * row_bytes + j] = row_byte(static_cast<std::int64_t>(m.keys[i]), j);
     }
   }
-  device_bytes out{(n + 1) * row_bytes};
-  out.upload(rows.data(), rows.size());
+  device_bytes out{rows};
   wm::detail::replicate_runs(b, out.ptr, row_bytes, s);
   REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
   REQUIRE(cudaGetLastError() == cudaSuccess);
@@ -184,15 +163,13 @@ void check_plan_and_replicate(std::vector<Index> const& idx, int bits, std::size
                               std::string const& what, std::size_t rows = 0) {
   INFO(what << ": n=" << idx.size() << " bits=" << bits << " row bytes=" << row_bytes);
   std::size_t const n = idx.size();
-  device_bytes d_idx{n * sizeof(Index)};
-  d_idx.upload(idx.data(), n * sizeof(Index));
+  device_array<Index> d_idx{idx};
   cudaStream_t s{};
   REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
   {
     INFO("plan_distinct");
     wm::detail::workspace ws;
-    auto const b =
-        wm::detail::plan_distinct(reinterpret_cast<Index const*>(d_idx.ptr), n, bits, ws, s);
+    auto const b = wm::detail::plan_distinct(d_idx.ptr, n, bits, ws, s);
     check_plan(idx, b, distinct_model<Index>{idx, bits}, row_bytes, s);
   }
   if (rows != 0) {
@@ -204,8 +181,7 @@ void check_plan_and_replicate(std::vector<Index> const& idx, int bits, std::size
       narrowed[i] = static_cast<std::uint32_t>(valid ? static_cast<std::size_t>(idx[i]) : rows);
     }
     wm::detail::workspace ws;
-    auto const b =
-        wm::detail::plan_distinct_narrow(reinterpret_cast<Index const*>(d_idx.ptr), n, rows, ws, s);
+    auto const b = wm::detail::plan_distinct_narrow(d_idx.ptr, n, rows, ws, s);
     check_plan(idx, b, distinct_model<std::uint32_t>{narrowed, 32}, row_bytes, s);
   }
   REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
@@ -268,15 +244,12 @@ void check_read_distinct(std::vector<Index> const& idx, std::size_t rows, std::s
   std::size_t const n = idx.size();
   INFO(what << ": n=" << n << " rows=" << rows << " row bytes=" << row_bytes);
   auto const table = random_bytes(rng, rows * row_bytes);
-  device_bytes d_table{rows * row_bytes};
-  d_table.upload(table.data(), table.size());
-  device_bytes d_idx{n * sizeof(Index)};
-  d_idx.upload(idx.data(), n * sizeof(Index));
+  device_bytes d_table{table};
+  device_array<Index> d_idx{idx};
   std::vector<std::size_t> order(n);  // a permutation of the output rows
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::shuffle(order.begin(), order.end(), rng);
-  device_bytes d_order{n * sizeof(std::size_t)};
-  d_order.upload(order.data(), n * sizeof(std::size_t));
+  device_array<std::size_t> d_order{order};
   bool any_invalid = false;
   for (Index k : idx) { any_invalid = any_invalid || k < 0 || static_cast<std::size_t>(k) >= rows; }
   cudaStream_t s{};
@@ -287,7 +260,7 @@ void check_read_distinct(std::vector<Index> const& idx, std::size_t rows, std::s
     INFO(plan << (ordered ? ", ordered" : ", in batch order"));
     device_bytes out{(n + 1) * row_bytes};  // one poisoned row past the end
     REQUIRE(cudaMemset(err.ptr, 0, sizeof(unsigned)) == cudaSuccess);
-    auto const* ord = ordered ? reinterpret_cast<std::size_t const*>(d_order.ptr) : nullptr;
+    auto const* ord = ordered ? d_order.ptr : nullptr;
     wm::detail::read_distinct(source, b, ord, wm::detail::packed_rows{out.ptr, row_bytes},
                               row_bytes, row_bytes, reinterpret_cast<unsigned*>(err.ptr), s, false);
     REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
@@ -315,14 +288,12 @@ void check_read_distinct(std::vector<Index> const& idx, std::size_t rows, std::s
   for (bool ordered : {false, true}) {
     {
       wm::detail::workspace ws;
-      auto const b = wm::detail::plan_distinct(reinterpret_cast<Index const*>(d_idx.ptr), n,
-                                               wm::detail::row_bits(rows), ws, s);
+      auto const b = wm::detail::plan_distinct(d_idx.ptr, n, wm::detail::row_bits(rows), ws, s);
       check(b, ordered, "64-bit plan on the low row bits");
     }
     {
       wm::detail::workspace ws;
-      auto const b = wm::detail::plan_distinct_narrow(reinterpret_cast<Index const*>(d_idx.ptr), n,
-                                                      rows, ws, s);
+      auto const b = wm::detail::plan_distinct_narrow(d_idx.ptr, n, rows, ws, s);
       check(b, ordered, "32-bit plan");
     }
   }
@@ -388,21 +359,6 @@ TEMPLATE_TEST_CASE("read_distinct: runs of 16 and 17 keys, long runs at the list
 
 // ---- host-table gathers through wm::tensor ----------------------------------------------------
 
-// A seed drawn on rank 0, the same on every rank.
-std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
-
-// Global row of local row l on rank r.
-template <class M>
-std::size_t global_row(wm::block_partition const& p, int world, int r, std::size_t l) {
-  if constexpr (std::is_same_v<M, wm::block>) {
-    return p.begin(r) + l;
-  } else {
-    return l * static_cast<std::size_t>(world) + static_cast<std::size_t>(r);
-  }
-}
-
 /// A host tensor of @p rows x @p cols floats (row stride @p stride) holding @p table (dense rows).
 template <class Y, class M>
 struct host_table {
@@ -410,17 +366,7 @@ struct host_table {
   host_table(wm::communicator& comm, std::vector<std::byte> const& table, std::size_t rows,
              std::size_t cols, std::size_t stride)
       : t{comm, rows, cols, stride} {
-    std::size_t const rb = cols * sizeof(float);
-    auto const lv        = t.local_view();
-    if (lv.rows > 0) {  // this rank's rows: a range (block) or every world-th (cyclic)
-      auto const first = global_row<M>(t.storage().partition(), comm.size(), comm.rank(), 0);
-      std::size_t const src_pitch =
-          std::is_same_v<M, wm::block> ? rb : static_cast<std::size_t>(comm.size()) * rb;
-      WM_CUDA_TRY(cudaMemcpy2D(lv.data, lv.stride * sizeof(float), table.data() + first * rb,
-                               src_pitch, rb, lv.rows, cudaMemcpyDefault));
-    }
-    WM_CUDA_TRY(cudaDeviceSynchronize());
-    comm.barrier();
+    gather_tests::fill_local_rows<M>(comm, t, table, cols * sizeof(float));
   }
 };
 
@@ -433,13 +379,11 @@ void check_host_gather(host_table<Y, M>& h, std::vector<std::byte> const& table,
   INFO(what << ": " << batch.size() << " keys, index " << sizeof(Index) << " B, row " << rb
             << " B, " << h.t.rows() << " rows");
   std::size_t const n = batch.size();
-  device_bytes keys{n * sizeof(Index)};
-  keys.upload(batch.data(), n * sizeof(Index));
+  device_array<Index> keys{batch};
   device_bytes out{(n + 1) * rb};  // one poisoned row past the end
   bool threw = false;
   try {
-    h.t.gather(std::span<Index const>{reinterpret_cast<Index const*>(keys.ptr), n},
-               reinterpret_cast<float*>(out.ptr), cuda::stream_ref{s});
+    h.t.gather(keys.span(), reinterpret_cast<float*>(out.ptr), cuda::stream_ref{s});
   } catch (wm::logic_error const&) { threw = true; }
   CHECK(threw == expect_error);
   auto const got    = out.to_host();

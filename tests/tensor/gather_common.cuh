@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Shared by the translation units of tensor_test: device buffers, random tables, the kinds the
-// cases run on, and the per-kind bodies of the cases. Those bodies (exercise, misaligned_values,
-// zero_rows, ...) are defined in gather_kinds.cuh and instantiated once each, in the
-// kind_<location>_<layout>_test.cu file of their kind (both mappings); the cases (gather_test.cu,
-// gather_path_test.cu, unwind_test.cu, ranked_test.cu) see these declarations only and link
-// against them, so a kind's kernels compile in one translation unit and the kinds in several at
-// once. A case that calls a body for a kind
-// no kind_*_test.cu instantiates fails at link (undefined reference).
+// Shared by the translation units of tensor_test (and, for random tables and fill_local_rows, by
+// tensor_distinct_test): random tables, the kinds the cases run on, and the per-kind bodies of the
+// cases. Those bodies (exercise, misaligned_values, zero_rows, ...) are defined in gather_kinds.cuh
+// and instantiated once each, in the kind_<location>_<layout>_test.cu file of their kind (both
+// mappings); the cases (gather_test.cu, gather_path_test.cu, unwind_test.cu, ranked_test.cu) see
+// these declarations only and link against them, so a kind's kernels compile in one translation
+// unit and the kinds in several at once. A case that calls a body for a kind no kind_*_test.cu
+// instantiates fails at link (undefined reference).
 #pragma once
 
 #include <wm/comm.hpp>
@@ -27,42 +27,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "device_array.cuh"
 #include "rank_check.hpp"
 
 namespace gather_tests {
 
-// Device buffer of bytes, poisoned on creation.
-struct device_bytes {
-  std::byte* ptr{};
-  std::size_t n{};
-  explicit device_bytes(std::size_t bytes) : n{bytes} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
-    WM_CUDA_TRY(cudaMemset(ptr, 0xA5, std::max<std::size_t>(bytes, 1)));
-    // cudaMemset of device memory returns before it is done, on the legacy stream, which
-    // cudaStreamNonBlocking streams do not wait for: a gather on one could be poisoned after it
-    // wrote (seen on an H200 with another process on the GPU).
-    WM_CUDA_TRY(cudaDeviceSynchronize());
-  }
-  ~device_bytes() { (void)cudaFree(ptr); }
-  device_bytes(device_bytes const&) = delete;
-  std::vector<std::byte> to_host() const {
-    std::vector<std::byte> h(n);
-    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n, cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
-
-template <class Index>
-struct device_indices {
-  device_bytes buf;
-  std::size_t count;
-  explicit device_indices(std::vector<Index> const& h)
-      : buf{h.size() * sizeof(Index)}, count{h.size()} {
-    WM_CUDA_TRY(cudaMemcpy(buf.ptr, h.data(), h.size() * sizeof(Index), cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
-  }
-  std::span<Index const> span() const { return {reinterpret_cast<Index const*>(buf.ptr), count}; }
-};
+using wm_test::device_array;
+using wm_test::device_bytes;  // poisoned with wm_test::poison_byte (0xA5) on creation
 
 inline std::vector<std::byte> random_bytes(std::mt19937_64& rng, std::size_t n) {
   std::vector<std::byte> v(n);
@@ -115,7 +86,7 @@ void gather_checks(Tensor& t, std::vector<std::byte> const& table, std::size_t r
   std::mt19937_64 rng{seed};
   std::vector<std::int64_t> batch(5000);
   for (auto& k : batch) { k = static_cast<std::int64_t>(rng() % t.rows()); }
-  device_indices<std::int64_t> di{batch};
+  device_array<std::int64_t> di{batch};
   device_bytes out{batch.size() * rb};
   t.gather(di.span(), reinterpret_cast<typename Tensor::value_type*>(out.ptr),
            cuda::stream_ref{cudaStream_t{}});

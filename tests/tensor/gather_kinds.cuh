@@ -45,18 +45,9 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     mine_rows[l] = static_cast<Index>(k);
   }
   {
-    std::vector<std::byte> const& h = mine;
-    std::byte* d                    = nullptr;
-    Index* di                       = nullptr;
-    WM_CUDA_TRY(cudaMalloc(&d, std::max<std::size_t>(h.size(), 1)));
-    WM_CUDA_TRY(cudaMalloc(&di, std::max<std::size_t>(mine_rows.size(), 1) * sizeof(Index)));
-    WM_CUDA_TRY(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(
-        cudaMemcpy(di, mine_rows.data(), mine_rows.size() * sizeof(Index), cudaMemcpyHostToDevice));
-    t.scatter(std::span<Index const>{di, mine_rows.size()}, reinterpret_cast<T const*>(d),
-              cuda::stream_ref{cudaStream_t{}});
-    WM_CUDA_TRY(cudaFree(d));
-    WM_CUDA_TRY(cudaFree(di));
+    device_bytes const d{mine};
+    device_array<Index> const di{mine_rows};
+    t.scatter(di.span(), reinterpret_cast<T const*>(d.ptr), cuda::stream_ref{cudaStream_t{}});
   }
   comm.barrier();
   cudaStream_t stream{};
@@ -75,7 +66,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     return b;
   };
   auto check_gather = [&](std::vector<Index> const& batch, std::string const& step) {
-    device_indices<Index> di{batch};
+    device_array<Index> di{batch};
     device_bytes out{batch.size() * rb};
     t.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
     auto const got  = out.to_host();
@@ -161,12 +152,10 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     values[r]  = random_bytes(shared, targets[r].size() * rb);
   }
   {
-    device_indices<Index> di{targets[me]};
-    device_bytes vals{values[me].size()};
-    WM_CUDA_TRY(cudaMemcpy(vals.ptr, values[me].data(), values[me].size(), cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
+    device_array<Index> di{targets[me]};
+    device_bytes vals{values[me]};
     t.scatter(di.span(), reinterpret_cast<T const*>(vals.ptr), s);
-    device_indices<Index> none{std::vector<Index>{}};
+    device_array<Index> none{std::vector<Index>{}};
     t.scatter(none.span(), reinterpret_cast<T const*>(vals.ptr), s);  // empty scatter
   }
   for (int r = 0; r < world; ++r) {
@@ -194,7 +183,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     copy.load(files);
     std::vector<Index> every(rows);
     for (std::size_t k = 0; k < rows; ++k) { every[k] = static_cast<Index>(k); }
-    device_indices<Index> di{every};
+    device_array<Index> di{every};
     device_bytes out{rows * rb};
     copy.gather(di.span(), reinterpret_cast<T*>(out.ptr), s);
     auto const got = out.to_host();
@@ -221,7 +210,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     std::vector<Index> bad = batch_of(shared, 50, -1);
     bad[7]                 = static_cast<Index>(rows);
     bad[20]                = static_cast<Index>(-3);
-    device_indices<Index> di{bad};
+    device_array<Index> di{bad};
     device_bytes out{bad.size() * rb};
     bool threw = false;
     try {
@@ -245,7 +234,7 @@ void exercise(wm::communicator& comm, std::uint64_t seed, std::size_t rows, std:
     RANK_REQUIRE_MSG(threw, what << ": check_errors missed an out-of-range index");
     t.check_errors(s);  // cleared
     std::vector<Index> const bad_scatter{static_cast<Index>(rows + 5)};
-    device_indices<Index> ds{bad_scatter};
+    device_array<Index> ds{bad_scatter};
     device_bytes vals{rb};
     threw = false;
     try {
@@ -294,7 +283,7 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
   WM_CUDA_TRY(cudaStreamCreate(&stream));
   cuda::stream_ref const s{stream};
   {
-    device_indices<std::int64_t> di{mine};
+    device_array<std::int64_t> di{mine};
     device_bytes vals{values.size() + shift};
     WM_CUDA_TRY(cudaMemcpy(vals.ptr + shift, values.data(), values.size(), cudaMemcpyHostToDevice));
     WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
@@ -303,7 +292,7 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
   comm.barrier();
   std::vector<std::int64_t> all(rows);
   for (std::size_t k = 0; k < rows; ++k) { all[k] = static_cast<std::int64_t>(k); }
-  device_indices<std::int64_t> di{all};
+  device_array<std::int64_t> di{all};
   device_bytes out{rows * rb + shift};  // poisoned
   t.gather(di.span(), reinterpret_cast<T*>(out.ptr + shift), s);
   auto const got    = out.to_host();
@@ -314,7 +303,7 @@ void misaligned_values(wm::communicator& comm, std::uint64_t seed, std::size_t r
   RANK_REQUIRE_MSG(wrong == 0, what << ": " << wrong << " of " << rows
                                     << " rows differ after scatter and gather");
   for (std::size_t b = 0; b < shift; ++b) {
-    RANK_REQUIRE_MSG(got[b] == std::byte{0xA5}, what << ": wrote before out");
+    RANK_REQUIRE_MSG(got[b] == wm_test::poison_byte, what << ": wrote before out");
   }
   WM_CUDA_TRY(cudaStreamDestroy(stream));
   comm.barrier();
@@ -352,7 +341,7 @@ void back_to_back(wm::communicator& comm, std::uint64_t seed) {
     WM_CUDA_TRY(cudaDeviceSynchronize());
     comm.barrier();
     std::vector<std::vector<Index>> batches;
-    std::vector<std::unique_ptr<device_indices<Index>>> keys;
+    std::vector<std::unique_ptr<device_array<Index>>> keys;
     std::vector<std::unique_ptr<device_bytes>> outs;
     cudaStream_t streams[3]{};
     for (int i = 0; i < 3; ++i) {
@@ -362,7 +351,7 @@ void back_to_back(wm::communicator& comm, std::uint64_t seed) {
         k = static_cast<Index>(rng() % (rows / 2));
       }  // duplicates: half the rows
       batches.push_back(b);
-      keys.push_back(std::make_unique<device_indices<Index>>(b));
+      keys.push_back(std::make_unique<device_array<Index>>(b));
       outs.push_back(std::make_unique<device_bytes>(b.size() * rb));
     }
     WM_CUDA_TRY(cudaDeviceSynchronize());  // the inputs are in place before the gathers
@@ -398,8 +387,8 @@ void zero_rows(wm::communicator& comm) {
   std::vector<std::int64_t> batch(70'000);
   for (std::size_t j = 0; j < batch.size(); ++j) { batch[j] = static_cast<std::int64_t>(j % 5); }
   std::vector<std::int32_t> const batch32(batch.begin(), batch.end());
-  device_indices<std::int64_t> di{batch};
-  device_indices<std::int32_t> di32{batch32};
+  device_array<std::int64_t> di{batch};
+  device_array<std::int32_t> di32{batch32};
   device_bytes out{batch.size() * 4 * sizeof(float)};  // poisoned
   cuda::stream_ref const s = cudaStream_t{};
   bool threw               = false;
@@ -448,10 +437,8 @@ void scatter_then_store(wm::communicator& comm, std::uint64_t seed,
     std::memcpy(values.data() + j * rb, new_rows.data() + static_cast<std::size_t>(idx[j]) * rb,
                 rb);
   }
-  device_indices<std::int64_t> di{idx};
-  device_bytes dv{values.size()};
-  WM_CUDA_TRY(cudaMemcpy(dv.ptr, values.data(), values.size(), cudaMemcpyHostToDevice));
-  WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
+  device_array<std::int64_t> di{idx};
+  device_bytes dv{values};
   cudaStream_t stream{};
   WM_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   t.scatter_async(di.span(), reinterpret_cast<float const*>(dv.ptr), cuda::stream_ref{stream});
@@ -494,7 +481,7 @@ void move_during_async(wm::communicator& comm, std::uint64_t seed) {
   fill_local_rows<M>(comm, b, table_b, rb);
   std::vector<std::int64_t> batch(400'000);
   for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
-  device_indices<std::int64_t> di{batch};
+  device_array<std::int64_t> di{batch};
   device_bytes out_a{batch.size() * rb};
   device_bytes out_b{batch.size() * rb};
   cudaStream_t streams[2]{};
@@ -567,9 +554,8 @@ void column_views(wm::communicator& comm, std::uint64_t seed) {
   for (std::size_t j = 0; j < n; ++j) {
     std::memcpy(values.data() + j * 16, b_new.data() + static_cast<std::size_t>(idx[j]) * 16, 16);
   }
-  device_indices<std::int64_t> di{idx};
-  device_bytes dv{values.size()};
-  WM_CUDA_TRY(cudaMemcpy(dv.ptr, values.data(), values.size(), cudaMemcpyHostToDevice));
+  device_array<std::int64_t> di{idx};
+  device_bytes dv{values};
   b.scatter(di.span(), reinterpret_cast<float const*>(dv.ptr), cuda::stream_ref{cudaStream_t{}});
   comm.barrier();
   gather_checks(*base, base_rows, 32, seed + 4, what + ": the tensor after the view's scatter");

@@ -15,13 +15,11 @@
 
 #include "gather_common.cuh"
 #include "rank_check.hpp"
+#include "ranks.hpp"
 
 namespace gather_tests {
 
-// A seed drawn on rank 0, the same on every rank.
-inline std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
+using wm_test::shared_seed;
 
 // Sets WM_DISPATCH_ROWS in this rank's process for a scope; unsets it at the end, also when a
 // check throws.
@@ -55,7 +53,7 @@ inline wm::row_path path_of_fresh_tensor(wm::communicator& comm) {
   RANK_REQUIRE(t.gather_path() == wm::row_path::undecided);
   std::vector<std::int32_t> all(rows);
   std::iota(all.begin(), all.end(), 0);
-  device_indices<std::int32_t> const di{all};
+  device_array<std::int32_t> const di{all};
   device_bytes const out{rows * t.cols() * sizeof(float)};
   t.gather(di.span(), reinterpret_cast<float*>(out.ptr), cuda::stream_ref{cudaStream_t{}});
   return t.gather_path();

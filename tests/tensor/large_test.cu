@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "device_array.cuh"
 #include "rank_check.hpp"
 
 namespace {
@@ -41,24 +42,7 @@ struct fill_rows {
   __device__ void operator()(std::uint64_t i) const { v(i, 0) = row_hash(i); }
 };
 
-template <class T>
-struct device_buffer {
-  T* ptr{};
-  std::size_t n{};
-  explicit device_buffer(std::size_t count) : n{count} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T)));
-  }
-  explicit device_buffer(std::vector<T> const& h) : device_buffer{h.size()} {
-    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice)); }
-  }
-  ~device_buffer() { (void)cudaFree(ptr); }
-  device_buffer(device_buffer const&) = delete;
-  [[nodiscard]] std::vector<T> to_host() const {
-    std::vector<T> h(n);
-    if (n > 0) { WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost)); }
-    return h;
-  }
-};
+using wm_test::device_array;
 
 /// Fills a tensor's rows with their hash (all rows are this rank's: one rank).
 template <class Tensor>
@@ -85,8 +69,8 @@ std::vector<std::int64_t> keys_for(std::size_t rows, std::size_t random, std::mt
 template <class Tensor, class Index, class Want>
 void check_gather(Tensor& t, std::vector<Index> const& keys, Want&& want, cudaStream_t s,
                   std::string const& what) {
-  device_buffer<Index> dk{keys};
-  device_buffer<std::uint8_t> out{keys.size()};
+  device_array<Index> dk{keys};
+  device_array<std::uint8_t> out{keys.size()};
   for (int poison : {0x00, 0xff}) {
     WM_CUDA_TRY(cudaMemset(out.ptr, poison, keys.size()));
     t.gather(std::span<Index const>{dk.ptr, keys.size()}, out.ptr, cuda::stream_ref{s});
@@ -148,8 +132,8 @@ TEST_CASE("a device table of 2^32 + 4,097 byte rows: gather, scatter above 2^32,
         written[static_cast<std::uint64_t>(keys[i])] = values[i];
       }
       {
-        device_buffer<std::int64_t> dk{keys};
-        device_buffer<std::uint8_t> dv{values};
+        device_array<std::int64_t> dk{keys};
+        device_array<std::uint8_t> dv{values};
         t.scatter(std::span<std::int64_t const>{dk.ptr, keys.size()}, dv.ptr, cuda::stream_ref{s});
       }
       RANK_REQUIRE(want(two32 + 5) == 4 && want(two32 + 7) == 6 && want(rows - 1) == 5);
@@ -161,8 +145,8 @@ TEST_CASE("a device table of 2^32 + 4,097 byte rows: gather, scatter above 2^32,
         written[static_cast<std::uint64_t>(many[i])] = many_values[i];
       }
       {
-        device_buffer<std::int64_t> dk{many};
-        device_buffer<std::uint8_t> dv{many_values};
+        device_array<std::int64_t> dk{many};
+        device_array<std::uint8_t> dv{many_values};
         t.scatter(std::span<std::int64_t const>{dk.ptr, many.size()}, dv.ptr, cuda::stream_ref{s});
       }
       std::vector<std::int64_t> top;
@@ -265,11 +249,8 @@ TEST_CASE("an embedding of 2^32 - 1 rows x 1: a row near the top hit 301 times; 
         static_cast<std::int64_t>(rows - 3), static_cast<std::int64_t>(two32 - (1u << 20)),
         static_cast<std::int64_t>(two31),    0};
     auto read = [&] {
-      device_buffer<std::int64_t> dk{watched};
-      device_buffer<float> out{watched.size()};
-      std::vector<float> poison(watched.size(), -1000.0f);
-      WM_CUDA_TRY(cudaMemcpy(out.ptr, poison.data(), poison.size() * sizeof(float),
-                             cudaMemcpyHostToDevice));
+      device_array<std::int64_t> dk{watched};
+      device_array<float> out{std::vector<float>(watched.size(), -1000.0f)};  // poisoned
       e.gather(std::span<std::int64_t const>{dk.ptr, watched.size()}, out.ptr, cuda::stream_ref{s});
       return out.to_host();
     };
@@ -311,8 +292,8 @@ TEST_CASE("an embedding of 2^32 - 1 rows x 1: a row near the top hit 301 times; 
     }
     float const lr = 0.001f;
     {
-      device_buffer<std::int64_t> dk{k2};
-      device_buffer<float> dg{g2};
+      device_array<std::int64_t> dk{k2};
+      device_array<float> dg{g2};
       e.apply_gradients(std::span<std::int64_t const>{dk.ptr, k2.size()}, dg.ptr, lr,
                         cuda::stream_ref{s});
     }

@@ -24,25 +24,7 @@ using namespace gather_tests;
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-
-// Runs @p call, which must throw E on this rank within 5 s; returns the message.
-template <class E, class F>
-std::string throws_soon(F&& call, std::string const& what) {
-  auto const start = clock_type::now();
-  std::string msg;
-  bool threw = false;
-  try {
-    call();
-  } catch (E const& e) {
-    threw = true;
-    msg   = e.what();
-  }
-  auto const took = std::chrono::duration<double>(clock_type::now() - start).count();
-  RANK_REQUIRE_MSG(threw, what << ": no error");
-  RANK_REQUIRE_MSG(took < 5.0, what << ": the error took " << took << " s");
-  return msg;
-}
+using wm_test::throws_soon;
 
 // Rank @p bad passes a null pointer with a nonzero count (indices, then rows) to a distributed
 // gather and scatter; every rank throws the same logic_error at once, and the next calls work.
@@ -55,7 +37,7 @@ void null_pointer_everywhere(wm::communicator& comm, int bad, std::uint64_t seed
   fill_local_rows<M>(comm, t, table, rb);
   std::vector<std::int64_t> batch(1000);
   for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
-  device_indices<std::int64_t> di{batch};
+  device_array<std::int64_t> di{batch};
   device_bytes out{batch.size() * rb};
   auto* const out_rows = reinterpret_cast<float*>(out.ptr);
   bool const me_bad    = comm.rank() == bad;
@@ -103,8 +85,8 @@ void different_calls_everywhere(wm::communicator& comm, std::uint64_t seed) {
   std::vector<std::int64_t> batch(700);
   for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
   std::vector<std::int32_t> const batch32(batch.begin(), batch.end());
-  device_indices<std::int64_t> di{batch};
-  device_indices<std::int32_t> di32{batch32};
+  device_array<std::int64_t> di{batch};
+  device_array<std::int32_t> di32{batch32};
   device_bytes out{batch.size() * 12 * sizeof(float)};
   auto* const rows_out     = reinterpret_cast<float*>(out.ptr);
   cuda::stream_ref const s = cudaStream_t{};
@@ -199,7 +181,7 @@ void different_tensors_everywhere(wm::communicator& comm, std::uint64_t seed) {
   fill_local_rows<wm::block>(comm, u, u_rows, rb);
   std::vector<std::int64_t> batch(700);
   for (auto& k : batch) { k = static_cast<std::int64_t>(shared() % rows); }
-  device_indices<std::int64_t> di{batch};
+  device_array<std::int64_t> di{batch};
   device_bytes out{batch.size() * rb};
   auto* const rows_out     = reinterpret_cast<float*>(out.ptr);
   cuda::stream_ref const s = cudaStream_t{};
@@ -226,10 +208,7 @@ void different_tensors_everywhere(wm::communicator& comm, std::uint64_t seed) {
   comm.barrier();
 }
 
-// A seed drawn on rank 0, the same on every rank.
-std::uint64_t shared_seed(wm::communicator& comm) {
-  return comm.all_gather(static_cast<std::uint64_t>(std::random_device{}()))[0];
-}
+using wm_test::shared_seed;
 
 }  // namespace
 

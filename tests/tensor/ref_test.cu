@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "device_array.cuh"
 #include "hashed_mapping.hpp"
 #include "ranks.hpp"
 
@@ -58,34 +59,12 @@ __host__ __device__ inline float value(std::size_t k, std::size_t j, std::uint32
   return static_cast<float>((k * 2654435761u + j * 40503u + salt) % 16777213u);
 }
 
-template <class T>
-struct device_array {
-  T* ptr{};
-  std::size_t n{};
-  explicit device_array(std::size_t count) : n{count} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
-    WM_CUDA_TRY(cudaMemset(ptr, 0xff, std::max<std::size_t>(count, 1) * sizeof(T)));  // poison
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
-  }
-  explicit device_array(std::vector<T> const& h) : device_array(h.size()) {
-    WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
-  }
-  device_array(device_array const&) = delete;
-  ~device_array() { (void)cudaFree(ptr); }
-  [[nodiscard]] std::vector<T> to_host() const {
-    std::vector<T> h(n);
-    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using wm_test::device_array;
 
-// One seed for all ranks: rank 0's.
-std::uint64_t shared_seed(wm::communicator& comm) {
-  std::uint64_t const mine =
-      std::random_device{}() * 0x9e3779b97f4a7c15ull + std::random_device{}();
-  return comm.all_gather(mine)[0];
-}
+// Outputs are poisoned with this byte first (all ones: NaN in float).
+constexpr std::byte poison{0xff};
+
+using wm_test::shared_seed;
 
 // Kernels of the kind a user writes against refs.
 template <class Ref>
@@ -199,7 +178,7 @@ TEMPLATE_TEST_CASE(
     std::vector<std::int64_t> ids(batch);
     for (auto& k : ids) { k = static_cast<std::int64_t>(mine() % rows); }
     device_array<std::int64_t> const d_ids{ids};
-    device_array<float> gathered{batch * cols};
+    device_array<float> gathered{batch * cols, poison};
     t.gather(std::span<std::int64_t const>{d_ids.ptr, batch}, gathered.ptr, stream);
     auto const got    = gathered.to_host();
     std::size_t wrong = 0;
@@ -218,11 +197,11 @@ TEMPLATE_TEST_CASE(
     CHECK(r.stride() == pad);
     CHECK(r.rank() == me);
     CHECK(r.local_rows() == t.local_rows());
-    device_array<int> d_ranks{rows};
-    device_array<std::size_t> d_locals{rows};
+    device_array<int> d_ranks{rows, poison};
+    device_array<std::size_t> d_locals{rows, poison};
     locate_all<<<64, 256, 0, s>>>(r, d_ranks.ptr, d_locals.ptr);
     WM_CHECK_LAUNCH();
-    device_array<float> local{t.local_rows() * cols};
+    device_array<float> local{t.local_rows() * cols, poison};
     copy_local_rows<<<64, 256, 0, s>>>(std::as_const(t).ref(), local.ptr);
     WM_CHECK_LAUNCH();
     REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
@@ -252,7 +231,7 @@ TEMPLATE_TEST_CASE(
     // 4. Mapped layouts: any row through the ref is what gather returned; then every rank
     //    writes its share of all rows through the ref, and gather sees the writes.
     if constexpr (wm::mapped_layout<Y>) {
-      device_array<float> through_ref{batch * cols};
+      device_array<float> through_ref{batch * cols, poison};
       read_rows<<<64, 256, 0, s>>>(std::as_const(t).ref(), d_ids.ptr, batch, through_ref.ptr);
       WM_CHECK_LAUNCH();
       REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
@@ -263,7 +242,7 @@ TEMPLATE_TEST_CASE(
       WM_CHECK_LAUNCH();
       REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
       comm.barrier();
-      device_array<float> again{batch * cols};
+      device_array<float> again{batch * cols, poison};
       t.gather(std::span<std::int64_t const>{d_ids.ptr, batch}, again.ptr, stream);
       auto const after  = again.to_host();
       std::size_t stale = 0;
@@ -294,8 +273,8 @@ TEST_CASE("ranked: embedding::ref() reads the rows gather returns", "[ranked]") 
     std::vector<std::int64_t> ids(500);
     for (auto& k : ids) { k = static_cast<std::int64_t>(rng() % rows); }
     device_array<std::int64_t> const d_ids{ids};
-    device_array<float> gathered{ids.size() * dim};
-    device_array<float> through_ref{ids.size() * dim};
+    device_array<float> gathered{ids.size() * dim, poison};
+    device_array<float> through_ref{ids.size() * dim, poison};
     e.gather(std::span<std::int64_t const>{d_ids.ptr, ids.size()}, gathered.ptr,
              cuda::stream_ref{s});
     read_rows<<<64, 256, 0, s>>>(e.ref(), d_ids.ptr, ids.size(), through_ref.ptr);
@@ -330,7 +309,7 @@ TEMPLATE_TEST_CASE("ranked: an embedding over a user's mapping starts at embeddi
     std::vector<std::int64_t> ids(rows);
     for (std::size_t k = 0; k < rows; ++k) { ids[k] = static_cast<std::int64_t>(k); }
     device_array<std::int64_t> const d_ids{ids};
-    device_array<float> got{rows * dim};
+    device_array<float> got{rows * dim, poison};
     e.gather(std::span<std::int64_t const>{d_ids.ptr, rows}, got.ptr, cuda::stream_ref{s});
     REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
     auto const rows_got = got.to_host();

@@ -111,7 +111,7 @@ TEST_CASE("one rank: a bad index thrown past a running gather_async keeps its ro
     std::size_t const long_rb = long_cols * sizeof(float);
     std::vector<std::int64_t> order(long_rows);
     std::iota(order.rbegin(), order.rend(), std::int64_t{0});  // 15, 14, ..., 0
-    device_indices<std::int64_t> const long_keys{order};
+    device_array<std::int64_t> const long_keys{order};
     device_bytes const long_out{long_rows * long_rb};
     // The small tensor, its bad index and its output: made (and used once) before the long
     // gather starts, so that nothing below synchronizes the device while it runs.
@@ -119,8 +119,8 @@ TEST_CASE("one rank: a bad index thrown past a running gather_async keeps its ro
     std::mt19937_64 rng{std::random_device{}()};
     std::size_t const small_rows = 100, small_rb = 4 * sizeof(float);
     auto const small_table = random_bytes(rng, small_rows * small_rb);
-    device_indices<std::int64_t> const good{std::vector<std::int64_t>{0, 1, 99}};
-    device_indices<std::int64_t> const bad{std::vector<std::int64_t>{3, 100, 7}};
+    device_array<std::int64_t> const good{std::vector<std::int64_t>{0, 1, 99}};
+    device_array<std::int64_t> const bad{std::vector<std::int64_t>{3, 100, 7}};
     device_bytes const small_out{3 * small_rb};
     auto const s_long  = wm::detail::unique_stream::make();
     auto const s_small = wm::detail::unique_stream::make();

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "device_array.cuh"
 #include "ranks.hpp"
 #include "zero_common.cuh"
 
@@ -21,27 +22,10 @@ using namespace zero_cases;
 
 namespace {
 
-template <class T>
-struct device_buffer {
-  T* ptr{};
-  std::size_t n{};
-  explicit device_buffer(std::size_t count) : n{count} {
-    WM_CUDA_TRY(cudaMalloc(&ptr, std::max<std::size_t>(count, 1) * sizeof(T)));
-    WM_CUDA_TRY(cudaMemset(ptr, 0xff, std::max<std::size_t>(count, 1) * sizeof(T)));  // poison
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // legacy-stream work: non-blocking streams skip it
-  }
-  device_buffer(device_buffer const&) = delete;
-  ~device_buffer() { (void)cudaFree(ptr); }
-  void upload(std::vector<T> const& h) {
-    WM_CUDA_TRY(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    WM_CUDA_TRY(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
-  }
-  [[nodiscard]] std::vector<T> download() const {
-    std::vector<T> h(n);
-    WM_CUDA_TRY(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using wm_test::device_array;
+
+// Outputs are poisoned with this byte first (all ones: NaN in float and double).
+constexpr std::byte poison{0xff};
 
 template <class T>
 void check_collectives(wm::communicator& comm, std::uint64_t seed, std::size_t count) {
@@ -56,13 +40,13 @@ void check_collectives(wm::communicator& comm, std::uint64_t seed, std::size_t c
   {
     std::vector<T> h(total);
     for (std::size_t i = 0; i < total; ++i) { h[i] = from_double<T>(value(me, i)); }
-    device_buffer<T> a(total), sum(total), mx(total);
+    device_array<T> a(total, poison), sum(total, poison), mx(total, poison);
     a.upload(h);
     comm.all_reduce(a.ptr, sum.ptr, total, s);
     comm.all_reduce(static_cast<T const*>(a.ptr), mx.ptr, total, s, wm::reduce_op::max);
     comm.all_reduce(a.ptr, a.ptr, total, s);  // in place
     comm.synchronize(s);
-    auto const hs = sum.download(), hm = mx.download(), ha = a.download();
+    auto const hs = sum.to_host(), hm = mx.to_host(), ha = a.to_host();
     for (std::size_t i = 0; i < total; ++i) {
       double es = 0, em = -1e30;
       for (int r = 0; r < n; ++r) {
@@ -78,11 +62,11 @@ void check_collectives(wm::communicator& comm, std::uint64_t seed, std::size_t c
   {
     std::vector<T> h(total);
     for (std::size_t i = 0; i < total; ++i) { h[i] = from_double<T>(value(me, i)); }
-    device_buffer<T> a(total);
+    device_array<T> a(total, poison);
     a.upload(h);
     comm.reduce_scatter(a.ptr, a.ptr + static_cast<std::size_t>(me) * count, count, s);
     comm.synchronize(s);
-    auto const ha = a.download();
+    auto const ha = a.to_host();
     for (std::size_t i = 0; i < count; ++i) {
       std::size_t const at = static_cast<std::size_t>(me) * count + i;
       double e             = 0;
@@ -94,7 +78,7 @@ void check_collectives(wm::communicator& comm, std::uint64_t seed, std::size_t c
   {
     std::vector<T> h(total);
     for (std::size_t i = 0; i < total; ++i) { h[i] = from_double<T>(value(me, i)); }
-    device_buffer<T> a(total), b(count), c(count);
+    device_array<T> a(total, poison), b(count, poison), c(count, poison);
     a.upload(h);  // this rank's block is in place, the others' blocks are overwritten
     comm.all_gather(a.ptr + static_cast<std::size_t>(me) * count, a.ptr, count, s);
     std::vector<T> hb(count);
@@ -102,7 +86,7 @@ void check_collectives(wm::communicator& comm, std::uint64_t seed, std::size_t c
     b.upload(hb);
     comm.broadcast(b.ptr, c.ptr, count, n - 1, s);
     comm.synchronize(s);
-    auto const ha = a.download(), hc = c.download();
+    auto const ha = a.to_host(), hc = c.to_host();
     for (int r = 0; r < n; ++r) {
       for (std::size_t i = 0; i < count; ++i) {
         std::size_t const at = static_cast<std::size_t>(r) * count + i;

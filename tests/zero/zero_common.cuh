@@ -19,6 +19,8 @@
 #include <random>
 #include <type_traits>
 
+#include "ranks.hpp"
+
 namespace zero_cases {
 
 using bf16 = __nv_bfloat16;
@@ -30,12 +32,7 @@ struct stream_holder {
   operator cuda::stream_ref() const { return cuda::stream_ref{s}; }
 };
 
-// One seed for every rank: rank 0's, fresh per run.
-inline std::uint64_t shared_seed(wm::communicator& comm) {
-  std::uint64_t const mine =
-      std::random_device{}() * 0x9E3779B97F4A7C15ull ^ std::random_device{}();
-  return comm.all_gather(mine)[0];
-}
+using wm_test::shared_seed;
 
 inline std::uint64_t mix(std::uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
