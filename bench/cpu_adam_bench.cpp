@@ -33,7 +33,8 @@
  *   --threads: one sweep per count (0: every CPU of the process); --pin: pool worker k on the
  *   k-th CPU (thread_pool's pinning; the calling thread, which starts the peer, stays unpinned).
  *   --peer runs bench/peers/torch_cpu_adam.py on the same size and thread count (torch's
- *   AdamW default, foreach and fused on CPU tensors) and prints the ratio to torch fused.
+ *   AdamW default, foreach and fused on CPU tensors, and DeepSpeedCPUAdam where deepspeed
+ *   imports) and prints the ratios to torch fused and to DeepSpeed.
  * Targets: ≥ 1.1 × torch fused, ≥ 0.80 of the copy bandwidth at 28 B/param.
  */
 #include <wm/detail/zero/cpu_adam.hpp>
@@ -522,6 +523,16 @@ void run_peer(std::size_t n, unsigned threads, int reps, sweep_result const& r) 
       "bf16 grads, no copy (%s) %.2f. wm fp32 / memory limit: %.2f (target >= 0.80)\n",
       r.best_fp32_name.c_str(), r.best_fp32 / fused, r.best_bf16_name.c_str(), r.best_bf16 / fused,
       r.best_bf16_in_name.c_str(), r.best_bf16_in / fused, r.best_fp32 / r.bound);
+  double const deepspeed = json_number(last, "deepspeed");
+  if (deepspeed > 0) {
+    std::printf(
+        "DeepSpeedCPUAdam (same size, %u threads, one step equal to torch AdamW within %.1e): "
+        "%.3f Gparams/s; wm / DeepSpeed (target >= 1.1): fp32 grads (%s) %.2f\n",
+        threads, json_number(last, "deepspeed_max_diff"), deepspeed / 1e9, r.best_fp32_name.c_str(),
+        r.best_fp32 / deepspeed);
+  } else {
+    std::printf("DeepSpeed peer: not run (the peer script's stderr says why)\n");
+  }
 }
 
 }  // namespace
