@@ -34,6 +34,28 @@ namespace wm {
 
 namespace detail::dynamic {
 
+/// The slot of each of @p n keys and whether it was found, in @p t's workspace.
+struct located_keys {
+  std::uint32_t* slots;
+  key_status* status;
+};
+
+/// Finds the slots of @p n keys (@p missing for a key the table does not hold); reserved keys
+/// set the table's error flag. Enqueued on @p s.
+template <class T, class Key>
+located_keys locate_keys(table<T>& t, Key const* keys, std::size_t n, std::uint32_t missing,
+                         cudaStream_t s) {
+  carver c;
+  std::size_t const o_slots  = c.add<std::uint32_t>(n);
+  std::size_t const o_status = c.add<key_status>(n);
+  std::byte* base            = t.ws.reserve(c.total(), s);
+  located_keys const at{c.take<std::uint32_t>(base, o_slots), c.take<key_status>(base, o_status)};
+  find_kernel<<<elementwise_blocks(n * 32), 256, 0, s>>>(t.view(), keys, n, missing, at.slots,
+                                                         at.status, t.err.data());
+  WM_CHECK_LAUNCH();
+  return at;
+}
+
 /// Buckets for @p capacity rows (checked by the constructor).
 [[nodiscard]] inline std::uint32_t bucket_count(communicator& comm, std::size_t capacity,
                                                 std::size_t dim) {
@@ -101,15 +123,7 @@ void WM_DYNAMIC::find(std::span<Key const> keys, T* out, bool* found, cuda::stre
   WM_EXPECTS(n == 0 || (keys.data() != nullptr && (out != nullptr || found != nullptr)),
              "dynamic_embedding::find: null keys, or neither out nor found");
   if (n == 0) { return; }
-  detail::carver c;
-  std::size_t const o_slots  = c.add<std::uint32_t>(n);
-  std::size_t const o_status = c.add<dy::key_status>(n);
-  std::byte* base            = t.ws.reserve(c.total(), s);
-  auto* slots                = c.take<std::uint32_t>(base, o_slots);
-  auto* status               = c.take<dy::key_status>(base, o_status);
-  dy::find_kernel<<<detail::elementwise_blocks(n * 32), 256, 0, s>>>(
-      t.view(), keys.data(), n, dy::no_slot, slots, status, t.err.data());
-  WM_CHECK_LAUNCH();
+  auto const [slots, status] = dy::locate_keys(t, keys.data(), n, dy::no_slot, s);
   dy::rows_out_kernel<<<detail::elementwise_blocks(n * t.dim), 256, 0, s>>>(
       t.rows(), keys.data(), slots, status, n, out, found, init_,
       options_.missing == missing_rows::zeros);
@@ -324,16 +338,8 @@ void WM_DYNAMIC::apply_gradients(std::span<Key const> keys, T const* grads, floa
   if (n > 0) {
     // Slots of the keys; keys the table does not hold go to the sink slot (the last row), whose
     // update nobody reads, so the other rows' sums keep the batch order.
-    detail::carver c;
-    std::size_t const o_slots  = c.add<std::uint32_t>(n);
-    std::size_t const o_status = c.add<dy::key_status>(n);
-    std::byte* base            = t.ws.reserve(c.total(), s);
-    auto* slots                = c.take<std::uint32_t>(base, o_slots);
-    auto* status               = c.take<dy::key_status>(base, o_status);
-    auto const sink            = static_cast<std::uint32_t>(t.slots);
-    dy::find_kernel<<<detail::elementwise_blocks(n * 32), 256, 0, s>>>(
-        t.view(), keys.data(), n, sink, slots, status, t.err.data());
-    WM_CHECK_LAUNCH();
+    auto const [slots, status] =
+        dy::locate_keys(t, keys.data(), n, static_cast<std::uint32_t>(t.slots), s);
     WM_EXPECTS((t.read_back(s).first & dy::reserved_key) == 0,
                "dynamic_embedding::apply_gradients: a key is reserved (dynamic_empty_key or "
                "dynamic_locked_key); nothing was updated");
